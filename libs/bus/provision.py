@@ -1,0 +1,229 @@
+"""Create streams, consumers and KV buckets from proto/, idempotently.
+
+A second run changes nothing. A definition that changed in the code is applied when
+JetStream can update it in place (limits, subjects, timeouts); a change it cannot apply
+(retention, storage, a consumer's filter on a work queue) is refused with a message that
+names the field and the way out, because deleting a stream would lose data.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import structlog
+from nats.js import JetStreamContext
+from nats.js import api as js_api
+from nats.js.errors import APIError, BucketNotFoundError, NotFoundError
+
+from libs.bus.connection import connect_bus
+from proto import streams
+from proto.streams import ConsumerSpec, KeyValueSpec, StreamSpec
+
+log = structlog.get_logger(__name__)
+
+Outcome = Literal["created", "unchanged", "updated"]
+
+# Fields proto/ defines, compared with what the server holds (others are server defaults).
+STREAM_MANAGED_FIELDS = (
+    "description",
+    "subjects",
+    "retention",
+    "storage",
+    "max_age",
+    "max_bytes",
+    "max_msg_size",
+    "duplicate_window",
+    "discard",
+    "allow_direct",
+)
+CONSUMER_MANAGED_FIELDS = (
+    "description",
+    "deliver_policy",
+    "ack_policy",
+    "ack_wait",
+    "max_deliver",
+    "max_ack_pending",
+    "filter_subject",
+)
+# Fields JetStream refuses to change on an existing stream or consumer.
+STREAM_FIXED_FIELDS = ("retention", "storage")
+CONSUMER_FIXED_FIELDS = ("deliver_policy", "ack_policy", "filter_subject")
+
+
+class ProvisionError(RuntimeError):
+    """The bus holds a definition that differs from proto/ in a way that cannot be updated."""
+
+
+@dataclass
+class ProvisionReport:
+    """What provisioning did to each stream, consumer and bucket."""
+
+    outcomes: dict[str, Outcome] = field(default_factory=dict)
+
+    def summary(self) -> str:
+        counts: dict[str, int] = {}
+        for outcome in self.outcomes.values():
+            counts[outcome] = counts.get(outcome, 0) + 1
+        return ", ".join(f"{n} {o}" for o, n in sorted(counts.items())) or "nothing to do"
+
+    @property
+    def changed(self) -> bool:
+        return any(o != "unchanged" for o in self.outcomes.values())
+
+
+def stream_config(spec: StreamSpec) -> js_api.StreamConfig:
+    """The nats-py config for a stream spec."""
+    return js_api.StreamConfig(
+        name=spec.name,
+        description=spec.description,
+        subjects=list(spec.subjects),
+        retention=js_api.RetentionPolicy(spec.retention),
+        storage=js_api.StorageType(spec.storage),
+        max_age=spec.max_age_s,
+        max_bytes=spec.max_bytes,
+        max_msg_size=spec.max_msg_bytes,
+        duplicate_window=spec.duplicate_window_s,
+        discard=js_api.DiscardPolicy(spec.discard),
+        allow_direct=spec.allow_direct,
+    )
+
+
+def consumer_config(spec: ConsumerSpec) -> js_api.ConsumerConfig:
+    """The nats-py config for a durable pull consumer.
+
+    The server's max_deliver is one above the spec's: our handler dead-letters on its last
+    allowed attempt, and the one extra delivery catches a message whose handler never
+    returned (a crashed process) so it is dead-lettered too instead of dropped silently.
+    """
+    return js_api.ConsumerConfig(
+        durable_name=spec.durable,
+        description=spec.description,
+        deliver_policy=js_api.DeliverPolicy.ALL,
+        ack_policy=js_api.AckPolicy.EXPLICIT,
+        ack_wait=spec.ack_wait_s,
+        max_deliver=spec.max_deliver + 1,
+        max_ack_pending=spec.max_ack_pending,
+        filter_subject=spec.filter_subject,
+    )
+
+
+def differences(
+    wanted: dict[str, Any], existing: dict[str, Any], fields: tuple[str, ...]
+) -> dict[str, tuple[Any, Any]]:
+    """Managed fields whose wanted value differs: name -> (existing, wanted)."""
+    return {
+        key: (existing.get(key), wanted.get(key))
+        for key in fields
+        if _normalize(existing.get(key)) != _normalize(wanted.get(key))
+    }
+
+
+def _normalize(value: Any) -> Any:
+    """Compare durations and enums as the server returns them."""
+    if hasattr(value, "value"):
+        return value.value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, list):
+        return sorted(value)
+    return value
+
+
+def _refuse_fixed(
+    kind: str, name: str, diff: dict[str, tuple[Any, Any]], fixed: tuple[str, ...]
+) -> None:
+    blocked = {k: v for k, v in diff.items() if k in fixed}
+    if blocked:
+        changes = "; ".join(
+            f"{k}: {old!r} on the server, {new!r} in proto/" for k, (old, new) in blocked.items()
+        )
+        raise ProvisionError(
+            f"{kind} {name} cannot be updated in place ({changes}). JetStream cannot change "
+            f"these fields; to apply them, drain the {kind}, delete it (data is lost), "
+            "and provision again"
+        )
+
+
+async def ensure_stream(js: JetStreamContext, spec: StreamSpec) -> Outcome:
+    wanted = stream_config(spec)
+    try:
+        info = await js.stream_info(spec.name)
+    except NotFoundError:
+        await js.add_stream(config=wanted)
+        return "created"
+    diff = differences(wanted.as_dict(), info.config.as_dict(), STREAM_MANAGED_FIELDS)
+    if not diff:
+        return "unchanged"
+    _refuse_fixed("stream", spec.name, diff, STREAM_FIXED_FIELDS)
+    log.info("updating stream", stream=spec.name, fields=sorted(diff))
+    try:
+        await js.update_stream(config=wanted)
+    except APIError as exc:
+        raise ProvisionError(f"stream {spec.name}: the server refused the update: {exc}") from exc
+    return "updated"
+
+
+async def ensure_consumer(js: JetStreamContext, spec: ConsumerSpec) -> Outcome:
+    wanted = consumer_config(spec)
+    try:
+        info = await js.consumer_info(spec.stream, spec.durable)
+    except NotFoundError:
+        await js.add_consumer(spec.stream, config=wanted)
+        return "created"
+    diff = differences(wanted.as_dict(), info.config.as_dict(), CONSUMER_MANAGED_FIELDS)
+    if not diff:
+        return "unchanged"
+    _refuse_fixed("consumer", f"{spec.stream}/{spec.durable}", diff, CONSUMER_FIXED_FIELDS)
+    log.info("updating consumer", consumer=spec.durable, fields=sorted(diff))
+    try:
+        await js.add_consumer(spec.stream, config=wanted)
+    except APIError as exc:
+        raise ProvisionError(
+            f"consumer {spec.stream}/{spec.durable}: the server refused the update: {exc}"
+        ) from exc
+    return "updated"
+
+
+async def ensure_key_value(js: JetStreamContext, spec: KeyValueSpec) -> Outcome:
+    try:
+        await js.key_value(spec.bucket)
+        return "unchanged"
+    except BucketNotFoundError:
+        await js.create_key_value(
+            config=js_api.KeyValueConfig(
+                bucket=spec.bucket,
+                description=spec.description,
+                history=spec.history,
+                storage=js_api.StorageType(spec.storage),
+            )
+        )
+        return "created"
+
+
+async def provision(
+    js: JetStreamContext,
+    stream_specs: tuple[StreamSpec, ...] = streams.ALL_STREAMS,
+    consumer_specs: tuple[ConsumerSpec, ...] = streams.ALL_CONSUMERS,
+    kv_specs: tuple[KeyValueSpec, ...] = streams.ALL_KV,
+) -> ProvisionReport:
+    """Bring the bus in line with the given definitions (all of proto/ by default)."""
+    report = ProvisionReport()
+    for stream in stream_specs:
+        report.outcomes[f"stream {stream.name}"] = await ensure_stream(js, stream)
+    for consumer in consumer_specs:
+        key = f"consumer {consumer.stream}/{consumer.durable}"
+        report.outcomes[key] = await ensure_consumer(js, consumer)
+    for bucket in kv_specs:
+        report.outcomes[f"kv {bucket.bucket}"] = await ensure_key_value(js, bucket)
+    log.info("bus provisioned", summary=report.summary())
+    return report
+
+
+async def provision_bus(url: str) -> ProvisionReport:
+    """Connect to `url`, provision everything in proto/, disconnect."""
+    bus = await connect_bus(url, name="rlpipe-provision")
+    try:
+        return await provision(bus.js)
+    finally:
+        await bus.close()

@@ -1,0 +1,95 @@
+"""A small HTTP server for `/healthz` and `/metrics`, on the service's own event loop.
+
+Two GET endpoints need no web framework; keeping it on asyncio's stream server means no
+extra thread and no second signal handler fighting the service's own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+import orjson
+import structlog
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, generate_latest
+
+log = structlog.get_logger(__name__)
+
+HEALTHY_STATUSES = frozenset({"ok", "idle"})
+MAX_REQUEST_BYTES = 8192
+_REASONS = {
+    200: "OK",
+    404: "Not Found",
+    405: "Method Not Allowed",
+    400: "Bad Request",
+    503: "Service Unavailable",
+}
+
+
+class HealthServer:
+    """Serves `health()` as JSON on /healthz (200 when ok or idle, else 503) and metrics."""
+
+    def __init__(
+        self,
+        health: Callable[[], dict[str, Any]],
+        host: str,
+        port: int,
+        registry: CollectorRegistry = REGISTRY,
+    ) -> None:
+        self._health = health
+        self._host = host
+        self._port = port
+        self._registry = registry
+        self._server: asyncio.Server | None = None
+
+    @property
+    def port(self) -> int:
+        """The bound port (useful when started on port 0)."""
+        assert self._server is not None, "start() first"
+        port: int = self._server.sockets[0].getsockname()[1]
+        return port
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._on_connection, self._host, self._port)
+        log.info("health server listening", host=self._host, port=self.port)
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+
+    async def _on_connection(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        try:
+            request_line = await asyncio.wait_for(reader.readline(), timeout=5)
+            await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout=5)
+            status, content_type, body = self._respond(request_line)
+        except (TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError):
+            status, content_type, body = 400, "text/plain", b"bad request\n"
+        head = (
+            f"HTTP/1.1 {status} {_REASONS.get(status, '')}\r\nContent-Type: {content_type}\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+        )
+        with contextlib.suppress(ConnectionError):
+            writer.write(head.encode() + body)
+            await writer.drain()
+            writer.close()
+
+    def _respond(self, request_line: bytes) -> tuple[int, str, bytes]:
+        parts = request_line.decode("latin-1").split()
+        if len(parts) != 3:
+            return 400, "text/plain", b"bad request\n"
+        method, target, _ = parts
+        path = target.split("?", 1)[0]
+        if method != "GET":
+            return 405, "text/plain", b"only GET\n"
+        if path == "/healthz":
+            report = self._health()
+            status = 200 if report.get("status") in HEALTHY_STATUSES else 503
+            return status, "application/json", orjson.dumps(report)
+        if path == "/metrics":
+            return 200, CONTENT_TYPE_LATEST, generate_latest(self._registry)
+        return 404, "text/plain", b"not found: try /healthz or /metrics\n"

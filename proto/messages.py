@@ -1,0 +1,235 @@
+"""Message schemas: typed msgspec Structs, encoded as msgpack on the wire.
+
+Every message type has a schema name and version (`SCHEMA`, `SCHEMA_VERSION`); the bus
+puts `<name>/<version>` in the `Rlpipe-Schema` header so a consumer can refuse what it
+does not understand before decoding. Adding an optional field keeps the version (decoders
+ignore unknown fields); removing or retyping a field bumps it.
+
+Times are Unix seconds (float). Token ids are ints of the policy's tokenizer.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Literal
+
+import msgspec
+
+
+class Message(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
+    """Base of every wire message."""
+
+    SCHEMA: ClassVar[str] = ""
+    SCHEMA_VERSION: ClassVar[int] = 1
+
+    @classmethod
+    def schema_id(cls) -> str:
+        """The value of the `Rlpipe-Schema` header for this type, e.g. `task/1`."""
+        return f"{cls.SCHEMA}/{cls.SCHEMA_VERSION}"
+
+
+class Task(Message, kw_only=True):
+    """A task to roll out: one prompt, to be sampled `group_size` times (a GRPO group)."""
+
+    SCHEMA: ClassVar[str] = "task"
+
+    task_id: str
+    env: str
+    prompt: str
+    group_size: int = 1
+    # Environment-specific inputs (e.g. the expected answer's parameters), opaque to the bus.
+    spec: dict[str, Any] = msgspec.field(default_factory=dict)
+    created_at: float = 0.0
+
+
+class Turn(msgspec.Struct, kw_only=True):
+    """One turn of an episode, with its tokens exactly as the engine produced or consumed them."""
+
+    role: Literal["system", "user", "assistant", "tool"]
+    token_ids: list[int]
+    # Logprob of each sampled token under the distribution it was sampled from; empty for
+    # turns the policy did not generate (prompt, tool results).
+    logprobs: list[float] = msgspec.field(default_factory=list)
+    # Policy version that generated this turn; None for turns the policy did not generate.
+    policy_version: int | None = None
+    # Routed expert ids per token and layer for MoE router replay; empty for dense models.
+    routed_experts: list[list[int]] = msgspec.field(default_factory=list)
+
+
+class Rollout(Message, kw_only=True):
+    """A finished episode of one sample of a task."""
+
+    SCHEMA: ClassVar[str] = "rollout"
+
+    rollout_id: str
+    task_id: str
+    group_id: str
+    sample_index: int
+    env: str
+    turns: list[Turn]
+    finish_reason: Literal["stop", "length", "max_turns", "env_error", "timeout"]
+    worker_id: str = ""
+    # The task as the worker received it, so reward needs no second lookup.
+    task: Task | None = None
+    created_at: float = 0.0
+
+
+class CriterionScore(msgspec.Struct, kw_only=True):
+    """One named criterion of a rubric, as scored."""
+
+    name: str
+    weight: float
+    score: float
+    reason: str = ""
+
+
+class ScoredRollout(Message, kw_only=True):
+    """A rollout with its reward and the per-criterion breakdown that produced it."""
+
+    SCHEMA: ClassVar[str] = "scored_rollout"
+
+    rollout: Rollout
+    reward: float
+    criteria: list[CriterionScore] = msgspec.field(default_factory=list)
+    # False when a criterion could not be scored (e.g. the judge kept failing); never a silent 0.
+    scored: bool = True
+    unscored_reason: str = ""
+    scored_at: float = 0.0
+
+
+class TensorEntry(msgspec.Struct, kw_only=True):
+    """One tensor of a weight version: what it is and how it travels."""
+
+    name: str
+    dtype: str
+    shape: list[int]
+    # "same" (unchanged, costs a flag), "delta" (against the base) or "full".
+    encoding: Literal["same", "delta", "full"]
+    # Hash of the tensor's bytes in the target version.
+    digest: str
+
+
+class ChunkRef(msgspec.Struct, kw_only=True):
+    """Where one chunk of a weight version is stored and how to check it."""
+
+    index: int
+    subject: str
+    payload_bytes: int
+    payload_digest: str
+
+
+class WeightManifest(msgspec.Struct, kw_only=True):
+    """Everything a receiver needs to rebuild a version from its base and the chunks."""
+
+    tensors: list[TensorEntry]
+    chunks: list[ChunkRef]
+    codec: str = "rlpipe-delta/1"
+
+
+class WeightAnnouncement(Message, kw_only=True):
+    """A new policy version is available: a delta on `base_version`, or a snapshot."""
+
+    SCHEMA: ClassVar[str] = "weight_announcement"
+
+    version: int
+    # None for a snapshot (no base needed).
+    base_version: int | None
+    kind: Literal["delta", "snapshot"]
+    manifest: WeightManifest
+    # Hash of the whole target version (names, dtypes, shapes, bytes in canonical order).
+    version_hash: str
+    model_bytes: int
+    encoded_bytes: int
+    created_at: float = 0.0
+
+
+class SamplingSettings(msgspec.Struct, kw_only=True):
+    """Sampling parameters a generation was produced with."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_tokens: int = 256
+
+
+class ServedGeneration(Message, kw_only=True):
+    """A generation served to a product user, recorded so feedback can train on it."""
+
+    SCHEMA: ClassVar[str] = "served_generation"
+
+    generation_id: str
+    policy_version: int
+    prompt_token_ids: list[int]
+    completion_token_ids: list[int]
+    logprobs: list[float]
+    sampling: SamplingSettings
+    metadata: dict[str, str] = msgspec.field(default_factory=dict)
+    training_eligible: bool = True
+    created_at: float = 0.0
+
+
+FeedbackSignal = Literal["accepted", "rejected", "edited", "ignored", "thumbs_up", "thumbs_down"]
+
+
+class FeedbackEvent(Message, kw_only=True):
+    """What a product user did with a served generation."""
+
+    SCHEMA: ClassVar[str] = "feedback_event"
+
+    event_id: str
+    generation_id: str
+    product: str
+    signal: FeedbackSignal
+    # Optional magnitude (e.g. edit distance ratio for "edited"); meaning per signal.
+    value: float | None = None
+    occurred_at: float
+    received_at: float = 0.0
+    # Hashed by the product: raw user or session ids never enter the system.
+    user_hash: str = ""
+    session_hash: str = ""
+    experiment_arm: str = ""
+
+
+class OnlineSample(Message, kw_only=True):
+    """A served generation joined with the feedback that rates it: one training sample.
+
+    The reward is not here: the trainer maps signals to rewards by its own configuration.
+    """
+
+    SCHEMA: ClassVar[str] = "online_sample"
+
+    sample_id: str
+    generation: ServedGeneration
+    feedback: FeedbackEvent
+    joined_at: float = 0.0
+
+
+class DeadLetter(Message, kw_only=True):
+    """A message that could not be handled, with why and where it came from.
+
+    The same reason and origin also travel in headers (`Rlpipe-Dead-Reason`,
+    `Rlpipe-Dead-Origin`) so operators can filter without decoding.
+    """
+
+    SCHEMA: ClassVar[str] = "dead_letter"
+
+    origin_subject: str
+    origin_stream: str
+    consumer: str
+    reason: Literal["undecodable", "invalid", "schema_mismatch", "max_deliver", "rejected"]
+    error: str
+    num_delivered: int
+    stream_sequence: int
+    payload: bytes
+    headers: dict[str, str] = msgspec.field(default_factory=dict)
+    failed_at: float = 0.0
+
+
+ALL_MESSAGES: tuple[type[Message], ...] = (
+    Task,
+    Rollout,
+    ScoredRollout,
+    WeightAnnouncement,
+    ServedGeneration,
+    FeedbackEvent,
+    OnlineSample,
+    DeadLetter,
+)

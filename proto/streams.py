@@ -1,0 +1,175 @@
+"""Stream, consumer and KV definitions: what the bus provisions, in one place.
+
+These are plain data; `libs.bus.provision` turns them into JetStream API calls.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+from proto import subjects
+
+DAY_S = 24 * 3600.0
+MIB = 1024 * 1024
+
+
+class StreamSpec(msgspec.Struct, kw_only=True, frozen=True):
+    """A JetStream stream."""
+
+    name: str
+    subjects: tuple[str, ...]
+    description: str
+    retention: Literal["limits", "workqueue", "interest"] = "limits"
+    storage: Literal["file", "memory"] = "file"
+    max_age_s: float = 7 * DAY_S
+    max_bytes: int = -1
+    max_msg_bytes: int = -1
+    # Window in which a repeated Nats-Msg-Id is dropped as a duplicate.
+    duplicate_window_s: float = 120.0
+    discard: Literal["old", "new"] = "old"
+    allow_direct: bool = False
+
+
+class ConsumerSpec(msgspec.Struct, kw_only=True, frozen=True):
+    """A durable pull consumer on a stream."""
+
+    stream: str
+    durable: str
+    description: str
+    filter_subject: str | None = None
+    # Time a delivered message may stay unacked before redelivery (handlers extend it
+    # with in-progress acks while they work).
+    ack_wait_s: float = 30.0
+    # Attempts a handler gets before the message is dead-lettered (see libs.bus.consume).
+    max_deliver: int = 5
+    max_ack_pending: int = 1000
+
+
+class KeyValueSpec(msgspec.Struct, kw_only=True, frozen=True):
+    """A KV bucket for live state."""
+
+    bucket: str
+    description: str
+    history: int = 1
+    storage: Literal["file", "memory"] = "file"
+
+
+TASKS = StreamSpec(
+    name="RL_TASKS",
+    subjects=(subjects.TASKS_ALL,),
+    description="Tasks to roll out; each is handed to one worker.",
+    retention="workqueue",
+)
+ROLLOUTS_RAW = StreamSpec(
+    name="RL_ROLLOUTS_RAW",
+    subjects=(subjects.ROLLOUTS_RAW_ALL,),
+    description="Finished episodes waiting for the reward service.",
+    retention="workqueue",
+)
+ROLLOUTS_SCORED = StreamSpec(
+    name="RL_ROLLOUTS_SCORED",
+    subjects=(subjects.ROLLOUTS_SCORED,),
+    description="Scored episodes for the trainer; kept so a resumed trainer can replay.",
+)
+WEIGHTS_ANNOUNCE = StreamSpec(
+    name="RL_WEIGHTS_ANNOUNCE",
+    subjects=(subjects.WEIGHTS_ANNOUNCE,),
+    description="Announcements of new policy versions (deltas and snapshots).",
+)
+WEIGHT_CHUNKS = StreamSpec(
+    name="RL_WEIGHT_CHUNKS",
+    subjects=(subjects.WEIGHT_CHUNKS_ALL,),
+    description="Encoded weight chunks, one subject per chunk, read by direct get.",
+    max_msg_bytes=8 * MIB,
+    allow_direct=True,
+)
+SERVING_GENERATIONS = StreamSpec(
+    name="RL_SERVING_GENERATIONS",
+    subjects=(subjects.SERVING_GENERATIONS,),
+    description="Generations served to product users, for joining with feedback.",
+)
+FEEDBACK_EVENTS = StreamSpec(
+    name="RL_FEEDBACK_EVENTS",
+    subjects=(subjects.FEEDBACK_EVENTS,),
+    description="Feedback events posted by the product.",
+    # A client retrying an event within a day must not create it twice.
+    duplicate_window_s=DAY_S,
+)
+ROLLOUTS_ONLINE = StreamSpec(
+    name="RL_ROLLOUTS_ONLINE",
+    subjects=(subjects.ROLLOUTS_ONLINE,),
+    description="Served generations joined with feedback: online training samples.",
+)
+DEAD_LETTERS = StreamSpec(
+    name="RL_DEAD_LETTERS",
+    subjects=(subjects.DEAD_ALL,),
+    description="Messages no handler could process, with the reason in headers.",
+    max_age_s=30 * DAY_S,
+)
+
+ALL_STREAMS: tuple[StreamSpec, ...] = (
+    TASKS,
+    ROLLOUTS_RAW,
+    ROLLOUTS_SCORED,
+    WEIGHTS_ANNOUNCE,
+    WEIGHT_CHUNKS,
+    SERVING_GENERATIONS,
+    FEEDBACK_EVENTS,
+    ROLLOUTS_ONLINE,
+    DEAD_LETTERS,
+)
+
+ROLLOUT_WORKER_TASKS = ConsumerSpec(
+    stream=TASKS.name,
+    durable="rollout-worker",
+    description="Shared by all rollout workers: each task goes to one of them.",
+    # A group of long episodes can take minutes; workers send in-progress acks.
+    ack_wait_s=120.0,
+    max_ack_pending=256,
+)
+REWARD_ROLLOUTS = ConsumerSpec(
+    stream=ROLLOUTS_RAW.name,
+    durable="reward",
+    description="Reward scores every raw rollout.",
+    ack_wait_s=120.0,
+)
+TRAINER_SCORED = ConsumerSpec(
+    stream=ROLLOUTS_SCORED.name,
+    durable="trainer",
+    description="The trainer's offline input.",
+    max_ack_pending=10_000,
+)
+TRAINER_ONLINE = ConsumerSpec(
+    stream=ROLLOUTS_ONLINE.name,
+    durable="trainer-online",
+    description="The trainer's online input.",
+    max_ack_pending=10_000,
+)
+JOINER_GENERATIONS = ConsumerSpec(
+    stream=SERVING_GENERATIONS.name,
+    durable="feedback-joiner-generations",
+    description="Served generations, joined with feedback.",
+)
+JOINER_FEEDBACK = ConsumerSpec(
+    stream=FEEDBACK_EVENTS.name,
+    durable="feedback-joiner-events",
+    description="Feedback events, joined with served generations.",
+)
+
+ALL_CONSUMERS: tuple[ConsumerSpec, ...] = (
+    ROLLOUT_WORKER_TASKS,
+    REWARD_ROLLOUTS,
+    TRAINER_SCORED,
+    TRAINER_ONLINE,
+    JOINER_GENERATIONS,
+    JOINER_FEEDBACK,
+)
+
+STATE = KeyValueSpec(
+    bucket="rl_state",
+    description="Live state: current policy version, heartbeats, run config.",
+)
+
+ALL_KV: tuple[KeyValueSpec, ...] = (STATE,)

@@ -1,0 +1,115 @@
+"""`rlpipe`: the one command users run.
+
+rlpipe demo [--duration-s N] [--max-trainer-steps N] [--run-dir DIR]
+                                  NATS + every service on this machine, supervised
+rlpipe run SERVICE                one service, configured by RLPIPE_* variables
+rlpipe provision [--nats-url URL] create or update streams, consumers, KV buckets
+rlpipe schema [--check]           write (or check) the JSON Schema in proto/schema/
+rlpipe weights diff|apply|verify|snapshot ...
+                                  lossless weight deltas of safetensors files
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib
+import os
+import sys
+from collections.abc import Sequence
+
+SERVICES = (
+    "trainer",
+    "rollout-worker",
+    "env-gateway",
+    "reward",
+    "weight-broadcaster",
+    "feedback-ingester",
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from libs.launcher.run import add_demo_arguments
+    from libs.weights.cli import add_weights_parser
+
+    parser = argparse.ArgumentParser(
+        prog="rlpipe",
+        description="Pipelined RL of LLM agents over NATS JetStream.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__,
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    demo = commands.add_parser("demo", help="run NATS and every service locally, supervised")
+    add_demo_arguments(demo)
+    run = commands.add_parser("run", help="run one service against RLPIPE_NATS_URL")
+    run.add_argument("service", choices=SERVICES)
+    provision = commands.add_parser("provision", help="create or update the bus definitions")
+    provision.add_argument(
+        "--nats-url", default=os.environ.get("RLPIPE_NATS_URL", "nats://127.0.0.1:4222")
+    )
+    schema = commands.add_parser("schema", help="write the wire contract's JSON Schema")
+    schema.add_argument("--check", action="store_true", help="exit 1 if proto/schema is stale")
+    add_weights_parser(commands)
+    return parser
+
+
+def on_demo(args: argparse.Namespace) -> int:
+    import structlog
+
+    from libs.launcher.run import options_from_args, run_local
+
+    # Library log lines (provisioning) go to stderr: stdout carries only the summary line.
+    structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
+    return run_local(options_from_args(args))
+
+
+def on_run(args: argparse.Namespace) -> int:
+    module = importlib.import_module(f"services.{args.service.replace('-', '_')}.__main__")
+    module.main()
+    return 0
+
+
+def on_provision(args: argparse.Namespace) -> int:
+    from libs.bus.connection import BusConnectError
+    from libs.bus.provision import ProvisionError, provision_bus
+    from libs.logs import configure_logging
+
+    configure_logging("provision")
+    try:
+        report = asyncio.run(provision_bus(args.nats_url))
+    except (BusConnectError, ProvisionError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    for name, outcome in report.outcomes.items():
+        print(f"{outcome:>9}  {name}")
+    return 0
+
+
+def on_schema(args: argparse.Namespace) -> int:
+    from proto.schema import main as schema_main
+
+    return schema_main(["--check"] if args.check else [])
+
+
+def on_weights(args: argparse.Namespace) -> int:
+    from libs.weights.cli import run
+
+    return run(args)
+
+
+HANDLERS = {
+    "demo": on_demo,
+    "run": on_run,
+    "provision": on_provision,
+    "schema": on_schema,
+    "weights": on_weights,
+}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return HANDLERS[args.command](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""The env-gateway service: serves environments (reset/step/close) over request/reply."""

@@ -1,0 +1,3 @@
+"""The feedback-ingester service:
+takes product feedback over HTTP and joins it with served generations.
+"""

@@ -1,0 +1,1 @@
+"""The reward service: scores raw rollouts into scored rollouts."""

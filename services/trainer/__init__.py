@@ -1,0 +1,1 @@
+"""The trainer service: GRPO/PPO training on scored rollouts."""

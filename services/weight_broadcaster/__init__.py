@@ -1,0 +1,1 @@
+"""The weight-broadcaster service: encodes, stores and announces weight versions."""

@@ -1,0 +1,55 @@
+"""Shared fixtures: a real nats-server per test session, and a clean bus per test."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from libs.bus.connection import Bus, connect_bus
+from libs.nats_server import NatsServer
+
+
+@pytest.fixture(scope="session")
+def nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsServer]:
+    """A nats-server with JetStream on a free port and its own store folder."""
+    server = NatsServer(store_dir=tmp_path_factory.mktemp("nats"))
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+async def bus(nats_server: NatsServer) -> AsyncIterator[Bus]:
+    """A connection to a bus with no streams left over from earlier tests."""
+    if nats_server.process is None or nats_server.process.poll() is not None:
+        nats_server.start()  # a test that stopped the server and failed before restarting it
+    connection = await connect_bus(nats_server.url, name="pytest")
+    for info in await connection.js.streams_info():
+        await connection.js.delete_stream(info.config.name)
+    yield connection
+    if not connection.nc.is_closed:
+        await connection.nc.close()
+
+
+async def wait_for(
+    condition: Callable[[], bool | Awaitable[bool]], timeout_s: float = 10.0, what: str = ""
+) -> None:
+    """Poll `condition` until true; fail the test with `what` after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        result = condition()
+        if not isinstance(result, bool):
+            result = await result
+        if result:
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what or condition}")
+
+
+@pytest.fixture
+def repo_root() -> Path:
+    return Path(__file__).resolve().parent.parent
