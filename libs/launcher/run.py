@@ -1,0 +1,341 @@
+"""`rlpipe demo`: a NATS server, the bus, and every service on this machine, supervised.
+
+    python -m services.cli demo                     # until Ctrl-C
+    python -m services.cli demo --duration-s 60     # a bounded run for scripts
+
+Everything lives in the run folder (`runs/<UTC timestamp>/` unless `--run-dir`):
+`nats/` (JetStream store), `logs/<service>.log`, `pids.json` (every pid started, for
+leak checks) and `summary.json`. The summary is also the last line on stdout.
+
+Exit codes: 0 after a bounded stop with every service seen healthy, or after Ctrl-C /
+SIGTERM; 2 when NATS did not start; 3 when a service never became healthy; 4 when
+provisioning the bus failed; 130 when a second Ctrl-C forced everything down.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import sys
+import time
+from collections.abc import Awaitable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from libs.launcher.health import HealthMonitor
+from libs.launcher.status_view import LauncherLog, StatusView
+from libs.launcher.summary import build_summary
+from libs.launcher.supervisor import Backoff, ChildSpec, Supervisor
+from libs.nats_server import NatsServer, free_port
+
+ALL_SERVICES = (
+    "trainer", "rollout-worker", "env-gateway", "reward", "weight-broadcaster", "feedback-ingester",
+)
+EXIT_OK, EXIT_NATS_FAILED, EXIT_UNHEALTHY, EXIT_PROVISION_FAILED = 0, 2, 3, 4
+EXIT_FORCED = 130
+TICK_S = 0.25
+
+
+@dataclass
+class LaunchOptions:
+    """One local run. `services`, `extra_env` and `commands` use the dashed service names."""
+
+    run_dir: Path | None = None
+    duration_s: float | None = None
+    max_trainer_steps: int | None = None
+    services: Sequence[str] = ALL_SERVICES
+    extra_env: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
+    # Command per service instead of `python -m services.<pkg>` (a profiler, a stand-in).
+    commands: Mapping[str, Sequence[str]] = field(default_factory=dict)
+    provision: bool = True
+    healthy_timeout_s: float = 180.0
+    # A service that crashed this many times without ever answering healthy ends the run.
+    max_restarts_unhealthy: int = 5
+    stop_grace_s: float = 15.0
+    backoff: Backoff = field(default_factory=Backoff)
+
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.services) - set(ALL_SERVICES))
+        if unknown:
+            raise ValueError(f"services: unknown {unknown}; choose from {', '.join(ALL_SERVICES)}")
+        if self.duration_s is not None and self.duration_s <= 0:
+            raise ValueError(
+                f"duration_s must be > 0 (got {self.duration_s}); omit it to run until Ctrl-C"
+            )
+        if self.max_trainer_steps is not None and self.max_trainer_steps < 1:
+            raise ValueError(f"max_trainer_steps must be >= 1 (got {self.max_trainer_steps})")
+
+
+def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
+    """The `demo` flags: bounds for scripted runs and where the run folder goes."""
+    parser.add_argument("--duration-s", type=float, default=None,
+                        help="stop this many seconds after the services start "
+                        "(default: run until Ctrl-C)")
+    parser.add_argument("--max-trainer-steps", type=int, default=None,
+                        help="stop once the trainer reports this step")
+    parser.add_argument("--run-dir", type=Path, default=None,
+                        help="run folder (default: runs/<UTC timestamp>/)")
+    parser.add_argument("--services", default=",".join(ALL_SERVICES),
+                        help="comma-separated services to start (default: all six)")
+
+
+def options_from_args(args: argparse.Namespace) -> LaunchOptions:
+    services = tuple(name.strip() for name in args.services.split(",") if name.strip())
+    return LaunchOptions(run_dir=args.run_dir, duration_s=args.duration_s,
+                         max_trainer_steps=args.max_trainer_steps, services=services)
+
+
+def run_local(options: LaunchOptions) -> int:
+    """Run everything until Ctrl-C/SIGTERM or a bound; print the summary; return the exit code."""
+    return asyncio.run(LocalRun(options, LauncherLog()).run())
+
+
+def default_run_dir() -> Path:
+    return Path("runs") / datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
+
+
+def service_spec(
+    name: str, options: LaunchOptions, nats_url: str, run_dir: Path
+) -> tuple[ChildSpec, str]:
+    """How to start one service, and the URL of its health check."""
+    pkg = name.replace("-", "_")
+    prefix, port = f"RLPIPE_{pkg.upper()}", free_port()
+    env = {
+        "RLPIPE_NATS_URL": nats_url,
+        "RLPIPE_RUN_DIR": str(run_dir),
+        "RLPIPE_LOG_FORMAT": "json",
+        f"{prefix}_HTTP_HOST": "127.0.0.1",
+        f"{prefix}_HTTP_PORT": str(port),
+        "PYTHONUNBUFFERED": "1",
+        **options.extra_env.get(name, {}),
+    }
+    argv = list(options.commands.get(name) or [sys.executable, "-m", f"services.{pkg}"])
+    return ChildSpec(name, argv, env), f"http://127.0.0.1:{port}/healthz"
+
+
+class LocalRun:
+    """One launcher run: NATS, provisioning, services, watch, stop, summary."""
+
+    def __init__(self, options: LaunchOptions, log: LauncherLog) -> None:
+        self.options, self.log = options, log
+        self.run_dir = (options.run_dir or default_run_dir()).resolve()
+        self.nats: NatsServer | None = None
+        self.supervisor: Supervisor | None = None
+        self.monitor: HealthMonitor | None = None
+        self.stop_reason: str | None = None
+        self.error: str | None = None
+        self.forced = False
+        self._stop = asyncio.Event()
+        self._started_at = time.monotonic()
+
+    async def run(self) -> int:
+        (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        self._install_signal_handlers()
+        try:
+            if await self._start_nats() and await self._provision():
+                await self._run_services()
+        finally:
+            await self._stop_everything()
+            self._remove_signal_handlers()
+        return self._finish()
+
+    # --- stages -------------------------------------------------------------------------
+
+    async def _start_nats(self) -> bool:
+        log_path = self.run_dir / "logs" / "nats-server.log"
+        try:
+            self.nats = NatsServer(
+                store_dir=self.run_dir / "nats", log_path=log_path, start_new_session=True
+            )
+            await asyncio.to_thread(self.nats.start)
+        except (OSError, RuntimeError, TimeoutError) as exc:
+            return self._fail("nats_failed", f"NATS did not start: {exc} (log: {log_path})")
+        self._write_pids()
+        self.log.info("nats started", url=self.nats.url, pid=self.nats.pid, run=str(self.run_dir))
+        return not self._stop.is_set()
+
+    async def _provision(self) -> bool:
+        if self._stop.is_set() or not self.options.provision:
+            return not self._stop.is_set()
+        from libs.bus.provision import provision_bus  # imports nats-py: only when needed
+
+        assert self.nats is not None
+        try:
+            report = await asyncio.wait_for(provision_bus(self.nats.url), timeout=60)
+        except Exception as exc:  # any failure ends the run, with its reason in the summary
+            reason = f"{type(exc).__name__}: {exc}"
+            return self._fail("provision_failed", f"provisioning the bus failed: {reason}")
+        self.log.info("bus provisioned", summary=report.summary())
+        return not self._stop.is_set()
+
+    def _setup_services(self, nats_url: str) -> tuple[Supervisor, HealthMonitor]:
+        pairs = [service_spec(name, self.options, nats_url, self.run_dir)
+                 for name in self.options.services]
+        self.supervisor = Supervisor([spec for spec, _ in pairs], self.run_dir / "logs",
+                                     self.options.backoff, on_spawn=lambda _: self._write_pids(),
+                                     on_event=self.log.info)
+        self.monitor = HealthMonitor({spec.name: url for spec, url in pairs})
+        return self.supervisor, self.monitor
+
+    async def _run_services(self) -> None:
+        """Start the services, show them until a stop is asked for, then stop them."""
+        assert self.nats is not None
+        supervisor, monitor = self._setup_services(self.nats.url)
+        try:
+            await supervisor.start()
+        except OSError as exc:
+            self._fail("unhealthy", f"cannot start a service: {exc}")
+            return
+        health_task = asyncio.create_task(monitor.run(self._live_pids))
+        with StatusView(self.log, supervisor, monitor, self.nats.url, self.run_dir) as view:
+            try:
+                await self._watch(view)
+            finally:
+                await self._with_view(view, supervisor.stop(self.options.stop_grace_s))
+                health_task.cancel()
+
+    async def _watch(self, view: StatusView) -> None:
+        """Until a signal, a bound, or a service that will not become healthy."""
+        started_at = time.monotonic()
+        while not self._stop.is_set():
+            view.refresh()
+            self._check_bounds(time.monotonic() - started_at)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), timeout=TICK_S)
+        self.log.info("stopping", reason=self.stop_reason)
+
+    async def _with_view(self, view: StatusView, work: Awaitable[None]) -> None:
+        """Await `work` while the view keeps showing progress (a stop takes seconds)."""
+        task = asyncio.ensure_future(work)
+        while not task.done():
+            view.refresh()
+            await asyncio.wait({task}, timeout=TICK_S)
+        task.result()
+
+    async def _stop_everything(self) -> None:
+        if self.supervisor:
+            await self.supervisor.stop(self.options.stop_grace_s)
+        if self.nats:
+            await asyncio.to_thread(self.nats.stop)
+
+    # --- bounds and health ---------------------------------------------------------------
+
+    def _check_bounds(self, elapsed_s: float) -> None:
+        options = self.options
+        if options.duration_s is not None and elapsed_s >= options.duration_s:
+            self._request_stop("duration")
+        step, max_steps = self._trainer_step(), options.max_trainer_steps
+        if max_steps is not None and step is not None and step >= max_steps:
+            self._request_stop("max_trainer_steps")
+        stuck = self._stuck_service(elapsed_s)
+        if stuck:
+            self._fail("unhealthy", stuck)
+
+    def _stuck_service(self, elapsed_s: float) -> str | None:
+        """Why a service will not become healthy, or None: too long, or too many crashes."""
+        assert self.supervisor is not None
+        timed_out = elapsed_s >= self.options.healthy_timeout_s
+        for name in self._never_healthy():
+            child = self.supervisor.children[name]
+            if timed_out or child.restarts >= self.options.max_restarts_unhealthy:
+                return (
+                    f"{name} never became healthy ({child.restarts} restarts in "
+                    f"{elapsed_s:.0f} s, last: {child.detail or child.state}); its last output: "
+                    f"{child.last_output()!r}; see {child.log_path}"
+                )
+        return None
+
+    def _never_healthy(self) -> list[str]:
+        if self.monitor is None:
+            return list(self.options.services)
+        return [name for name, record in self.monitor.records.items() if not record.ever_healthy]
+
+    def _trainer_step(self) -> int | None:
+        record = self.monitor.records.get("trainer") if self.monitor else None
+        step = record.body.get("step") if record else None
+        return step if isinstance(step, int) else None
+
+    def _live_pids(self) -> dict[str, int | None]:
+        assert self.supervisor is not None
+        return {name: c.pid if c.alive else None for name, c in self.supervisor.children.items()}
+
+    # --- stopping ------------------------------------------------------------------------
+
+    def _request_stop(self, reason: str) -> None:
+        if self.stop_reason is None:
+            self.stop_reason = reason
+        self._stop.set()
+
+    def _fail(self, reason: str, error: str) -> bool:
+        if self.error is None:
+            self.error = error
+            self.log.error(error)
+        self._request_stop(reason)
+        return False
+
+    def _on_signal(self, sig: signal.Signals) -> None:
+        if not self._stop.is_set():
+            self.log.info(f"{sig.name}: stopping cleanly (Ctrl-C again to kill everything)")
+            self._request_stop("signal")
+            return
+        self.log.error(f"{sig.name} again: killing everything")
+        self.forced = True
+        if self.supervisor:
+            self.supervisor.kill_all()
+        if self.nats and self.nats.process:
+            self.nats.process.kill()
+
+    def _install_signal_handlers(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self._on_signal, sig)
+
+    def _remove_signal_handlers(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+
+    # --- results -------------------------------------------------------------------------
+
+    def _exit_code(self) -> int:
+        if self.forced:
+            return EXIT_FORCED
+        codes = {"nats_failed": EXIT_NATS_FAILED, "provision_failed": EXIT_PROVISION_FAILED,
+                 "unhealthy": EXIT_UNHEALTHY}
+        if self.stop_reason in codes:
+            return codes[self.stop_reason]
+        if self.stop_reason != "signal" and self._never_healthy():
+            self.error = f"never healthy during the run: {', '.join(self._never_healthy())}"
+            return EXIT_UNHEALTHY
+        return EXIT_OK
+
+    def _finish(self) -> int:
+        exit_code = self._exit_code()
+        summary = build_summary(
+            self.run_dir, list(self.options.services), self.supervisor, self.monitor,
+            exit_code=exit_code, stop_reason=self.stop_reason,
+            duration_s=round(time.monotonic() - self._started_at, 1),
+            nats_url=self.nats.url if self.nats else None,
+        )
+        if self.error:
+            summary["error"] = self.error
+        line = json.dumps(summary)
+        (self.run_dir / "summary.json").write_text(line + "\n")
+        print(line, flush=True)
+        return exit_code
+
+    def _write_pids(self) -> None:
+        pids: dict[str, Any] = {
+            "launcher": os.getpid(),
+            "nats": [self.nats.pid] if self.nats and self.nats.pid else [],
+            "services": self.supervisor.all_pids() if self.supervisor else {},
+        }
+        path = self.run_dir / "pids.json"
+        path.with_suffix(".tmp").write_text(json.dumps(pids))
+        path.with_suffix(".tmp").replace(path)
