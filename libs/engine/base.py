@@ -1,0 +1,101 @@
+"""The inference-engine interface every backend implements, and its value types.
+
+An engine turns token-id prompts into sampled completions and records, for each sampled
+token, its logprob under the distribution it was actually drawn from: that is the behavior
+policy the trainer corrects against. It also takes new weights in place and says which
+policy version produced each completion.
+
+Methods are synchronous and blocking; the asyncio services run them in a worker thread.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+FinishReason = Literal["stop", "length"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one batch of completions.
+
+    `temperature` 0 means greedy decoding (argmax); its sampling distribution is then a
+    point mass, so recorded sampling logprobs are 0.0 (raw logprobs stay informative).
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    """Nucleus: sample only from the smallest set of top tokens whose mass reaches top_p."""
+    max_tokens: int = 64
+    """Most tokens generated per completion, stop token included."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Ids that end a completion (the tokenizer's eos always does); kept in the output."""
+    stop_strings: tuple[str, ...] = ()
+    """Texts that end a completion once its decoded text contains one; tokens are kept
+    through the one that completed the string (the trainer trains on token ids)."""
+    seed: int | None = None
+    """Seed of the sampling RNG for this call; None draws fresh randomness."""
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 is greedy), got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if any(not text for text in self.stop_strings):
+            raise ValueError("stop_strings must not contain an empty string")
+
+    @property
+    def is_greedy(self) -> bool:
+        """True when decoding takes the argmax instead of sampling."""
+        return self.temperature == 0
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One sampled continuation of one prompt."""
+
+    prompt_index: int
+    """Index of the prompt in the `generate` call."""
+    sample_index: int
+    """Index within the prompt's group of `num_samples` (the GRPO group)."""
+    token_ids: list[int]
+    """Generated ids, the stop token included when one ended the completion."""
+    logprobs: list[float]
+    """Per token: logprob under the sampling distribution (after temperature and top-p)."""
+    raw_logprobs: list[float]
+    """Per token: logprob under the model's plain softmax (temperature 1, no top-p);
+    compare with the trainer's recomputed logprobs to measure train/inference mismatch."""
+    finish_reason: FinishReason
+    policy_version: int
+    """Version of the weights that produced every token of this completion."""
+
+
+class InferenceEngine(abc.ABC):
+    """A backend that samples completions and hot-swaps its weights."""
+
+    @property
+    @abc.abstractmethod
+    def policy_version(self) -> int:
+        """Version of the weights currently loaded."""
+
+    @abc.abstractmethod
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams, num_samples: int = 1
+    ) -> list[Completion]:
+        """`num_samples` completions per prompt, ordered by (prompt_index, sample_index)."""
+
+    @abc.abstractmethod
+    def update_weights(self, state: Mapping[str, torch.Tensor], version: int) -> float:
+        """Copy `state` into the live parameters in place, set `version`; return the pause in s.
+
+        `state` maps parameter names to tensors and may hold a subset of them (a delta that
+        leaves some tensors unchanged). A call never interleaves with a `generate` call, so
+        every completion comes from exactly one version.
+        """

@@ -1,0 +1,195 @@
+"""The policy: a causal LM built from a named preset or loaded from a local folder.
+
+The trainer and the `hf` inference engine both get their model here, so both see the same
+architecture, dtype rules and logprob arithmetic:
+
+    config = PolicyConfig(preset="tiny")          # ~0.8M params, fp32 on a laptop CPU
+    model = build_policy(config)                   # seeded random init, eval mode
+    logprobs = sequence_logprobs(model, ids, mask) # [B, T-1], the trainer's view
+    save_policy(model, "run/ckpt")                 # config.json + model.safetensors
+    model = build_policy(PolicyConfig(path="run/ckpt"))
+
+Nothing is downloaded: a folder is read with `local_files_only=True`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+
+from libs.tokenizer import ByteTokenizer
+
+BYTE_VOCAB_SIZE = ByteTokenizer().vocab_size
+
+# Named architectures, as `AutoConfig.for_model` arguments. `vocab_size` is the preset's
+# default and is overridden by `PolicyConfig.vocab_size` to match another tokenizer.
+POLICY_PRESETS: dict[str, dict[str, Any]] = {
+    # The embedded default: 821K params (Llama-style, GQA, tied embeddings) over the byte
+    # vocabulary; about 1 ms per decoded token per sequence on one CPU core.
+    "tiny": {
+        "model_type": "llama",
+        "vocab_size": BYTE_VOCAB_SIZE,
+        "hidden_size": 128,
+        "intermediate_size": 384,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 2048,
+        "tie_word_embeddings": True,
+    },
+    # The shape of Qwen2.5-0.5B (494M params with its 151,936-token vocabulary), for a GPU
+    # run from random init; pair with that tokenizer or set vocab_size to your own.
+    "qwen2-0.5b": {
+        "model_type": "qwen2",
+        "vocab_size": 151936,
+        "hidden_size": 896,
+        "intermediate_size": 4864,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 14,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 32768,
+        "rope_theta": 1_000_000.0,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": True,
+    },
+}
+
+DTypeName = Literal["auto", "float32", "bfloat16", "float16"]
+
+
+class PolicyConfig(BaseModel):
+    """Which model to build, where, and in what precision."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    preset: str = "tiny"
+    """Name in POLICY_PRESETS; ignored when `path` is set."""
+    path: str | None = None
+    """Local folder with config.json and safetensors weights; overrides `preset`."""
+    vocab_size: int | None = None
+    """Override of the preset's vocabulary size (must cover the tokenizer's ids)."""
+    dtype: DTypeName = "auto"
+    """Parameter dtype; "auto" is float32 on CPU and bfloat16 on GPU."""
+    device: str = "auto"
+    """torch device ("cpu", "cuda", "cuda:1"); "auto" picks cuda when available."""
+    seed: int = 0
+    """Seed of the random init (the same seed gives bit-identical weights on any device)."""
+
+
+def resolve_device(name: str) -> torch.device:
+    """The torch device named in config; "auto" is cuda when available, else cpu."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: DTypeName, device: torch.device) -> torch.dtype:
+    """The parameter dtype named in config; "auto" is bf16 on GPU, fp32 elsewhere."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def build_policy(config: PolicyConfig) -> PreTrainedModel:
+    """The model named by `config`, on its device and dtype, in eval mode.
+
+    From a preset the weights are a seeded random init, made on CPU in fp32 and then moved,
+    so a seed means the same starting point on a laptop and on a GPU.
+    """
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, device)
+    if config.path is not None:
+        return load_policy(config.path, dtype=dtype, device=device)
+    model = _init_from_preset(config.preset, config.vocab_size, config.seed)
+    return _place(model, device, dtype)
+
+
+def _init_from_preset(preset: str, vocab_size: int | None, seed: int) -> PreTrainedModel:
+    """Random-init fp32 CPU model of `preset`, without touching the global RNG state."""
+    if preset not in POLICY_PRESETS:
+        raise ValueError(
+            f"policy preset {preset!r} is unknown; choose one of {sorted(POLICY_PRESETS)} "
+            "or set `path` to a local model folder"
+        )
+    kwargs = dict(POLICY_PRESETS[preset])
+    if vocab_size is not None:
+        kwargs["vocab_size"] = vocab_size
+    hf_config = AutoConfig.for_model(kwargs.pop("model_type"), **kwargs)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+    return model
+
+
+def load_policy(
+    folder: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+) -> PreTrainedModel:
+    """Model saved in `folder` (config.json + safetensors), in eval mode; never downloads."""
+    if not Path(folder).is_dir():
+        raise ValueError(f"policy path {str(folder)!r} is not a folder; check PolicyConfig.path")
+    model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=dtype)
+    return _place(model, torch.device(device), dtype)
+
+
+def _place(model: PreTrainedModel, device: torch.device, dtype: torch.dtype) -> PreTrainedModel:
+    """`model` moved to `device` and cast to `dtype` (in place), in eval mode."""
+    # transformers decorates PreTrainedModel.to with functools.wraps(nn.Module.to), which
+    # mypy reads as an unbound function; at runtime this is the ordinary Module.to.
+    model.to(device=device, dtype=dtype)  # type: ignore[call-arg]
+    return model.eval()
+
+
+def save_policy(model: PreTrainedModel, folder: str | Path) -> None:
+    """Write `model` to `folder` as config.json + safetensors, loadable by `load_policy`."""
+    model.save_pretrained(folder, safe_serialization=True)
+
+
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions [B, T] counting only attended tokens, so left padding does not shift RoPE.
+
+    Padded slots get position 0; their outputs are masked everywhere they could matter.
+    """
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def token_logprobs(
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0
+) -> torch.Tensor:
+    """Log-probability of `targets` [...] under softmax(`logits` [..., V] / temperature).
+
+    Computed in fp32 whatever the logits' dtype: a bf16 log_softmax over a large vocabulary
+    loses about two decimal digits, which shows up directly as train/inference mismatch.
+    """
+    scaled = logits.float() / temperature
+    log_norm = torch.logsumexp(scaled, dim=-1)
+    picked = scaled.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    return picked - log_norm
+
+
+def sequence_logprobs(
+    model: PreTrainedModel,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    """Logprob of each token given its prefix: [B, T-1], entry t scores input_ids[:, t+1].
+
+    `input_ids` and `attention_mask` are [B, T], padded on either side. Entries whose target
+    is padding, or is a row's first real token (it has no prefix), are 0. To score only
+    completions, multiply by `completion_mask[:, 1:]`.
+    Gradients flow (this is the trainer's forward); wrap in torch.no_grad() to just score.
+    """
+    outputs = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids_from_mask(attention_mask),
+        use_cache=False,
+    )
+    logprobs = token_logprobs(outputs.logits[:, :-1], input_ids[:, 1:], temperature)
+    scored = attention_mask[:, 1:].bool() & attention_mask[:, :-1].bool()
+    # where, not a multiply: a padded slot's logit may be non-finite, and 0 * nan is nan.
+    return torch.where(scored, logprobs, torch.zeros_like(logprobs))

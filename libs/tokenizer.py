@@ -1,0 +1,155 @@
+"""Tokenizers: a download-free byte-level default and an adapter for local HF tokenizers.
+
+Everything that turns text into token ids goes through the small `Tokenizer` protocol, so
+the embedded default (`ByteTokenizer`, 256 byte tokens plus a few specials) and a real
+tokenizer loaded from a local folder are interchangeable. Build one with
+`load_tokenizer("byte")` or `load_tokenizer("/path/to/model")`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+BYTE_TOKENIZER_SPEC = "byte"
+
+# Specials follow the 256 byte ids, in this order; the order is part of the vocabulary,
+# so changing it invalidates every model trained with the byte tokenizer.
+BYTE_SPECIAL_TOKENS: tuple[str, ...] = (
+    "<|pad|>",
+    "<|bos|>",
+    "<|eos|>",
+    "<|system|>",
+    "<|user|>",
+    "<|assistant|>",
+)
+NUM_BYTES = 256
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+    """What the policy, the engine and the services need from a tokenizer."""
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids the model must embed (ids are in [0, vocab_size))."""
+        ...
+
+    @property
+    def eos_id(self) -> int:
+        """Id that ends a generation."""
+        ...
+
+    @property
+    def pad_id(self) -> int:
+        """Id used to fill padded positions (always masked out)."""
+        ...
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`, without any special tokens added."""
+        ...
+
+    def decode(self, ids: Sequence[int], skip_special: bool = True) -> str:
+        """Text of `ids`; special tokens are dropped when `skip_special`."""
+        ...
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as ids 0..255, then the specials of `BYTE_SPECIAL_TOKENS`.
+
+    Deterministic and needs no files, so it is the embedded default: a tiny model with this
+    vocabulary learns on a laptop CPU. Decoding replaces invalid UTF-8 (a sampled byte
+    sequence may be cut mid-character) with U+FFFD instead of raising.
+    """
+
+    def __init__(self) -> None:
+        self.special_ids: Mapping[str, int] = {
+            name: NUM_BYTES + offset for offset, name in enumerate(BYTE_SPECIAL_TOKENS)
+        }
+        self._id_to_special = {token_id: name for name, token_id in self.special_ids.items()}
+
+    @property
+    def vocab_size(self) -> int:
+        return NUM_BYTES + len(BYTE_SPECIAL_TOKENS)
+
+    @property
+    def pad_id(self) -> int:
+        return self.special_ids["<|pad|>"]
+
+    @property
+    def bos_id(self) -> int:
+        return self.special_ids["<|bos|>"]
+
+    @property
+    def eos_id(self) -> int:
+        return self.special_ids["<|eos|>"]
+
+    def encode(self, text: str) -> list[int]:
+        # Special-token strings in `text` stay plain bytes: user text cannot forge a role marker.
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: Sequence[int], skip_special: bool = True) -> str:
+        """Text of `ids`; raises ValueError for an id outside the vocabulary."""
+        pieces: list[str] = []
+        pending = bytearray()
+        for token_id in ids:
+            if 0 <= token_id < NUM_BYTES:
+                pending.append(token_id)
+                continue
+            if token_id not in self._id_to_special:
+                raise ValueError(f"token id {token_id} is outside the byte vocabulary")
+            pieces.append(pending.decode("utf-8", errors="replace"))
+            pending.clear()
+            if not skip_special:
+                pieces.append(self._id_to_special[token_id])
+        pieces.append(pending.decode("utf-8", errors="replace"))
+        return "".join(pieces)
+
+
+class HFTokenizer:
+    """Adapter giving a `transformers` tokenizer the `Tokenizer` protocol."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        if tokenizer.eos_token_id is None:
+            raise ValueError("the HF tokenizer has no eos token; set eos_token in its config")
+        self.hf = tokenizer
+
+    @property
+    def vocab_size(self) -> int:
+        # len() counts added tokens, which the model must embed too; .vocab_size does not.
+        return len(self.hf)
+
+    @property
+    def eos_id(self) -> int:
+        return int(self.hf.eos_token_id)
+
+    @property
+    def pad_id(self) -> int:
+        # Many chat models ship without a pad token; padded positions are masked, so eos serves.
+        pad = self.hf.pad_token_id
+        return self.eos_id if pad is None else int(pad)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.hf.encode(text, add_special_tokens=False))
+
+    def decode(self, ids: Sequence[int], skip_special: bool = True) -> str:
+        return str(self.hf.decode(list(ids), skip_special_tokens=skip_special))
+
+
+def load_tokenizer(spec: str) -> Tokenizer:
+    """Tokenizer named by `spec`: "byte" for the embedded default, else a local folder path.
+
+    A folder is loaded with `AutoTokenizer.from_pretrained(path, local_files_only=True)`:
+    nothing is ever downloaded.
+    """
+    if spec == BYTE_TOKENIZER_SPEC:
+        return ByteTokenizer()
+    if not Path(spec).is_dir():
+        raise ValueError(
+            f"tokenizer spec {spec!r} is neither 'byte' nor an existing local folder; "
+            "pass 'byte' or the path of a folder holding tokenizer files"
+        )
+    from transformers import AutoTokenizer  # deferred: heavy, and unneeded for the default
+
+    return HFTokenizer(AutoTokenizer.from_pretrained(spec, local_files_only=True))

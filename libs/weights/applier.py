@@ -1,0 +1,233 @@
+"""Apply a delta (or snapshot) to a model: in place chunk by chunk, or into a new state.
+
+`DeltaApplier(state, manifest, current)` first refuses a manifest whose base is not the
+version the receiver holds (BaseMismatchError), then `apply(chunk)` checks the chunk
+belongs to this manifest, checks its payload hash, decodes it, checks its output hash and
+only then writes the changed elements; a chunk that fails a check writes nothing and raises
+CorruptDeltaError. `finish()` raises MissingChunkError unless every chunk was applied,
+drops removed tensors and, with `verify_full=True`, rehashes the whole result against the
+manifest's target hash. Chunks touch disjoint elements, so `apply` may run concurrently.
+
+`decode(base, manifest, chunks)` does the same into a copy of the base.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, MutableMapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+from libs.weights.encodings import decode_piece, decompress, hash_written
+from libs.weights.errors import BaseMismatchError, CorruptDeltaError, MissingChunkError
+from libs.weights.format import Chunk, Manifest, TensorEntry, VersionInfo
+from libs.weights.hashing import DIGEST_BYTES, digest, new_hasher, state_hash
+from libs.weights.targets import CpuRange
+from libs.weights.tensors import RawTensor, State, as_raw, empty_raw, kind_of, like_kind, raw_state
+
+
+class DeltaApplier:
+    """Applies the chunks of one manifest to a mutable CPU state (numpy or torch) in place."""
+
+    def __init__(
+        self,
+        state: MutableMapping[str, Any],
+        manifest: Manifest,
+        current: VersionInfo | None = None,
+        kind: str = "auto",
+    ) -> None:
+        """Check the base and prepare new tensors. `current` is what the receiver holds (None:
+        hash the state now); `kind` is the type of new tensors ('auto' follows the state)."""
+        self.state = state
+        self.manifest = manifest
+        if not manifest.is_snapshot:
+            _check_base(state, manifest, current)
+        self._kind = _output_kind(state, kind)
+        self._raw: dict[str, RawTensor] = {}
+        self._refs = {ref.index: ref for ref in manifest.chunks}
+        self._pending = set(self._refs)
+        self._lock = threading.Lock()
+        for entry in manifest.tensors:
+            self._raw[entry.name] = self._prepare(entry)
+
+    def _prepare(self, entry: TensorEntry) -> RawTensor:
+        """The RawTensor that receives this entry: the state's own, or a new one."""
+        if entry.change != "whole":
+            if entry.name not in self.state:
+                raise BaseMismatchError(
+                    f"the base lacks tensor {entry.name!r} that the delta patches"
+                )
+            raw = as_raw(self.state[entry.name])
+            if raw.dtype != entry.dtype or list(raw.shape) != entry.shape:
+                raise BaseMismatchError(
+                    f"tensor {entry.name!r} is {raw.dtype}{list(raw.shape)} in the base, "
+                    f"the delta expects {entry.dtype}{entry.shape}"
+                )
+            return raw
+        raw = empty_raw(entry.dtype, tuple(entry.shape))
+        self.state[entry.name] = like_kind(raw, self._kind)
+        return as_raw(self.state[entry.name])
+
+    def apply(self, chunk: Chunk) -> None:
+        """Verify one chunk and write its changes; raises CorruptDeltaError without writing."""
+        header = self._check_header(chunk)
+        try:
+            streams = _split_payload(chunk)
+        except ValueError as exc:  # stream lists of different lengths
+            raise CorruptDeltaError(f"chunk {header.index}: inconsistent header: {exc}") from exc
+        hasher = new_hasher()
+        writes = []
+        for piece, raw_streams in zip(header.pieces, streams, strict=True):
+            target = self._range(piece.name, piece.start, piece.stop)
+            try:
+                written = decode_piece(piece.encoding, raw_streams, target, piece.num_changed)
+            except (ValueError, IndexError) as exc:
+                raise CorruptDeltaError(
+                    f"chunk {header.index}: piece {piece.name!r} does not decode: {exc}"
+                ) from exc
+            hash_written(hasher, piece.name, piece.start, written)
+            writes.append((target, written))
+        if hasher.digest()[:DIGEST_BYTES].hex() != header.output_hash:
+            raise CorruptDeltaError(
+                f"chunk {header.index}: decoded bytes do not match its output hash"
+            )
+        for target, written in writes:
+            if written.positions is None:
+                target.write_all(written.values)
+            else:
+                target.scatter(written.positions, written.values)
+        with self._lock:
+            self._pending.discard(header.index)
+
+    def _check_header(self, chunk: Chunk) -> Any:
+        header = chunk.header
+        manifest = self.manifest
+        if header.target_hash != manifest.target_hash or header.version != manifest.version:
+            raise CorruptDeltaError(
+                f"chunk {header.index} belongs to version {header.version} "
+                f"({header.target_hash[:12]}), not {manifest.version} ({manifest.target_hash[:12]})"
+            )
+        if header.base_version != manifest.base_version:
+            raise CorruptDeltaError(
+                f"chunk {header.index} has base {header.base_version}, "
+                f"manifest {manifest.base_version}"
+            )
+        with self._lock:
+            if header.index not in self._pending:
+                raise MissingChunkError(
+                    f"chunk {header.index} is not pending (unknown or applied twice)"
+                )
+        if digest(chunk.payload).hex() != header.payload_hash:
+            raise CorruptDeltaError(f"chunk {header.index}: payload does not match its hash")
+        if self._refs[header.index].payload_hash != header.payload_hash:
+            raise CorruptDeltaError(
+                f"chunk {header.index}: payload hash differs from the manifest's"
+            )
+        return header
+
+    def _range(self, name: str, start: int, stop: int) -> CpuRange:
+        raw = self._raw.get(name)
+        if raw is None or not 0 <= start < stop <= raw.numel:
+            raise CorruptDeltaError(f"chunk piece {name!r}[{start}:{stop}] is not in the manifest")
+        return CpuRange(raw.units()[start:stop])
+
+    def apply_all(self, chunks: Iterable[Chunk], threads: int = 1) -> None:
+        """Apply many chunks, on `threads` threads."""
+        if threads > 1:
+            with ThreadPoolExecutor(threads) as pool:
+                list(pool.map(self.apply, chunks))
+        else:
+            for chunk in chunks:
+                self.apply(chunk)
+
+    def finish(self, verify_full: bool = False, threads: int = 1) -> VersionInfo:
+        """Check completeness, drop removed tensors, optionally rehash; returns the new version."""
+        if self._pending:
+            missing = sorted(self._pending)
+            raise MissingChunkError(f"{len(missing)} chunk(s) not applied, first: {missing[:5]}")
+        for name in self.manifest.removed:
+            self.state.pop(name, None)
+        if verify_full:
+            got = state_hash({e.name: self._raw[e.name] for e in self.manifest.tensors}, threads)
+            if got != self.manifest.target_hash:
+                raise CorruptDeltaError(
+                    "the applied state does not match the manifest's target hash"
+                )
+        return VersionInfo(version=self.manifest.version, hash=self.manifest.target_hash)
+
+
+def _check_base(
+    state: MutableMapping[str, Any], manifest: Manifest, current: VersionInfo | None
+) -> None:
+    """Raise BaseMismatchError unless the receiver holds the manifest's base version."""
+    if current is None:
+        current = VersionInfo(version=None, hash=state_hash(raw_state(state)))
+    if current.version is not None and current.version != manifest.base_version:
+        raise BaseMismatchError(
+            f"delta is against version {manifest.base_version}, receiver holds {current.version}"
+        )
+    if current.hash != manifest.base_hash:
+        raise BaseMismatchError(
+            f"delta is against base hash {manifest.base_hash}, receiver holds {current.hash} "
+            f"(version {current.version if current.version is not None else 'unknown'})"
+        )
+
+
+def _split_payload(chunk: Chunk) -> list[list[np.ndarray]]:
+    """Decompressed streams of each piece of a chunk, checking the sizes add up."""
+    header, payload = chunk.header, chunk.payload
+    if sum(sum(p.stream_sizes) for p in header.pieces) != len(payload):
+        raise CorruptDeltaError(f"chunk {header.index}: payload size differs from its header")
+    out, at = [], 0
+    for piece in header.pieces:
+        if len(piece.stream_sizes) != len(piece.raw_sizes):
+            raise CorruptDeltaError(f"chunk {header.index}: stream size lists differ in length")
+        streams = []
+        for size, raw_size in zip(piece.stream_sizes, piece.raw_sizes, strict=True):
+            streams.append(decompress(payload[at : at + size], raw_size))
+            at += size
+        out.append(streams)
+    return out
+
+
+def _output_kind(state: MutableMapping[str, Any], kind: str) -> str:
+    if kind != "auto":
+        return kind
+    first = next(iter(state.values()), None)
+    return "torch" if first is None else kind_of(first)
+
+
+def decode(
+    base: State,
+    manifest: Manifest,
+    chunks: Iterable[Chunk],
+    *,
+    current: VersionInfo | None = None,
+    kind: str = "auto",
+    threads: int = 1,
+    verify_full: bool = False,
+) -> dict[str, Any]:
+    """The target version as a new state (the base is left untouched), in manifest order."""
+    needed = {e.name for e in manifest.tensors if e.change != "whole"}
+    if not manifest.is_snapshot and current is None:
+        current = VersionInfo(version=None, hash=state_hash(raw_state(base), threads))
+    kind = _output_kind(dict(base), kind) if kind == "auto" else kind
+    copy: dict[str, Any] = {}
+    for name in needed:
+        if name not in base:
+            raise BaseMismatchError(f"the base lacks tensor {name!r} that the delta patches")
+        copy[name] = _copied(base[name])
+    applier = DeltaApplier(copy, manifest, current, kind)
+    applier.apply_all(chunks, threads)
+    applier.finish(verify_full, threads)
+    return {e.name: copy[e.name] for e in manifest.tensors}
+
+
+def _copied(tensor: Any) -> Any:
+    if hasattr(tensor, "clone"):
+        return tensor.detach().clone()
+    if isinstance(tensor, RawTensor):
+        return RawTensor(tensor.dtype, tensor.shape, tensor.data.copy())
+    return np.array(tensor, copy=True)

@@ -1,0 +1,111 @@
+"""Plan which element ranges of which tensors go into which chunk.
+
+Chunks are filled greedily in tensor order up to a target size, estimated before encoding:
+a whole range costs its raw bytes (zstd only shrinks it), a delta range costs a per-change
+estimate. A big tensor spans several chunks by element ranges; small tensors share one.
+The encoder splits any chunk that still comes out above the hard maximum.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from libs.weights.scan import Changes
+
+MAX_PIECE_UNITS = (1 << 32) - 1  # gap escapes are uint32, so a piece stays below 2^32 elements
+PIECE_HEADER_BYTES = 48  # msgpack overhead of a PieceHeader besides its name
+
+
+@dataclass(frozen=True)
+class TensorJob:
+    """A tensor to send: whole (changes None) or as a delta with its changed elements."""
+
+    name: str
+    width: int
+    numel: int
+    changes: Changes | None
+
+    @property
+    def positions(self) -> np.ndarray | None:
+        """Sorted int64 indices of the changed elements (None for a whole tensor)."""
+        return None if self.changes is None else self.changes.positions
+
+    def count(self, start: int, stop: int) -> int:
+        """Changed elements in [start, stop) (all of them for a whole tensor)."""
+        if self.positions is None:
+            return stop - start
+        left, right = np.searchsorted(self.positions, [start, stop])
+        return int(right - left)
+
+    def estimate(self, start: int, stop: int) -> float:
+        """Estimated encoded bytes of the range [start, stop)."""
+        overhead = PIECE_HEADER_BYTES + len(self.name.encode())
+        if self.positions is None:
+            return overhead + (stop - start) * self.width
+        return overhead + self.count(start, stop) * (0.25 + self.width / 2)
+
+    def fit(self, start: int, room: float) -> int:
+        """The largest stop (> start) whose range is estimated to fit in `room` bytes."""
+        limit = min(self.numel, start + MAX_PIECE_UNITS)
+        if self.positions is None:
+            return min(limit, start + max(1, int(room // self.width)))
+        allowed = max(1, int(room // (0.25 + self.width / 2)))
+        cut = int(np.searchsorted(self.positions, start)) + allowed
+        stop = self.numel if cut >= self.positions.size else int(self.positions[cut])
+        return min(limit, stop)
+
+
+@dataclass(frozen=True)
+class PiecePlan:
+    """An element range of one tensor assigned to a chunk."""
+
+    job: TensorJob
+    start: int
+    stop: int
+
+
+def plan_chunks(jobs: list[TensorJob], target_bytes: int) -> list[list[PiecePlan]]:
+    """Group tensor ranges into chunks of about `target_bytes` estimated encoded bytes."""
+    chunks: list[list[PiecePlan]] = []
+    current: list[PiecePlan] = []
+    room = float(target_bytes)
+    for job in jobs:
+        start = 0
+        while start < job.numel:
+            if current and room < target_bytes / 16:
+                chunks.append(current)
+                current, room = [], float(target_bytes)
+            stop = job.fit(start, room)
+            current.append(PiecePlan(job, start, stop))
+            room -= job.estimate(start, stop)
+            start = stop
+            if start < job.numel:
+                chunks.append(current)
+                current, room = [], float(target_bytes)
+    if current:
+        chunks.append(current)
+    return chunks
+
+
+def split_plan(plan: list[PiecePlan]) -> tuple[list[PiecePlan], list[PiecePlan]]:
+    """Halve a chunk plan that encoded too big: by pieces, or one piece by its changes."""
+    if len(plan) > 1:
+        half = len(plan) // 2
+        return plan[:half], plan[half:]
+    piece = plan[0]
+    middle = _middle(piece)
+    if middle <= piece.start or middle >= piece.stop:
+        raise ValueError("a single element does not fit in max_chunk_bytes; raise the limit")
+    return [PiecePlan(piece.job, piece.start, middle)], [PiecePlan(piece.job, middle, piece.stop)]
+
+
+def _middle(piece: PiecePlan) -> int:
+    positions = piece.job.positions
+    if positions is None:
+        return (piece.start + piece.stop) // 2
+    left, right = np.searchsorted(positions, [piece.start, piece.stop])
+    if right - left < 2:
+        return (piece.start + piece.stop) // 2
+    return int(positions[(left + right) // 2])

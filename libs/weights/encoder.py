@@ -1,0 +1,269 @@
+"""Encode a new model version as a delta against a base version, or as a snapshot.
+
+`encode(base, new, ...)` compares exact bytes tensor by tensor: identical tensors cost a
+manifest entry, tensors whose dtype and shape are unchanged travel as deltas, the rest
+(added, reshaped, retyped) travel whole. The ranges are planned into chunks (chunking.py),
+each chunk's pieces are encoded with the smallest measured encoding (encodings.py), and
+chunks are encoded on `threads` threads. `encode_snapshot(new, ...)` sends every tensor whole.
+
+A chunk's output hash is the 16-byte sha256 over, for each piece in order, its name, start
+and count, the uint32 LE positions it writes (sparse encodings only) and the bytes it
+writes; the manifest's target hash covers every byte of the target version (hashing.py).
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+
+from libs.weights.chunking import PiecePlan, TensorJob, plan_chunks, split_plan
+from libs.weights.encodings import encode_delta, encode_whole, hash_written, written_by
+from libs.weights.format import (
+    FORMAT_VERSION,
+    Change,
+    Chunk,
+    ChunkHeader,
+    ChunkRef,
+    Manifest,
+    PieceHeader,
+    TensorEntry,
+    encode_chunk,
+)
+from libs.weights.hashing import (
+    DIGEST_BYTES,
+    digest,
+    new_hasher,
+    state_hash,
+    tensor_digests,
+    version_hash,
+)
+from libs.weights.scan import Changes, changed_elements
+from libs.weights.tensors import RawTensor, State, check_dtype, raw_state
+
+DEFAULT_MAX_CHUNK_BYTES = 1 << 20  # NATS max_payload default
+HEADROOM_BYTES = 64 << 10  # room for the chunk header and estimate error below the maximum
+
+
+@dataclass(frozen=True)
+class EncodeOptions:
+    """How to chunk and compress."""
+
+    max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES  # hard limit of one msgpack-encoded chunk
+    target_chunk_bytes: int | None = None  # estimated fill; default max - 64 KiB
+    level: int = 3  # zstd level
+    threads: int = 1  # threads for scanning, hashing and chunk encoding
+
+    def target(self) -> int:
+        """The chunk fill target in bytes."""
+        if self.max_chunk_bytes < 16 << 10:
+            raise ValueError(f"max_chunk_bytes={self.max_chunk_bytes} is too small; use >= 16384")
+        default = self.max_chunk_bytes - min(HEADROOM_BYTES, self.max_chunk_bytes // 4)
+        return min(self.target_chunk_bytes or default, default)
+
+
+@dataclass(frozen=True)
+class _Body:
+    """An encoded chunk before it gets its index."""
+
+    pieces: list[PieceHeader]
+    payload: bytes
+    output_hash: str
+
+
+def encode(
+    base: State,
+    new: State,
+    *,
+    base_version: int,
+    version: int,
+    options: EncodeOptions | None = None,
+    base_hash: str | None = None,
+) -> tuple[Manifest, list[Chunk]]:
+    """Delta of `new` against `base` as a manifest and chunks.
+
+    `base_hash` is the base's version hash if the caller knows it (the target_hash of the
+    manifest that produced it); otherwise it is computed, which reads every base byte.
+    """
+    opts = options or EncodeOptions()
+    old_raw, new_raw = raw_state(base), raw_state(new)
+    if base_hash is None:
+        base_hash = state_hash(old_raw, opts.threads)
+    jobs, changes = _classify(old_raw, new_raw, opts.threads)
+    removed = [name for name in old_raw if name not in new_raw]
+    return _finish(old_raw, new_raw, jobs, changes, removed, base_version, base_hash, version, opts)
+
+
+def encode_snapshot(
+    new: State, *, version: int, options: EncodeOptions | None = None
+) -> tuple[Manifest, list[Chunk]]:
+    """Every tensor of `new` whole, chunked and compressed; needs no base to decode."""
+    opts = options or EncodeOptions()
+    new_raw = raw_state(new)
+    for tensor in new_raw.values():
+        check_dtype(tensor.dtype)
+    jobs = [TensorJob(n, t.width, t.numel, None) for n, t in new_raw.items()]
+    changes: dict[str, Change] = {n: "whole" for n in new_raw}
+    return _finish({}, new_raw, jobs, changes, [], None, None, version, opts)
+
+
+def _classify(
+    old: dict[str, RawTensor], new: dict[str, RawTensor], threads: int
+) -> tuple[list[TensorJob], dict[str, Change]]:
+    """Which tensors are the same, deltas (with changed positions) or whole."""
+    jobs: list[TensorJob] = []
+    changes: dict[str, Change] = {}
+    for name, tensor in new.items():
+        check_dtype(tensor.dtype)
+        before = old.get(name)
+        if before is None or before.dtype != tensor.dtype or before.shape != tensor.shape:
+            jobs.append(TensorJob(name, tensor.width, tensor.numel, None))
+            changes[name] = "whole"
+            continue
+        found = changed_elements(before.data, tensor.data, tensor.width, threads)
+        changes[name] = "delta" if found.positions.size else "same"
+        if found.positions.size:
+            jobs.append(TensorJob(name, tensor.width, tensor.numel, found))
+    return jobs, changes
+
+
+def _finish(
+    old: dict[str, RawTensor],
+    new: dict[str, RawTensor],
+    jobs: list[TensorJob],
+    changes: dict[str, Change],
+    removed: list[str],
+    base_version: int | None,
+    base_hash: str | None,
+    version: int,
+    opts: EncodeOptions,
+) -> tuple[Manifest, list[Chunk]]:
+    """Hash the target, encode the chunks and assemble the manifest."""
+    digests = tensor_digests(new.values(), opts.threads)
+    counts = {job.name: job.count(0, job.numel) for job in jobs}
+    entries = [
+        TensorEntry(
+            name=n,
+            dtype=t.dtype,
+            shape=list(t.shape),
+            change=changes[n],
+            digest=d,
+            num_changed=counts.get(n, 0),
+        )
+        for (n, t), d in zip(new.items(), digests, strict=True)
+    ]
+    target_hash = version_hash((e.name, e.dtype, e.shape, e.digest) for e in entries)
+    bodies = _encode_bodies(old, new, plan_chunks(jobs, opts.target()), opts)
+    chunks = [_assemble(i, b, version, base_version, target_hash) for i, b in enumerate(bodies)]
+    refs = [_chunk_ref(chunk) for chunk in chunks]
+    manifest = Manifest(
+        format_version=FORMAT_VERSION,
+        version=version,
+        base_version=base_version,
+        base_hash=base_hash,
+        target_hash=target_hash,
+        tensors=entries,
+        removed=removed,
+        chunks=refs,
+    )
+    return manifest, chunks
+
+
+def _encode_bodies(
+    old: dict[str, RawTensor],
+    new: dict[str, RawTensor],
+    plans: list[list[PiecePlan]],
+    opts: EncodeOptions,
+) -> list[_Body]:
+    """Encode every planned chunk (in parallel), splitting any that exceeds the maximum."""
+
+    def run(plan: list[PiecePlan]) -> list[_Body]:
+        return _encode_fitting(old, new, plan, opts)
+
+    if opts.threads > 1 and len(plans) > 1:
+        with ThreadPoolExecutor(opts.threads) as pool:
+            nested = list(pool.map(run, plans))
+    else:
+        nested = [run(plan) for plan in plans]
+    return [body for group in nested for body in group]
+
+
+def _encode_fitting(
+    old: dict[str, RawTensor], new: dict[str, RawTensor], plan: list[PiecePlan], opts: EncodeOptions
+) -> list[_Body]:
+    body = _encode_body(old, new, plan, opts.level)
+    # Size with the largest index/version fields the chunk can get: an upper bound.
+    size = len(encode_chunk(_assemble(1 << 62, body, 1 << 62, 1 << 62, "0" * 2 * DIGEST_BYTES)))
+    if size <= opts.max_chunk_bytes:
+        return [body]
+    first, second = split_plan(plan)
+    return _encode_fitting(old, new, first, opts) + _encode_fitting(old, new, second, opts)
+
+
+def _encode_body(
+    old: dict[str, RawTensor], new: dict[str, RawTensor], plan: list[PiecePlan], level: int
+) -> _Body:
+    """Encode the pieces of one chunk and hash what they write."""
+    headers, streams = [], []
+    hasher = new_hasher()
+    for piece in plan:
+        name, start, stop = piece.job.name, piece.start, piece.stop
+        new_units = new[name].units()[start:stop]
+        if piece.job.changes is None:
+            encoded = encode_whole(new_units, level)
+            written = written_by(new_units, encoded, new_units[:0], new_units[:0])
+        else:
+            positions, old_vals, new_vals = _relative(piece.job.changes, start, stop)
+            old_units = old[name].units()[start:stop]
+            encoded = encode_delta(old_units, new_units, positions, old_vals, new_vals, level)
+            written = written_by(new_units, encoded, positions, new_vals)
+        hash_written(hasher, name, start, written)
+        streams.extend(encoded.streams)
+        headers.append(
+            PieceHeader(
+                name=name,
+                start=start,
+                stop=stop,
+                encoding=encoded.encoding,
+                num_changed=encoded.num_changed,
+                stream_sizes=[len(s) for s in encoded.streams],
+                raw_sizes=encoded.raw_sizes,
+            )
+        )
+    return _Body(headers, b"".join(streams), hasher.digest()[:DIGEST_BYTES].hex())
+
+
+def _relative(changes: Changes, start: int, stop: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Positions (relative to start), old and new values of the changes in [start, stop)."""
+    left, right = np.searchsorted(changes.positions, [start, stop])
+    return changes.positions[left:right] - start, changes.old[left:right], changes.new[left:right]
+
+
+def _assemble(
+    index: int, body: _Body, version: int, base_version: int | None, target_hash: str
+) -> Chunk:
+    header = ChunkHeader(
+        format_version=FORMAT_VERSION,
+        version=version,
+        base_version=base_version,
+        target_hash=target_hash,
+        index=index,
+        pieces=body.pieces,
+        payload_hash=digest(body.payload).hex(),
+        output_hash=body.output_hash,
+    )
+    return Chunk(header=header, payload=body.payload)
+
+
+def _chunk_ref(chunk: Chunk) -> ChunkRef:
+    names: list[str] = []
+    for piece in chunk.header.pieces:
+        if not names or names[-1] != piece.name:
+            names.append(piece.name)
+    return ChunkRef(
+        index=chunk.header.index,
+        num_bytes=len(encode_chunk(chunk)),
+        payload_hash=chunk.header.payload_hash,
+        tensors=names,
+    )
