@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import sys
 import time
 from abc import ABC, abstractmethod
 from typing import Any
@@ -17,8 +18,8 @@ from typing import Any
 import structlog
 from prometheus_client import Gauge, Info
 
-from libs.bus.connection import Bus, connect_bus
-from libs.bus.provision import provision
+from libs.bus.connection import Bus, BusConnectError, connect_bus
+from libs.bus.provision import ProvisionError, provision
 from libs.health_server import HealthServer
 from libs.logs import configure_logging
 from libs.settings import ServiceSettings
@@ -126,7 +127,12 @@ async def _run_until_signal(service: Service, drain_timeout_s: float) -> None:
 
 
 def run_service(service: Service, settings: ServiceSettings) -> None:
-    """The body of every service's `__main__`."""
+    """The body of every service's `__main__`: exits 2 with one clear line when the bus is
+    unreachable or holds definitions it cannot update; any other crash raises loudly."""
     configure_logging(service.name, settings.log_level, settings.log_format)
     log.info("starting", settings=settings.redacted())
-    asyncio.run(serve(service, settings))
+    try:
+        asyncio.run(serve(service, settings))
+    except (BusConnectError, ProvisionError) as exc:
+        log.error("cannot start", error=str(exc))
+        sys.exit(2)

@@ -30,15 +30,21 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 CRASHER = "import sys, time; time.sleep(0.05); sys.exit(3)"
 # Exits 0 on SIGTERM, like a service that drained.
-POLITE = "import signal, sys, time\nsignal.signal(signal.SIGTERM, lambda *_: sys.exit(0))\n" \
-         "print('ready', flush=True)\ntime.sleep(600)"
-STUBBORN = "import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n" \
-           "print('ready', flush=True)\ntime.sleep(600)"
+POLITE = (
+    "import signal, sys, time\nsignal.signal(signal.SIGTERM, lambda *_: sys.exit(0))\n"
+    "print('ready', flush=True)\ntime.sleep(600)"
+)
+STUBBORN = (
+    "import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+    "print('ready', flush=True)\ntime.sleep(600)"
+)
 # Leaves a grandchild in its process group that ignores SIGTERM, as a sandboxed tool might:
 # only the SIGKILL the supervisor sends to the group after its leader exits removes it.
-PARENT = "import subprocess, sys, time\n" \
-         f"child = subprocess.Popen([sys.executable, '-c', {STUBBORN!r}])\n" \
-         "print(f'grandchild {child.pid}', flush=True)\ntime.sleep(600)"
+PARENT = (
+    "import subprocess, sys, time\n"
+    f"child = subprocess.Popen([sys.executable, '-c', {STUBBORN!r}])\n"
+    "print(f'grandchild {child.pid}', flush=True)\ntime.sleep(600)"
+)
 
 # A stand-in service: answers /healthz on its port like the real ones (the trainer counts
 # ten steps a second) and exits 0 on SIGTERM. argv[1] is the package name.
@@ -132,8 +138,12 @@ def test_backoff_doubles_up_to_its_cap() -> None:
 async def test_crashing_child_is_restarted_with_growing_delays(tmp_path: Path) -> None:
     spawned_at: list[float] = []
     backoff = Backoff(initial_s=0.1, max_s=0.4)
-    supervisor = Supervisor([ChildSpec("crasher", [PY, "-c", CRASHER])], tmp_path, backoff,
-                            on_spawn=lambda _: spawned_at.append(time.monotonic()))
+    supervisor = Supervisor(
+        [ChildSpec("crasher", [PY, "-c", CRASHER])],
+        tmp_path,
+        backoff,
+        on_spawn=lambda _: spawned_at.append(time.monotonic()),
+    )
     child = supervisor.children["crasher"]
     await supervisor.start()
     await wait_for(lambda: child.restarts >= 4, timeout_s=15, what="four restarts")
@@ -153,8 +163,10 @@ async def test_stop_leaves_no_process_alive(tmp_path: Path) -> None:
     supervisor = Supervisor(specs, tmp_path)
     await supervisor.start()
     polite, parent = supervisor.children["polite"], supervisor.children["parent"]
-    await wait_for(lambda: "ready" in log_text(polite) and "ready" in log_text(parent),
-                   what="children and grandchild ready")
+    await wait_for(
+        lambda: "ready" in log_text(polite) and "ready" in log_text(parent),
+        what="children and grandchild ready",
+    )
     grandchild = int(log_text(parent).split("grandchild ")[1].split()[0])
     assert is_alive(grandchild)
 
@@ -188,8 +200,13 @@ async def test_child_ignoring_sigterm_is_killed_after_grace(tmp_path: Path) -> N
 def test_run_stops_at_max_trainer_steps_and_summarizes(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    options = LaunchOptions(run_dir=tmp_path / "run", max_trainer_steps=5, duration_s=60,
-                            commands=fake_commands(), stop_grace_s=5)
+    options = LaunchOptions(
+        run_dir=tmp_path / "run",
+        max_trainer_steps=5,
+        duration_s=60,
+        commands=fake_commands(),
+        stop_grace_s=5,
+    )
     exit_code = run_local(options)
 
     summary = last_json_line(capsys.readouterr().out)
@@ -206,8 +223,14 @@ def test_service_that_never_becomes_healthy_fails_the_run(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     commands = {**fake_commands(), "reward": [PY, "-c", CRASHER]}
-    options = LaunchOptions(run_dir=tmp_path, duration_s=60, commands=commands, provision=False,
-                            backoff=Backoff(initial_s=0.05), max_restarts_unhealthy=2)
+    options = LaunchOptions(
+        run_dir=tmp_path,
+        duration_s=60,
+        commands=commands,
+        provision=False,
+        backoff=Backoff(initial_s=0.05),
+        max_restarts_unhealthy=2,
+    )
     exit_code = run_local(options)
 
     summary = last_json_line(capsys.readouterr().out)
@@ -247,8 +270,13 @@ def launcher_process(tmp_path: Path) -> Iterator[Callable[..., subprocess.Popen[
 
     def start(commands: dict[str, list[str]], grace_s: float = 5) -> subprocess.Popen[str]:
         code = LAUNCH_WITH_FAKES.format(commands=commands, grace_s=grace_s)
-        process = subprocess.Popen([PY, "-c", code, str(tmp_path)], cwd=REPO_ROOT,
-                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        process = subprocess.Popen(
+            [PY, "-c", code, str(tmp_path)],
+            cwd=REPO_ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         started.append(process)
         return process
 
@@ -267,8 +295,11 @@ def wait_all_serving(run_dir: Path) -> None:
         log = run_dir / "logs" / f"{name}.log"
         return log.exists() and ("serving" in log.read_text() or "ready" in log.read_text())
 
-    wait_until(lambda: all(serving(name) for name in ALL_SERVICES), timeout_s=30,
-               what="every service serving")
+    wait_until(
+        lambda: all(serving(name) for name in ALL_SERVICES),
+        timeout_s=30,
+        what="every service serving",
+    )
 
 
 def test_sigterm_to_launcher_stops_everything_cleanly(
@@ -293,8 +324,10 @@ def test_second_ctrl_c_kills_what_ignores_sigterm(
     wait_all_serving(tmp_path)
     process.send_signal(signal.SIGINT)
     trainer_pids = json.loads((tmp_path / "pids.json").read_text())["services"]["trainer"]
-    wait_until(lambda: not any(is_alive(pid) for pid in trainer_pids),
-               what="the polite services to stop after the first Ctrl-C")
+    wait_until(
+        lambda: not any(is_alive(pid) for pid in trainer_pids),
+        what="the polite services to stop after the first Ctrl-C",
+    )
     process.send_signal(signal.SIGINT)
     stdout, _ = process.communicate(timeout=20)
 
@@ -316,15 +349,13 @@ def run_dir(tmp_path: Path) -> Iterator[Path]:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(
-    not (REPO_ROOT / "services" / "trainer" / "__main__.py").exists()
-    or not (REPO_ROOT / "services" / "cli.py").exists(),
-    reason="needs the real services and services/cli.py (the lead's work in progress)",
-)
 def test_demo_runs_every_service_and_leaves_nothing_behind(run_dir: Path) -> None:
     result = subprocess.run(
         [PY, "-m", "services.cli", "demo", "--duration-s", "15", "--run-dir", str(run_dir)],
-        cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
 
     assert result.returncode == 0, result.stderr[-3000:]
@@ -334,3 +365,32 @@ def test_demo_runs_every_service_and_leaves_nothing_behind(run_dir: Path) -> Non
     unhealthy = [name for name, s in summary["services"].items() if not s["ever_healthy"]]
     assert set(summary["services"]) == set(ALL_SERVICES) and not unhealthy
     assert not [pid for pid in recorded_pids(run_dir) if is_alive(pid)]
+
+
+@pytest.mark.slow
+def test_demo_stops_cleanly_on_ctrl_c_once_every_service_is_up(run_dir: Path) -> None:
+    process = subprocess.Popen(
+        [PY, "-m", "services.cli", "demo", "--run-dir", str(run_dir)],
+        cwd=REPO_ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert process.stderr is not None
+    deadline = time.monotonic() + 90
+    for line in process.stderr:
+        if '"event": "status"' in line and _all_services_up(json.loads(line)):
+            break
+        assert time.monotonic() < deadline, "services did not all come up within 90 s"
+    process.send_signal(signal.SIGINT)
+    stdout, _ = process.communicate(timeout=60)
+
+    assert process.returncode == 0
+    summary = last_json_line(stdout)
+    assert all(s["final_status"] == "stopped" for s in summary["services"].values())
+    assert not [pid for pid in recorded_pids(run_dir) if is_alive(pid)]
+
+
+def _all_services_up(status: dict[str, Any]) -> bool:
+    states = status.get("services", {})
+    return set(states) == set(ALL_SERVICES) and all(v in ("ok", "idle") for v in states.values())

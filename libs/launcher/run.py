@@ -35,7 +35,12 @@ from libs.launcher.supervisor import Backoff, ChildSpec, Supervisor
 from libs.nats_server import NatsServer, free_port
 
 ALL_SERVICES = (
-    "trainer", "rollout-worker", "env-gateway", "reward", "weight-broadcaster", "feedback-ingester",
+    "trainer",
+    "rollout-worker",
+    "env-gateway",
+    "reward",
+    "weight-broadcaster",
+    "feedback-ingester",
 )
 EXIT_OK, EXIT_NATS_FAILED, EXIT_UNHEALTHY, EXIT_PROVISION_FAILED = 0, 2, 3, 4
 EXIT_FORCED = 130
@@ -74,21 +79,36 @@ class LaunchOptions:
 
 def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     """The `demo` flags: bounds for scripted runs and where the run folder goes."""
-    parser.add_argument("--duration-s", type=float, default=None,
-                        help="stop this many seconds after the services start "
-                        "(default: run until Ctrl-C)")
-    parser.add_argument("--max-trainer-steps", type=int, default=None,
-                        help="stop once the trainer reports this step")
-    parser.add_argument("--run-dir", type=Path, default=None,
-                        help="run folder (default: runs/<UTC timestamp>/)")
-    parser.add_argument("--services", default=",".join(ALL_SERVICES),
-                        help="comma-separated services to start (default: all six)")
+    parser.add_argument(
+        "--duration-s",
+        type=float,
+        default=None,
+        help="stop this many seconds after the services start (default: run until Ctrl-C)",
+    )
+    parser.add_argument(
+        "--max-trainer-steps",
+        type=int,
+        default=None,
+        help="stop once the trainer reports this step",
+    )
+    parser.add_argument(
+        "--run-dir", type=Path, default=None, help="run folder (default: runs/<UTC timestamp>/)"
+    )
+    parser.add_argument(
+        "--services",
+        default=",".join(ALL_SERVICES),
+        help="comma-separated services to start (default: all six)",
+    )
 
 
 def options_from_args(args: argparse.Namespace) -> LaunchOptions:
     services = tuple(name.strip() for name in args.services.split(",") if name.strip())
-    return LaunchOptions(run_dir=args.run_dir, duration_s=args.duration_s,
-                         max_trainer_steps=args.max_trainer_steps, services=services)
+    return LaunchOptions(
+        run_dir=args.run_dir,
+        duration_s=args.duration_s,
+        max_trainer_steps=args.max_trainer_steps,
+        services=services,
+    )
 
 
 def run_local(options: LaunchOptions) -> int:
@@ -175,11 +195,17 @@ class LocalRun:
         return not self._stop.is_set()
 
     def _setup_services(self, nats_url: str) -> tuple[Supervisor, HealthMonitor]:
-        pairs = [service_spec(name, self.options, nats_url, self.run_dir)
-                 for name in self.options.services]
-        self.supervisor = Supervisor([spec for spec, _ in pairs], self.run_dir / "logs",
-                                     self.options.backoff, on_spawn=lambda _: self._write_pids(),
-                                     on_event=self.log.info)
+        pairs = [
+            service_spec(name, self.options, nats_url, self.run_dir)
+            for name in self.options.services
+        ]
+        self.supervisor = Supervisor(
+            [spec for spec, _ in pairs],
+            self.run_dir / "logs",
+            self.options.backoff,
+            on_spawn=lambda _: self._write_pids(),
+            on_event=self.log.info,
+        )
         self.monitor = HealthMonitor({spec.name: url for spec, url in pairs})
         return self.supervisor, self.monitor
 
@@ -306,8 +332,11 @@ class LocalRun:
     def _exit_code(self) -> int:
         if self.forced:
             return EXIT_FORCED
-        codes = {"nats_failed": EXIT_NATS_FAILED, "provision_failed": EXIT_PROVISION_FAILED,
-                 "unhealthy": EXIT_UNHEALTHY}
+        codes = {
+            "nats_failed": EXIT_NATS_FAILED,
+            "provision_failed": EXIT_PROVISION_FAILED,
+            "unhealthy": EXIT_UNHEALTHY,
+        }
         if self.stop_reason in codes:
             return codes[self.stop_reason]
         if self.stop_reason != "signal" and self._never_healthy():
@@ -318,8 +347,12 @@ class LocalRun:
     def _finish(self) -> int:
         exit_code = self._exit_code()
         summary = build_summary(
-            self.run_dir, list(self.options.services), self.supervisor, self.monitor,
-            exit_code=exit_code, stop_reason=self.stop_reason,
+            self.run_dir,
+            list(self.options.services),
+            self.supervisor,
+            self.monitor,
+            exit_code=exit_code,
+            stop_reason=self.stop_reason,
             duration_s=round(time.monotonic() - self._started_at, 1),
             nats_url=self.nats.url if self.nats else None,
         )

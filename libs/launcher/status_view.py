@@ -23,8 +23,15 @@ from rich.text import Text
 from libs.launcher.health import HealthMonitor, HealthRecord
 from libs.launcher.supervisor import ChildState, Supervisor
 
-STATUS_STYLES = {"ok": "green", "idle": "cyan", "starting": "yellow", "degraded": "red",
-                 "backoff": "red", "failed": "bold red", "unreachable": "red"}
+STATUS_STYLES = {
+    "ok": "green",
+    "idle": "cyan",
+    "starting": "yellow",
+    "degraded": "red",
+    "backoff": "red",
+    "failed": "bold red",
+    "unreachable": "red",
+}
 
 
 class LauncherLog:
@@ -34,9 +41,11 @@ class LauncherLog:
         self.console = console or Console(stderr=True)
         self._json = structlog.wrap_logger(
             structlog.PrintLogger(sys.stderr),
-            processors=[structlog.processors.add_log_level,
-                        structlog.processors.TimeStamper(fmt="iso", utc=True),
-                        structlog.processors.JSONRenderer()],
+            processors=[
+                structlog.processors.add_log_level,
+                structlog.processors.TimeStamper(fmt="iso", utc=True),
+                structlog.processors.JSONRenderer(),
+            ],
         ).bind(service="launcher")
 
     def info(self, event: str, **fields: Any) -> None:
@@ -51,8 +60,9 @@ class LauncherLog:
             return
         style = "bold red" if level == "error" else "bold"
         pairs = " ".join(f"{key}={value}" for key, value in fields.items())
-        self.console.print(Text.assemble((time.strftime("%H:%M:%S "), "dim"),
-                                         (event, style), " ", pairs))
+        self.console.print(
+            Text.assemble((time.strftime("%H:%M:%S "), "dim"), (event, style), " ", pairs)
+        )
 
 
 def format_duration(seconds: float | None) -> str:
@@ -78,8 +88,15 @@ def service_status(child: ChildState, record: HealthRecord | None) -> tuple[str,
 class StatusView:
     """Shows the run while it lasts; call `refresh()` often, inside `with view:`."""
 
-    def __init__(self, log: LauncherLog, supervisor: Supervisor, monitor: HealthMonitor,
-                 nats_url: str, run_dir: Path, log_every_s: float = 5.0) -> None:
+    def __init__(
+        self,
+        log: LauncherLog,
+        supervisor: Supervisor,
+        monitor: HealthMonitor,
+        nats_url: str,
+        run_dir: Path,
+        log_every_s: float = 5.0,
+    ) -> None:
         self.log, self.supervisor, self.monitor = log, supervisor, monitor
         self.nats_url, self.run_dir = nats_url, run_dir
         self.log_every_s = log_every_s
@@ -93,8 +110,12 @@ class StatusView:
             self._live.__enter__()
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         if self._live:
             self._live.update(self.render())
             self._live.__exit__(exc_type, exc, tb)
@@ -119,9 +140,13 @@ class StatusView:
     def _header(self) -> Text:
         elapsed = format_duration(time.monotonic() - self.started_at)
         progress = "  ".join(f"{k}={v}" for k, v in self.trainer_progress().items())
-        return Text.assemble(("rlpipe demo  ", "bold"), f"nats {self.nats_url}  ",
-                             f"run {self.run_dir}  ", f"elapsed {elapsed}  ",
-                             (f"trainer {progress}" if progress else "", "bold cyan"))
+        return Text.assemble(
+            ("rlpipe demo  ", "bold"),
+            f"nats {self.nats_url}  ",
+            f"run {self.run_dir}  ",
+            f"elapsed {elapsed}  ",
+            (f"trainer {progress}" if progress else "", "bold cyan"),
+        )
 
     def _table(self) -> Table:
         table = Table(expand=True)
@@ -130,8 +155,14 @@ class StatusView:
         table.add_column("detail", overflow="fold")
         for name, child in self.supervisor.children.items():
             status, detail = service_status(child, self.monitor.records.get(name))
-            table.add_row(name, str(child.pid or "-"), Text(status, STATUS_STYLES.get(status, "")),
-                          str(child.restarts), format_duration(child.uptime_s), detail)
+            table.add_row(
+                name,
+                str(child.pid or "-"),
+                Text(status, STATUS_STYLES.get(status, "")),
+                str(child.restarts),
+                format_duration(child.uptime_s),
+                detail,
+            )
         return table
 
     def _log_status(self) -> None:
@@ -142,5 +173,10 @@ class StatusView:
         }
         restarts = {name: c.restarts for name, c in self.supervisor.children.items() if c.restarts}
         elapsed_s = round(time.monotonic() - self.started_at, 1)
-        self.log.info("status", elapsed_s=elapsed_s, services=services, restarts=restarts,
-                      **self.trainer_progress())
+        self.log.info(
+            "status",
+            elapsed_s=elapsed_s,
+            services=services,
+            restarts=restarts,
+            **self.trainer_progress(),
+        )

@@ -1,0 +1,47 @@
+# The two commands a new user needs: `make demo` and `make test`. Each installs what it
+# needs first: the virtualenv (.venv) and, for the tests, docker-compose and bubblewrap.
+
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+BIN := $(VENV)/bin
+INSTALLED := $(VENV)/.installed
+DEMO_ARGS ?=
+PYTEST_ARGS ?=
+
+.PHONY: demo test bench lint schema venv system-tools clean
+
+venv: $(INSTALLED)
+
+# Reinstalled when pyproject.toml changes. torch==2.13.0 is the CPU build on this kind of
+# machine; see README for the CUDA install.
+$(INSTALLED): pyproject.toml
+	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), f"Python >= 3.11 needed, found {sys.version.split()[0]}: set PYTHON=/path/to/python3.11"'
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	touch $(INSTALLED)
+
+system-tools:
+	@bash scripts/ensure_system_tools.sh
+
+demo: $(INSTALLED)
+	$(BIN)/rlpipe demo $(DEMO_ARGS)
+
+test: $(INSTALLED) system-tools
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+bench: $(INSTALLED)
+	@mkdir -p bench/results
+	$(BIN)/python bench/bus_bench.py
+	$(BIN)/python bench/weights_codec_bench.py
+
+lint: $(INSTALLED)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+
+schema: $(INSTALLED)
+	$(BIN)/python -m proto.schema
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache .mypy_cache .ruff_cache
