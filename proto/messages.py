@@ -36,8 +36,12 @@ class Task(Message, kw_only=True):
     env: str
     prompt: str
     group_size: int = 1
-    # Environment-specific inputs (e.g. the expected answer's parameters), opaque to the bus.
+    # Environment-specific inputs (e.g. the expected answer), opaque to the bus; never shown
+    # to the policy.
     spec: dict[str, Any] = msgspec.field(default_factory=dict)
+    # Workers roll this task out only with weights of at least this version: the synchronous
+    # baseline tags each batch with the version it must use; 0 means any version.
+    min_policy_version: int = 0
     created_at: float = 0.0
 
 
@@ -46,6 +50,8 @@ class Turn(msgspec.Struct, kw_only=True):
 
     role: Literal["system", "user", "assistant", "tool"]
     token_ids: list[int]
+    # The decoded text, for reward, judges and people; training uses token_ids only.
+    text: str = ""
     # Logprob of each sampled token under the distribution it was sampled from; empty for
     # turns the policy did not generate (prompt, tool results).
     logprobs: list[float] = msgspec.field(default_factory=list)
@@ -96,49 +102,106 @@ class ScoredRollout(Message, kw_only=True):
     scored_at: float = 0.0
 
 
-class TensorEntry(msgspec.Struct, kw_only=True):
-    """One tensor of a weight version: what it is and how it travels."""
+# --- Weights -------------------------------------------------------------------------------
+# The delta codec (libs/weights) uses these structs as its manifest: one definition, here.
+# Hashes are sha256 truncated to 16 bytes, as lowercase hex ("sha256-128").
+
+WEIGHT_FORMAT_VERSION = 1
+WEIGHT_HASH_NAME = "sha256-128"
+
+# same: identical to the base (costs this entry only); delta: patched from the base;
+# whole: sent in full (new, reshaped, retyped, or the version is a snapshot).
+TensorChange = Literal["same", "delta", "whole"]
+
+
+class TensorEntry(msgspec.Struct, frozen=True, kw_only=True):
+    """One tensor of a weight version and how it travels."""
 
     name: str
-    dtype: str
+    dtype: str  # safetensors dtype name, e.g. "BF16"
     shape: list[int]
-    # "same" (unchanged, costs a flag), "delta" (against the base) or "full".
-    encoding: Literal["same", "delta", "full"]
-    # Hash of the tensor's bytes in the target version.
-    digest: str
+    change: TensorChange
+    digest: str  # hash of the tensor's bytes in the target version
+    num_changed: int  # elements that differ from the base (numel for `whole`)
 
 
-class ChunkRef(msgspec.Struct, kw_only=True):
-    """Where one chunk of a weight version is stored and how to check it."""
+class ChunkRef(msgspec.Struct, frozen=True, kw_only=True):
+    """What the manifest knows about a chunk before fetching it.
+
+    Chunk `index` of a version is stored on subject `weight_chunk_subject(version, kind,
+    index)` of the chunk stream (proto.subjects), one message per subject.
+    """
 
     index: int
-    subject: str
-    payload_bytes: int
-    payload_digest: str
+    num_bytes: int  # size of the msgpack-encoded chunk (the stored message body)
+    payload_hash: str  # hash of the chunk's compressed payload
+    tensors: list[str]  # names the chunk writes, in order
 
 
-class WeightManifest(msgspec.Struct, kw_only=True):
-    """Everything a receiver needs to rebuild a version from its base and the chunks."""
+class WeightManifest(msgspec.Struct, frozen=True, kw_only=True):
+    """A versioned delta or snapshot: the target's tensors, removed names and chunk list."""
 
+    format_version: int
+    version: int
+    base_version: int | None  # None for a snapshot
+    base_hash: str | None  # version hash of the base; None for a snapshot
+    target_hash: str  # hash of the whole target version (names, dtypes, shapes, bytes)
     tensors: list[TensorEntry]
+    removed: list[str]
     chunks: list[ChunkRef]
-    codec: str = "rlpipe-delta/1"
+    hash_name: str = WEIGHT_HASH_NAME
+
+    @property
+    def is_snapshot(self) -> bool:
+        """True when the manifest needs no base."""
+        return self.base_version is None
+
+
+WeightKind = Literal["delta", "snapshot"]
 
 
 class WeightAnnouncement(Message, kw_only=True):
-    """A new policy version is available: a delta on `base_version`, or a snapshot."""
+    """A new policy version is stored: a delta on `base_version`, or a snapshot.
+
+    A version that is a snapshot point is announced twice: first as a delta (for workers
+    holding the previous version), then as a snapshot (for late joiners). Chunks live on the
+    chunk stream under `weight_chunk_subject(version, kind, index)`.
+    """
 
     SCHEMA: ClassVar[str] = "weight_announcement"
 
     version: int
     # None for a snapshot (no base needed).
     base_version: int | None
-    kind: Literal["delta", "snapshot"]
+    kind: WeightKind
     manifest: WeightManifest
-    # Hash of the whole target version (names, dtypes, shapes, bytes in canonical order).
+    # Hash of the whole target version (the manifest's target_hash).
     version_hash: str
+    # The snapshot the chain holding this version starts from (== version for a snapshot),
+    # and the number of deltas after it up to this one (0 for a snapshot).
+    snapshot_version: int
+    chain_length: int
+    # Bytes of the target version's tensors, and bytes of the stored chunks.
     model_bytes: int
     encoded_bytes: int
+    encode_s: float = 0.0
+    created_at: float = 0.0
+
+
+class WeightsStaged(Message, kw_only=True):
+    """The trainer's handoff to the weight-broadcaster: a new version is on disk.
+
+    The file is `<staging dir>/<file_name>` (safetensors), written completely before this is
+    published; the broadcaster owns it from then on and deletes it when it is no longer the
+    base of the next delta.
+    """
+
+    SCHEMA: ClassVar[str] = "weights_staged"
+
+    version: int
+    file_name: str
+    num_bytes: int  # size of the file, to catch a truncated copy
+    step: int | None = None  # trainer optimizer step, for logs
     created_at: float = 0.0
 
 
@@ -228,6 +291,7 @@ ALL_MESSAGES: tuple[type[Message], ...] = (
     Rollout,
     ScoredRollout,
     WeightAnnouncement,
+    WeightsStaged,
     ServedGeneration,
     FeedbackEvent,
     OnlineSample,
