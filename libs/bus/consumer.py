@@ -103,7 +103,7 @@ class PullConsumer(Generic[M]):
         publisher: Publisher,
         *,
         batch_size: int = 64,
-        concurrency: int = 16,
+        concurrency: int = 64,
         fetch_timeout_s: float = 1.0,
         backoff_s: tuple[float, ...] = DEFAULT_BACKOFF_S,
     ) -> None:
@@ -120,6 +120,8 @@ class PullConsumer(Generic[M]):
         self._stopping = asyncio.Event()
         self._in_flight: dict[asyncio.Task[None], Msg] = {}
         self.num_handled = 0
+        self._acked = HANDLED.labels(spec.durable, "acked")
+        self._handler_seconds = HANDLER_SECONDS.labels(spec.durable)
 
     async def run(self) -> None:
         """Fetch and handle until `stop` is called."""
@@ -129,10 +131,12 @@ class PullConsumer(Generic[M]):
             # Large messages (rollouts with long token lists) must not trip the slow-consumer limit.
             pending_bytes_limit=256 * 1024 * 1024,
         )
+        keep_alive = asyncio.create_task(self._keep_alive())
         try:
             while not self._stopping.is_set():
                 await self._fetch_and_dispatch(sub)
         finally:
+            keep_alive.cancel()
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
 
@@ -174,9 +178,8 @@ class PullConsumer(Generic[M]):
         await self._run_handler(msg, message, delivery)
 
     async def _run_handler(self, msg: Msg, message: M, delivery: Delivery) -> None:
-        heartbeat = asyncio.create_task(self._keep_alive(msg))
         try:
-            with HANDLER_SECONDS.labels(self.spec.durable).time():
+            with self._handler_seconds.time():
                 await self._handler(message, delivery)
         except PermanentError as exc:
             await self._dead_letter(msg, delivery, "rejected", str(exc))
@@ -184,11 +187,9 @@ class PullConsumer(Generic[M]):
         except Exception as exc:
             await self._retry_or_give_up(msg, delivery, exc)
             return
-        finally:
-            heartbeat.cancel()
         await msg.ack()
         self.num_handled += 1
-        HANDLED.labels(self.spec.durable, "acked").inc()
+        self._acked.inc()
 
     async def _retry_or_give_up(self, msg: Msg, delivery: Delivery, exc: Exception) -> None:
         if delivery.num_delivered >= self.spec.max_deliver:
@@ -206,11 +207,14 @@ class PullConsumer(Generic[M]):
         await msg.nak(delay=delay_s)
         HANDLED.labels(self.spec.durable, "nak").inc()
 
-    async def _keep_alive(self, msg: Msg) -> None:
-        """Tell the server we are still working, so a slow handler is not redelivered."""
+    async def _keep_alive(self) -> None:
+        """Every third of ack_wait, tell the server the messages still being handled are in
+        progress, so a slow handler is not redelivered (one ticker, not one task a message)."""
         while True:
             await asyncio.sleep(self.spec.ack_wait_s / 3)
-            await msg.in_progress()
+            for msg in list(self._in_flight.values()):
+                with contextlib.suppress(Exception):
+                    await msg.in_progress()
 
     async def _dead_letter(self, msg: Msg, delivery: Delivery, reason: str, error: str) -> None:
         letter = build_dead_letter(msg, delivery, self.spec.durable, reason, error)
