@@ -286,6 +286,107 @@ class DeadLetter(Message, kw_only=True):
     failed_at: float = 0.0
 
 
+# --- Environments --------------------------------------------------------------------------
+# Episodes over core NATS request/reply (not streams: a step is short-lived and retried by its
+# episode, not by the bus). Requests go to `env_op_subject(env, op)` for op in reset, step,
+# close, served by every env-gateway in queue group ENV_QUEUE_GROUP. A reset reply names the
+# subjects of the gateway instance that holds the episode (`step_subject`, `close_subject`):
+# send that episode's steps and close there, so replicas of env-gateway never see an episode
+# they do not hold. Error replies carry a kind (ENV_ERROR_* below; a plain string so a newer
+# gateway's kinds still decode) and end the episode: the gateway has forgotten it.
+
+ENV_ERROR_UNKNOWN_ENV = "unknown_env"  # no gateway serves this environment
+ENV_ERROR_UNKNOWN_EPISODE = "unknown_episode"  # never opened, already done, closed or expired
+ENV_ERROR_BAD_REQUEST = "bad_request"  # undecodable request, wrong env, step already running
+ENV_ERROR_ENV_CRASHED = "env_crashed"  # the environment raised
+ENV_ERROR_TIMEOUT = "timeout"  # a step ran past its limit, or no reply came in time
+ENV_ERROR_OVERLOADED = "overloaded"  # the gateway holds its maximum of open episodes
+ENV_ERROR_KINDS: tuple[str, ...] = (
+    ENV_ERROR_UNKNOWN_ENV,
+    ENV_ERROR_UNKNOWN_EPISODE,
+    ENV_ERROR_BAD_REQUEST,
+    ENV_ERROR_ENV_CRASHED,
+    ENV_ERROR_TIMEOUT,
+    ENV_ERROR_OVERLOADED,
+)
+
+
+class EnvResetRequest(Message, kw_only=True):
+    """Open episode `episode_id` (chosen by the caller, unique) on `task`.
+
+    A repeated reset of an open episode (a retry after a lost reply) returns the same opening.
+    """
+
+    SCHEMA: ClassVar[str] = "env_reset_request"
+
+    episode_id: str
+    task: Task
+
+
+class EnvResetReply(Message, kw_only=True):
+    """The opening observation of an episode and how to generate the first action."""
+
+    SCHEMA: ClassVar[str] = "env_reset_reply"
+
+    episode_id: str
+    observation: str = ""
+    # Most tokens the policy may generate for its next action, and texts that end it.
+    max_tokens: int = 0
+    stop: list[str] = msgspec.field(default_factory=list)
+    # Where this episode's steps and close go (the gateway instance holding it).
+    step_subject: str = ""
+    close_subject: str = ""
+    # Unix time after which the gateway forgets the episode.
+    deadline: float = 0.0
+    error: str = ""  # one of ENV_ERROR_KINDS; "" when the reset succeeded
+    error_message: str = ""
+
+
+class EnvStepRequest(Message, kw_only=True):
+    """The policy's action in an open episode."""
+
+    SCHEMA: ClassVar[str] = "env_step_request"
+
+    episode_id: str
+    action: str
+
+
+class EnvStepReply(Message, kw_only=True):
+    """What the action led to. `done` ends the episode (the gateway forgets it)."""
+
+    SCHEMA: ClassVar[str] = "env_step_reply"
+
+    episode_id: str
+    observation: str = ""
+    done: bool = False
+    # Environment-specific facts about the step, for logs and reward (never a reward itself).
+    info: dict[str, Any] = msgspec.field(default_factory=dict)
+    # For the next action when not done: 0 and [] mean "as in the reset reply".
+    max_tokens: int = 0
+    stop: list[str] = msgspec.field(default_factory=list)
+    error: str = ""  # one of ENV_ERROR_KINDS; "" when the step succeeded
+    error_message: str = ""
+
+
+class EnvCloseRequest(Message, kw_only=True):
+    """End an episode early (or make sure it is gone); closing twice is harmless."""
+
+    SCHEMA: ClassVar[str] = "env_close_request"
+
+    episode_id: str
+
+
+class EnvCloseReply(Message, kw_only=True):
+    """`closed` is False when the episode was not open (already done, closed or expired)."""
+
+    SCHEMA: ClassVar[str] = "env_close_reply"
+
+    episode_id: str
+    closed: bool = False
+    error: str = ""
+    error_message: str = ""
+
+
 ALL_MESSAGES: tuple[type[Message], ...] = (
     Task,
     Rollout,
@@ -296,4 +397,10 @@ ALL_MESSAGES: tuple[type[Message], ...] = (
     FeedbackEvent,
     OnlineSample,
     DeadLetter,
+    EnvResetRequest,
+    EnvResetReply,
+    EnvStepRequest,
+    EnvStepReply,
+    EnvCloseRequest,
+    EnvCloseReply,
 )

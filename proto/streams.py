@@ -73,15 +73,26 @@ ROLLOUTS_SCORED = StreamSpec(
     subjects=(subjects.ROLLOUTS_SCORED,),
     description="Scored episodes for the trainer; kept so a resumed trainer can replay.",
 )
+WEIGHTS_STAGED = StreamSpec(
+    name="RL_WEIGHTS_STAGED",
+    subjects=(subjects.WEIGHTS_STAGED,),
+    description="Weight versions the trainer staged on disk, for the weight-broadcaster.",
+    retention="workqueue",
+)
+# The weight-broadcaster deletes what no one needs (everything before the latest snapshot);
+# no age limit, or a long pause in training would expire the only snapshot.
 WEIGHTS_ANNOUNCE = StreamSpec(
     name="RL_WEIGHTS_ANNOUNCE",
-    subjects=(subjects.WEIGHTS_ANNOUNCE,),
-    description="Announcements of new policy versions (deltas and snapshots).",
+    subjects=(subjects.WEIGHTS_ANNOUNCE_ALL,),
+    description="Announcements of stored policy versions (deltas and snapshots).",
+    max_age_s=0.0,
+    allow_direct=True,
 )
 WEIGHT_CHUNKS = StreamSpec(
     name="RL_WEIGHT_CHUNKS",
     subjects=(subjects.WEIGHT_CHUNKS_ALL,),
     description="Encoded weight chunks, one subject per chunk, read by direct get.",
+    max_age_s=0.0,
     max_msg_bytes=8 * MIB,
     allow_direct=True,
 )
@@ -113,6 +124,7 @@ ALL_STREAMS: tuple[StreamSpec, ...] = (
     TASKS,
     ROLLOUTS_RAW,
     ROLLOUTS_SCORED,
+    WEIGHTS_STAGED,
     WEIGHTS_ANNOUNCE,
     WEIGHT_CHUNKS,
     SERVING_GENERATIONS,
@@ -158,6 +170,15 @@ JOINER_FEEDBACK = ConsumerSpec(
     description="Feedback events, joined with served generations.",
 )
 
+WEIGHT_BROADCASTER_STAGED = ConsumerSpec(
+    stream=WEIGHTS_STAGED.name,
+    durable="weight-broadcaster",
+    description="Staged versions, encoded one at a time and in order.",
+    # Encoding a large model takes minutes; the handler sends in-progress acks meanwhile.
+    ack_wait_s=60.0,
+    max_ack_pending=1,
+)
+
 ALL_CONSUMERS: tuple[ConsumerSpec, ...] = (
     ROLLOUT_WORKER_TASKS,
     REWARD_ROLLOUTS,
@@ -165,6 +186,7 @@ ALL_CONSUMERS: tuple[ConsumerSpec, ...] = (
     TRAINER_ONLINE,
     JOINER_GENERATIONS,
     JOINER_FEEDBACK,
+    WEIGHT_BROADCASTER_STAGED,
 )
 
 STATE = KeyValueSpec(

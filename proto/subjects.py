@@ -12,8 +12,13 @@ TASKS_ALL = "rl.tasks.>"
 ROLLOUTS_RAW_ALL = "rl.rollouts.raw.>"
 ROLLOUTS_SCORED = "rl.rollouts.scored"
 
-# Weights: announcements (small) and chunks (large, one subject per version).
-WEIGHTS_ANNOUNCE = "rl.weights.announce"
+# Weights. The trainer hands a staged version to the weight-broadcaster (WeightsStaged);
+# the broadcaster announces deltas and snapshots on two subjects (so the latest snapshot
+# is one last-by-subject read) and stores chunks one subject per chunk.
+WEIGHTS_STAGED = "rl.weights.staged"
+WEIGHTS_ANNOUNCE_ALL = "rl.weights.announce.>"
+WEIGHTS_ANNOUNCE_DELTA = "rl.weights.announce.delta"
+WEIGHTS_ANNOUNCE_SNAPSHOT = "rl.weights.announce.snapshot"
 WEIGHT_CHUNKS_ALL = "rl.weights.chunks.>"
 
 # The real-time path.
@@ -38,10 +43,24 @@ def rollout_raw_subject(env: str) -> str:
     return f"rl.rollouts.raw.{_token(env)}"
 
 
-def weight_chunk_subject(version: int, index: int) -> str:
-    """Subject of chunk `index` of weight version `version` (one subject per chunk, so
-    a fetcher reads any chunk directly by subject)."""
-    return f"rl.weights.chunks.{version}.{index}"
+def weights_announce_subject(kind: str) -> str:
+    """Announcement subject of a `delta` or a `snapshot`."""
+    if kind not in ("delta", "snapshot"):
+        raise ValueError(f"weight kind {kind!r}: use 'delta' or 'snapshot'")
+    return f"rl.weights.announce.{kind}"
+
+
+def weight_chunk_subject(version: int, kind: str, index: int) -> str:
+    """Subject of chunk `index` of the `delta` or `snapshot` of weight version `version`
+    (one subject per chunk, so a fetcher reads any chunk directly by subject)."""
+    if kind not in ("delta", "snapshot"):
+        raise ValueError(f"weight kind {kind!r}: use 'delta' or 'snapshot'")
+    return f"rl.weights.chunks.{int(version)}.{kind}.{int(index)}"
+
+
+def weight_chunks_filter(version: int, kind: str = "*") -> str:
+    """Filter matching every chunk of a version (of one kind, or of both with `*`)."""
+    return f"rl.weights.chunks.{int(version)}.{kind}.*"
 
 
 def env_op_subject(env: str, op: str) -> str:

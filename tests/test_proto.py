@@ -16,6 +16,12 @@ from proto.messages import (
     ChunkRef,
     CriterionScore,
     DeadLetter,
+    EnvCloseReply,
+    EnvCloseRequest,
+    EnvResetReply,
+    EnvResetRequest,
+    EnvStepReply,
+    EnvStepRequest,
     FeedbackEvent,
     Message,
     OnlineSample,
@@ -28,6 +34,7 @@ from proto.messages import (
     Turn,
     WeightAnnouncement,
     WeightManifest,
+    WeightsStaged,
 )
 
 TASK = Task(task_id="t1", env="add", prompt="12+30=", group_size=8, spec={"answer": 42})
@@ -66,19 +73,32 @@ EXAMPLES: list[Message] = [
         base_version=7,
         kind="delta",
         manifest=WeightManifest(
+            format_version=1,
+            version=8,
+            base_version=7,
+            base_hash="ab",
+            target_hash="ef",
             tensors=[
-                TensorEntry(name="w", dtype="BF16", shape=[2, 2], encoding="delta", digest="ab")
-            ],
-            chunks=[
-                ChunkRef(
-                    index=0, subject="rl.weights.chunks.8.0", payload_bytes=10, payload_digest="cd"
+                TensorEntry(
+                    name="w", dtype="BF16", shape=[2, 2], change="delta", digest="cd", num_changed=1
                 )
             ],
+            removed=[],
+            chunks=[ChunkRef(index=0, num_bytes=10, payload_hash="12", tensors=["w"])],
         ),
         version_hash="ef",
+        snapshot_version=5,
+        chain_length=3,
         model_bytes=8,
         encoded_bytes=10,
     ),
+    WeightsStaged(version=8, file_name="v8.safetensors", num_bytes=1234),
+    EnvResetRequest(episode_id="ep1", task=TASK),
+    EnvResetReply(episode_id="ep1", observation="12+30=", max_tokens=3, stop=["\n"]),
+    EnvStepRequest(episode_id="ep1", action="42"),
+    EnvStepReply(episode_id="ep1", done=True, info={"answer": "42"}),
+    EnvCloseRequest(episode_id="ep1"),
+    EnvCloseReply(episode_id="ep1", error="unknown_episode", error_message="no such episode"),
     GENERATION,
     FEEDBACK,
     OnlineSample(sample_id="s1", generation=GENERATION, feedback=FEEDBACK),

@@ -5,14 +5,14 @@
 Configured by RLPIPE_ENV_GATEWAY_* environment variables (see settings.py).
 """
 
-from libs.service import IdleService, run_service
+from libs.service import run_service
+from services.env_gateway.service import EnvGatewayService
 from services.env_gateway.settings import EnvGatewaySettings
-
-IDLE_REASON = "idle: environments (built-in task #3, sandboxed tool episodes #5) are not served yet"
 
 
 def main() -> None:
-    run_service(IdleService("env-gateway", IDLE_REASON), EnvGatewaySettings())
+    settings = EnvGatewaySettings()
+    run_service(EnvGatewayService(settings), settings)
 
 
 if __name__ == "__main__":

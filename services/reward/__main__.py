@@ -5,16 +5,14 @@
 Configured by RLPIPE_REWARD_* environment variables (see settings.py).
 """
 
-from libs.service import IdleService, run_service
+from libs.service import run_service
+from services.reward.service import RewardService
 from services.reward.settings import RewardSettings
-
-IDLE_REASON = (
-    "idle: scoring raw rollouts arrives with issue #3 (verifiable task) and #5 (rubrics, judges)"
-)
 
 
 def main() -> None:
-    run_service(IdleService("reward", IDLE_REASON), RewardSettings())
+    settings = RewardSettings()
+    run_service(RewardService(settings), settings)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,108 @@
+"""The environment plug-in interface and the registry of environments by name.
+
+An environment opens episodes on tasks (`reset`) and answers actions (`Episode.step`); it may
+also generate its own tasks (`task_source`), which is what the env-gateway's feeder publishes.
+env-gateway serves every registered environment over the bus; register your own with
+`register_env(MyEnv.name, MyEnv)` before the service starts.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from proto.messages import Task
+
+DEFAULT_MAX_TOKENS = 256
+
+
+class UnknownEnvError(KeyError):
+    """No environment is registered under this name."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else "unknown environment"
+
+
+@dataclass(frozen=True)
+class Opening:
+    """What the policy sees first, and how long its first action may be."""
+
+    observation: str
+    max_tokens: int = DEFAULT_MAX_TOKENS
+    stop: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What an action led to; `done` ends the episode."""
+
+    observation: str = ""
+    done: bool = False
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+class Episode(abc.ABC):
+    """One running episode: its state lives here, between steps."""
+
+    @abc.abstractmethod
+    async def step(self, action: str) -> StepResult:
+        """Apply the policy's `action` (its generated text)."""
+
+    async def close(self) -> None:  # noqa: B027  # optional hook: most episodes hold nothing
+        """Release what the episode holds (sandbox, files). Called once, also after errors."""
+
+
+class TaskSource(abc.ABC):
+    """Deterministic tasks by index: task `i` is the same in every process, so a feeder
+    that stored how far it got resumes without repeating or skipping a task."""
+
+    @abc.abstractmethod
+    def task(self, index: int) -> Task:
+        """The task at position `index` (>= 0)."""
+
+
+class Environment(abc.ABC):
+    """An environment kind, e.g. `arith`. One instance serves many episodes concurrently."""
+
+    name: ClassVar[str]
+
+    @abc.abstractmethod
+    async def reset(self, task: Task) -> tuple[Episode, Opening]:
+        """Open an episode on `task`. Raise ValueError for a task this env cannot run."""
+
+    def task_source(self, *, difficulty: int, group_size: int, seed: int) -> TaskSource:
+        """Tasks this environment generates itself, for the feeder."""
+        raise NotImplementedError(
+            f"environment {self.name!r} generates no tasks; publish its tasks to the bus yourself "
+            "and run env-gateway with feeder_mode=off"
+        )
+
+
+EnvFactory = Callable[[], Environment]
+
+_REGISTRY: dict[str, EnvFactory] = {}
+
+
+def register_env(name: str, factory: EnvFactory) -> None:
+    """Make environment `name` available to env-gateway, reward lookups and the feeder."""
+    if not name or any(c in name for c in ".*> \t\r\n"):
+        raise ValueError(f"environment name {name!r}: use letters, digits, '-' or '_' only")
+    _REGISTRY[name] = factory
+
+
+def env_names() -> list[str]:
+    """Names of every registered environment, sorted."""
+    return sorted(_REGISTRY)
+
+
+def make_env(name: str) -> Environment:
+    """A new instance of environment `name`; UnknownEnvError names the known ones."""
+    try:
+        factory = _REGISTRY[name]
+    except KeyError:
+        raise UnknownEnvError(
+            f"unknown environment {name!r}; registered: {', '.join(env_names()) or 'none'}"
+        ) from None
+    return factory()

@@ -1,0 +1,181 @@
+"""The task feeder: publishes an environment's tasks to the work queue.
+
+Two modes:
+- `async`: keep the rollout workers' queue (pending + in-progress tasks of the shared
+  consumer proto.streams.ROLLOUT_WORKER_TASKS) at `queue_depth_tasks`;
+- `sync`: the synchronous baseline: each time the trainer's policy version (KV bucket
+  proto.streams.STATE, key `policy_version`, an ASCII decimal integer) advances to v, publish
+  exactly `batch_groups` tasks tagged `min_policy_version=v`.
+Each task's msg id is its task_id, and how far the feeder got is stored in the same bucket
+(key `task_feeder.<env>`) after each publish, so a restarted feeder neither repeats nor skips.
+Run one feeder per environment (other gateway replicas: feeder_mode=off).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from typing import Literal
+
+import msgspec
+import structlog
+from nats.js import JetStreamContext
+from nats.js.errors import KeyDeletedError, KeyNotFoundError
+from nats.js.kv import KeyValue
+from prometheus_client import Counter, Gauge
+
+from libs.bus.publisher import Outgoing, Publisher
+from libs.envs.base import TaskSource
+from proto import streams
+from proto.messages import Task
+from proto.subjects import task_subject
+
+log = structlog.get_logger(__name__)
+
+FeederMode = Literal["async", "sync", "off"]
+POLICY_VERSION_KEY = "policy_version"
+MAX_FAILED_ROUNDS = 50
+
+TASKS_PUBLISHED = Counter("rlpipe_feeder_tasks_published_total", "Tasks published", ["env"])
+QUEUE_DEPTH = Gauge("rlpipe_feeder_queue_depth_tasks", "Tasks pending or in progress", ["env"])
+
+
+class FeederState(msgspec.Struct, kw_only=True):
+    """How far the feeder got: stored in KV so a restart resumes."""
+
+    next_index: int = 0
+    fed_version: int = -1  # policy version of the last sync batch; -1 before the first
+
+
+def feeder_state_key(env: str) -> str:
+    return f"task_feeder.{env}"
+
+
+async def read_policy_version(kv: KeyValue) -> int:
+    """The trainer's current policy version; 0 before it has written one."""
+    try:
+        entry = await kv.get(POLICY_VERSION_KEY)
+    except (KeyNotFoundError, KeyDeletedError):
+        return 0
+    try:
+        return int((entry.value or b"0").decode())
+    except ValueError:
+        raise ValueError(
+            f"KV {streams.STATE.bucket}/{POLICY_VERSION_KEY} holds {entry.value!r}; "
+            "the trainer must write the version as an ASCII decimal integer"
+        ) from None
+
+
+class TaskFeeder:
+    """Publishes tasks from `source` to `task_subject(env)` in `mode`."""
+
+    def __init__(
+        self,
+        js: JetStreamContext,
+        publisher: Publisher,
+        source: TaskSource,
+        *,
+        env: str,
+        mode: FeederMode,
+        queue_depth_tasks: int = 32,
+        batch_groups: int = 8,
+        poll_interval_s: float = 0.2,
+    ) -> None:
+        self._js = js
+        self._publisher = publisher
+        self._source = source
+        self.env = env
+        self.mode = mode
+        self.queue_depth_tasks = queue_depth_tasks
+        self.batch_groups = batch_groups
+        self.poll_interval_s = poll_interval_s
+        self.state = FeederState()
+        self.num_published = 0
+        self._kv: KeyValue | None = None
+        self._stopping = asyncio.Event()
+
+    async def start(self) -> None:
+        """Open the state bucket and resume from the stored position."""
+        self._kv = await self._js.key_value(streams.STATE.bucket)
+        try:
+            entry = await self._kv.get(feeder_state_key(self.env))
+            self.state = msgspec.json.decode(entry.value or b"{}", type=FeederState)
+        except (KeyNotFoundError, KeyDeletedError):
+            self.state = FeederState()
+        log.info("feeder ready", env=self.env, mode=self.mode, next_index=self.state.next_index)
+
+    async def run(self) -> None:
+        """Feed every `poll_interval_s` until `stop`; raise after `MAX_FAILED_ROUNDS` failed
+        rounds in a row (a bus that stays unreachable), taking the service down loudly."""
+        failures = 0
+        while self.mode != "off" and not self._stopping.is_set():
+            try:
+                await self.feed_once()
+                failures = 0
+            except Exception as exc:  # the bus restarting, a publish timing out: retry
+                failures += 1
+                log.warning("feeder round failed", env=self.env, failures=failures, error=repr(exc))
+                if failures >= MAX_FAILED_ROUNDS:
+                    raise
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stopping.wait(), timeout=self.poll_interval_s)
+
+    def stop(self) -> None:
+        self._stopping.set()
+
+    async def feed_once(self) -> int:
+        """One round of the mode's rule; returns the number of tasks published."""
+        if self.mode == "async":
+            return await self._top_up()
+        if self.mode == "sync":
+            return await self._feed_new_version()
+        return 0
+
+    async def queue_depth(self) -> int:
+        """Tasks waiting for a worker plus tasks a worker holds unacked."""
+        spec = streams.ROLLOUT_WORKER_TASKS
+        info = await self._js.consumer_info(spec.stream, spec.durable)
+        depth = int(info.num_pending or 0) + int(info.num_ack_pending or 0)
+        QUEUE_DEPTH.labels(self.env).set(depth)
+        return depth
+
+    async def _top_up(self) -> int:
+        missing = self.queue_depth_tasks - await self.queue_depth()
+        if missing <= 0:
+            return 0
+        return await self._publish(missing, min_policy_version=0)
+
+    async def _feed_new_version(self) -> int:
+        assert self._kv is not None, "call start() first"
+        version = await read_policy_version(self._kv)
+        if version <= self.state.fed_version:
+            return 0
+        count = await self._publish(self.batch_groups, min_policy_version=version, fed=version)
+        log.info("fed a sync batch", env=self.env, version=version, tasks=count)
+        return count
+
+    async def _publish(self, count: int, *, min_policy_version: int, fed: int | None = None) -> int:
+        first = self.state.next_index
+        now = time.time()
+        tasks: list[Task] = [
+            msgspec.structs.replace(
+                self._source.task(index), min_policy_version=min_policy_version, created_at=now
+            )
+            for index in range(first, first + count)
+        ]
+        subject = task_subject(self.env)
+        await self._publisher.publish_many(Outgoing(subject, t, msg_id=t.task_id) for t in tasks)
+        # Stored after the publish: a crash in between republishes the same ids (deduplicated).
+        self.state = FeederState(
+            next_index=first + count,
+            fed_version=self.state.fed_version if fed is None else fed,
+        )
+        await self._save_state()
+        self.num_published += count
+        TASKS_PUBLISHED.labels(self.env).inc(count)
+        return count
+
+    async def _save_state(self) -> None:
+        assert self._kv is not None, "call start() first"
+        await self._kv.put(feeder_state_key(self.env), msgspec.json.encode(self.state))

@@ -1,0 +1,74 @@
+"""The env-gateway service object: serves every registered environment and feeds tasks."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from libs.bus.connection import Bus
+from libs.bus.publisher import Publisher
+from libs.envs import env_names, make_env
+from libs.envs.feeder import TaskFeeder
+from libs.envs.server import EnvServer, ServerLimits
+from libs.service import Service
+from services.env_gateway.settings import EnvGatewaySettings
+
+
+class EnvGatewayService(Service):
+    """Answers reset/step/close for every registered env; feeds tasks of `settings.env`."""
+
+    name = "env-gateway"
+
+    def __init__(self, settings: EnvGatewaySettings) -> None:
+        super().__init__()
+        self.settings = settings
+        self.server: EnvServer | None = None
+        self.feeder: TaskFeeder | None = None
+
+    async def start(self, bus: Bus) -> None:
+        await super().start(bus)
+        s = self.settings
+        envs = {name: make_env(name) for name in env_names()}
+        if s.env not in envs:
+            raise ValueError(f"env {s.env!r} is not registered; known: {', '.join(sorted(envs))}")
+        limits = ServerLimits(s.episode_timeout_s, s.step_timeout_s, s.max_open_episodes)
+        self.server = EnvServer(bus.nc, envs, limits)
+        if s.feeder_mode != "off":
+            source = envs[s.env].task_source(
+                difficulty=s.difficulty, group_size=s.group_size, seed=s.seed
+            )
+            self.feeder = TaskFeeder(
+                bus.js,
+                Publisher(bus.js),
+                source,
+                env=s.env,
+                mode=s.feeder_mode,
+                queue_depth_tasks=s.queue_depth_tasks,
+                batch_groups=s.batch_groups,
+                poll_interval_s=s.feeder_poll_interval_s,
+            )
+            await self.feeder.start()
+        await self.server.start()
+        self.status = "ok"
+        self.detail = f"serving {', '.join(sorted(envs))}; feeder {s.feeder_mode}"
+
+    async def run(self) -> None:
+        assert self.server is not None, "start() first"
+        jobs = [self.server.run()] + ([self.feeder.run()] if self.feeder else [])
+        await asyncio.gather(*jobs)
+
+    async def stop(self) -> None:
+        await super().stop()
+        if self.feeder is not None:
+            self.feeder.stop()
+        if self.server is not None:
+            await self.server.stop()
+
+    def health(self) -> dict[str, Any]:
+        return {
+            **super().health(),
+            "episodes_open": len(self.server.episodes) if self.server else 0,
+            "tasks_published": self.feeder.num_published if self.feeder else 0,
+            "feeder_mode": self.settings.feeder_mode,
+            "next_task_index": self.feeder.state.next_index if self.feeder else 0,
+        }

@@ -1,0 +1,143 @@
+"""The reward service object: raw rollouts in, scored rollouts (with breakdown) out.
+
+Each raw rollout is scored by its environment's rubric (libs.reward) and published to
+ROLLOUTS_SCORED with msg id = rollout_id, then acked: a redelivered rollout is scored again
+but stored once. A rollout of an environment without a rubric, or without its task, is
+dead-lettered.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import Any
+
+from prometheus_client import Counter, Gauge
+
+from libs.bus.connection import Bus
+from libs.bus.consumer import Delivery, PermanentError, PullConsumer
+from libs.bus.publisher import Publisher
+from libs.reward import Rubric, UnknownRubricError, rubric_for, score_rollout
+from libs.service import Service
+from proto import streams, subjects
+from proto.messages import Rollout, ScoredRollout
+from services.reward.settings import RewardSettings
+
+SCORED = Counter("rlpipe_reward_rollouts_scored_total", "Rollouts scored", ["env"])
+UNSCORED = Counter(
+    "rlpipe_reward_rollouts_unscored_total", "Rollouts a criterion could not score", ["env"]
+)
+MEAN_REWARD = Gauge(
+    "rlpipe_reward_mean_reward", "Mean reward of the latest scored rollouts", ["env"]
+)
+MEAN_CRITERION = Gauge(
+    "rlpipe_reward_criterion_mean_score",
+    "Mean score of each criterion over the latest scored rollouts",
+    ["env", "criterion"],
+)
+
+
+class RewardWindow:
+    """Running means over the latest `size` scored rollouts of one env."""
+
+    def __init__(self, size: int) -> None:
+        self.rewards: deque[float] = deque(maxlen=size)
+        self.criteria: dict[str, deque[float]] = {}
+        self._size = size
+
+    def add(self, scored: ScoredRollout) -> None:
+        self.rewards.append(scored.reward)
+        for criterion in scored.criteria:
+            self.criteria.setdefault(criterion.name, deque(maxlen=self._size)).append(
+                criterion.score
+            )
+
+    @property
+    def mean_reward(self) -> float:
+        return sum(self.rewards) / len(self.rewards) if self.rewards else 0.0
+
+    def criterion_means(self) -> dict[str, float]:
+        return {name: sum(v) / len(v) for name, v in self.criteria.items() if v}
+
+
+class RewardService(Service):
+    """Scores every raw rollout of the bus."""
+
+    name = "reward"
+
+    def __init__(self, settings: RewardSettings) -> None:
+        super().__init__()
+        self.settings = settings
+        self.consumer: PullConsumer[Rollout] | None = None
+        self.publisher: Publisher | None = None
+        self.num_scored = 0
+        self.num_unscored = 0
+        self.windows: dict[str, RewardWindow] = {}
+        self._rubrics: dict[str, Rubric] = {}
+
+    async def start(self, bus: Bus) -> None:
+        await super().start(bus)
+        self.publisher = Publisher(bus.js)
+        self.consumer = PullConsumer(
+            bus.js,
+            streams.REWARD_ROLLOUTS,
+            Rollout,
+            self.on_rollout,
+            self.publisher,
+            batch_size=self.settings.batch_size,
+            concurrency=self.settings.concurrency,
+            fetch_timeout_s=self.settings.fetch_timeout_s,
+        )
+        self.status = "ok"
+        self.detail = "scoring raw rollouts"
+
+    async def run(self) -> None:
+        assert self.consumer is not None, "start() first"
+        await self.consumer.run()
+
+    async def stop(self) -> None:
+        await super().stop()
+        if self.consumer is not None:
+            await self.consumer.stop(grace_s=self.settings.drain_timeout_s)
+
+    async def on_rollout(self, rollout: Rollout, delivery: Delivery) -> None:
+        """Score, publish, and only then (on return) let the consumer ack."""
+        assert self.publisher is not None
+        if rollout.task is None:
+            raise PermanentError(f"rollout {rollout.rollout_id} carries no task to score against")
+        scored = score_rollout(self._rubric(rollout.env), rollout, rollout.task, time.time())
+        ack = await self.publisher.publish(
+            subjects.ROLLOUTS_SCORED, scored, msg_id=rollout.rollout_id
+        )
+        if not ack.duplicate:
+            self._record(scored)
+
+    def _rubric(self, env: str) -> Rubric:
+        if env not in self._rubrics:
+            try:
+                self._rubrics[env] = rubric_for(env)
+            except UnknownRubricError as exc:
+                raise PermanentError(str(exc)) from exc
+        return self._rubrics[env]
+
+    def _record(self, scored: ScoredRollout) -> None:
+        env = scored.rollout.env
+        if not scored.scored:
+            self.num_unscored += 1
+            UNSCORED.labels(env).inc()
+            return
+        self.num_scored += 1
+        SCORED.labels(env).inc()
+        window = self.windows.setdefault(env, RewardWindow(self.settings.mean_window_rollouts))
+        window.add(scored)
+        MEAN_REWARD.labels(env).set(window.mean_reward)
+        for name, mean in window.criterion_means().items():
+            MEAN_CRITERION.labels(env, name).set(mean)
+
+    def health(self) -> dict[str, Any]:
+        return {
+            **super().health(),
+            "rollouts_scored": self.num_scored,
+            "rollouts_unscored": self.num_unscored,
+            "mean_reward": {env: round(w.mean_reward, 4) for env, w in self.windows.items()},
+        }

@@ -1,0 +1,235 @@
+"""env-gateway on a real nats-server: episodes over request/reply with typed errors, and the
+task feeder in its async (queue depth) and sync (one batch per policy version) modes."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import ClassVar
+
+import pytest
+
+from libs.bus import wire
+from libs.bus.connection import Bus
+from libs.bus.provision import provision
+from libs.envs import base as envs_base
+from libs.envs.arithmetic import ArithmeticTasks
+from libs.envs.base import Environment, Episode, Opening, StepResult
+from libs.envs.client import EnvClient, EnvError
+from proto import messages as m
+from proto import streams
+from proto.messages import Task
+from services.env_gateway.service import EnvGatewayService
+from services.env_gateway.settings import EnvGatewaySettings
+from tests.conftest import wait_for
+
+TASK = ArithmeticTasks(difficulty=1, group_size=4, seed=0).task(0)
+
+
+class ToolEpisode(Episode):
+    """Multi-turn: "ok" continues, "end" finishes, "boom" raises, "hang" never returns."""
+
+    closed: ClassVar[list[str]] = []
+
+    def __init__(self, task_id: str) -> None:
+        self.task_id = task_id
+        self.turns = 0
+
+    async def step(self, action: str) -> StepResult:
+        self.turns += 1
+        if action == "boom":
+            raise RuntimeError("the tool crashed")
+        if action == "hang":
+            await asyncio.Event().wait()
+        return StepResult(observation=f"turn {self.turns}", done=action == "end")
+
+    async def close(self) -> None:
+        ToolEpisode.closed.append(self.task_id)
+
+
+class ToolEnv(Environment):
+    name: ClassVar[str] = "test-tool"
+
+    async def reset(self, task: Task) -> tuple[Episode, Opening]:
+        return ToolEpisode(task.task_id), Opening(observation="hello", max_tokens=5, stop=("\n",))
+
+
+def tool_task(task_id: str) -> Task:
+    return Task(task_id=task_id, env="test-tool", prompt="hello")
+
+
+@pytest.fixture
+async def start_gateway(
+    bus: Bus, monkeypatch: pytest.MonkeyPatch
+) -> AsyncIterator[Callable[..., object]]:
+    """Starts gateways in-process (settings as keyword arguments); stops them all after."""
+    monkeypatch.setitem(envs_base._REGISTRY, ToolEnv.name, ToolEnv)
+    await provision(bus.js)
+    running: list[tuple[EnvGatewayService, asyncio.Task[None]]] = []
+
+    async def start(**overrides: object) -> EnvGatewayService:
+        fields: dict[str, object] = {"feeder_mode": "off", "feeder_poll_interval_s": 0.05}
+        fields.update(overrides)
+        service = EnvGatewayService(EnvGatewaySettings(**fields))  # type: ignore[arg-type]
+        await service.start(bus)
+        running.append((service, asyncio.create_task(service.run())))
+        return service
+
+    yield start
+    for service, task in running:
+        await service.stop()
+        await asyncio.wait_for(task, timeout=10)
+
+
+async def test_an_arith_episode_over_request_reply(bus: Bus, start_gateway: Callable) -> None:
+    gateway: EnvGatewayService = await start_gateway()
+    client = EnvClient(bus.nc)
+
+    opening = await client.reset(TASK, episode_id="ep-1")
+    assert opening.observation == TASK.prompt
+    assert opening.max_tokens == len(TASK.spec["answer"]) + 1 and opening.stop == []
+    assert gateway.server is not None and gateway.server.instance_id in opening.step_subject
+    assert gateway.health()["episodes_open"] == 1
+    again = await client.reset(TASK, episode_id="ep-1")  # a retried reset: same episode
+    assert again.observation == opening.observation and gateway.health()["episodes_open"] == 1
+
+    reply = await client.step("ep-1", "arith", TASK.spec["answer"])
+    assert reply.done and reply.info == {"correct": True}
+    assert gateway.health()["episodes_open"] == 0 and client.num_open == 0
+    assert await client.close("ep-1", "arith") is False  # already done: harmless
+
+
+async def test_a_multi_turn_episode_and_its_close(bus: Bus, start_gateway: Callable) -> None:
+    gateway: EnvGatewayService = await start_gateway()
+    client = EnvClient(bus.nc)
+    opening = await client.reset(tool_task("multi"), episode_id="ep-multi")
+    assert (opening.observation, opening.max_tokens, opening.stop) == ("hello", 5, ["\n"])
+    first = await client.step("ep-multi", "test-tool", "ok")
+    second = await client.step("ep-multi", "test-tool", "ok")
+    assert (first.observation, first.done, second.observation) == ("turn 1", False, "turn 2")
+    assert await client.close("ep-multi", "test-tool") is True
+    assert "multi" in ToolEpisode.closed and gateway.health()["episodes_open"] == 0
+
+
+async def test_errors_are_typed_replies_and_the_gateway_keeps_serving(
+    bus: Bus, start_gateway: Callable
+) -> None:
+    gateway: EnvGatewayService = await start_gateway(step_timeout_s=0.3)
+    client = EnvClient(bus.nc)
+
+    async def kind_of(call: object) -> str:
+        with pytest.raises(EnvError) as caught:
+            await call  # type: ignore[misc]
+        return caught.value.kind
+
+    assert await kind_of(client.step("never-opened", "arith", "1")) == m.ENV_ERROR_UNKNOWN_EPISODE
+    chess = Task(task_id="c1", env="chess", prompt="e4")
+    assert await kind_of(client.reset(chess, timeout_s=2)) == m.ENV_ERROR_UNKNOWN_ENV
+    no_answer = Task(task_id="bad", env="arith", prompt="1=", spec={})
+    assert await kind_of(client.reset(no_answer)) == m.ENV_ERROR_BAD_REQUEST
+
+    await client.reset(tool_task("crash"), episode_id="ep-crash")
+    assert await kind_of(client.step("ep-crash", "test-tool", "boom")) == m.ENV_ERROR_ENV_CRASHED
+    await client.reset(tool_task("hang"), episode_id="ep-hang")
+    assert await kind_of(client.step("ep-hang", "test-tool", "hang")) == m.ENV_ERROR_TIMEOUT
+    # Both episodes ended cleanly: forgotten and closed.
+    assert await kind_of(client.step("ep-crash", "test-tool", "ok")) == m.ENV_ERROR_UNKNOWN_EPISODE
+    assert {"crash", "hang"} <= set(ToolEpisode.closed)
+
+    garbage = await bus.nc.request("rl.env.arith.step", b"\xc1", timeout=2)
+    reply = wire.decode(m.EnvStepReply, garbage.data, dict(garbage.headers or {}))
+    assert reply.error == m.ENV_ERROR_BAD_REQUEST
+
+    await client.reset(TASK, episode_id="ep-after")  # still serving
+    assert (await client.step("ep-after", "arith", "x")).info == {"correct": False}
+    assert gateway.health()["episodes_open"] == 0
+
+
+async def test_expired_episodes_are_closed(bus: Bus, start_gateway: Callable) -> None:
+    gateway: EnvGatewayService = await start_gateway()
+    client = EnvClient(bus.nc)
+    opening = await client.reset(tool_task("old"), episode_id="ep-old")
+    assert opening.deadline > time.time()
+    assert gateway.server is not None
+    assert await gateway.server.close_expired(now=opening.deadline + 1) == 1
+    assert "old" in ToolEpisode.closed
+    with pytest.raises(EnvError) as caught:
+        await client.step("ep-old", "test-tool", "ok")
+    assert caught.value.kind == m.ENV_ERROR_UNKNOWN_EPISODE
+
+
+async def worker_queue(bus: Bus) -> tuple[int, int]:
+    spec = streams.ROLLOUT_WORKER_TASKS
+    info = await bus.js.consumer_info(spec.stream, spec.durable)
+    return int(info.num_pending), int(info.num_ack_pending)
+
+
+async def stored_tasks(bus: Bus) -> list[Task]:
+    info = await bus.js.stream_info(streams.TASKS.name)
+    tasks = []
+    for seq in range(info.state.first_seq, info.state.last_seq + 1):
+        raw = await bus.js.get_msg(streams.TASKS.name, seq)
+        tasks.append(wire.decode(Task, raw.data or b"", dict(raw.headers or {})))
+    return tasks
+
+
+async def test_async_feeder_keeps_the_queue_at_depth(bus: Bus, start_gateway: Callable) -> None:
+    gateway: EnvGatewayService = await start_gateway(feeder_mode="async", queue_depth_tasks=5)
+    assert gateway.feeder is not None
+
+    async def queue_is(pending: int, acking: int) -> bool:
+        return await worker_queue(bus) == (pending, acking)
+
+    await wait_for(lambda: queue_is(5, 0), what="5 queued tasks")
+    queued = await stored_tasks(bus)
+    assert [t.task_id for t in queued] == [f"arith-d0-s0-{i}" for i in range(5)]
+    assert queued[0].prompt == ArithmeticTasks(difficulty=0, group_size=8, seed=0).task(0).prompt
+
+    sub = await bus.js.pull_subscribe_bind(
+        durable=streams.ROLLOUT_WORKER_TASKS.durable, stream=streams.TASKS.name
+    )
+    taken = await sub.fetch(3, timeout=2)
+    # Tasks a worker holds count toward the depth: nothing more is published for them.
+    assert await gateway.feeder.feed_once() == 0
+    for msg in taken:
+        await msg.ack()
+    await wait_for(lambda: queue_is(5, 0), what="the queue topped up again")
+    assert gateway.feeder.num_published == 8
+    assert await gateway.feeder.feed_once() == 0
+    assert gateway.health()["tasks_published"] == 8
+    await sub.unsubscribe()
+
+
+async def test_sync_feeder_publishes_one_tagged_batch_per_version(
+    bus: Bus, start_gateway: Callable
+) -> None:
+    gateway: EnvGatewayService = await start_gateway(feeder_mode="sync", batch_groups=3)
+    kv = await bus.js.key_value(streams.STATE.bucket)
+
+    async def published(n: int) -> bool:
+        return gateway.feeder is not None and gateway.feeder.num_published == n
+
+    await wait_for(lambda: published(3), what="the batch for version 0")
+    await kv.put("policy_version", b"1")
+    await wait_for(lambda: published(6), what="the batch for version 1")
+    await kv.put("policy_version", b"1")  # the same version again: no new batch
+    assert gateway.feeder is not None and await gateway.feeder.feed_once() == 0
+    await kv.put("policy_version", b"3")
+    await wait_for(lambda: published(9), what="the batch for version 3")
+
+    tasks = await stored_tasks(bus)
+    assert [t.min_policy_version for t in tasks] == [0, 0, 0, 1, 1, 1, 3, 3, 3]
+    assert len({t.task_id for t in tasks}) == 9
+
+    # A restarted gateway resumes where the last one stopped: no repeat, no extra batch.
+    await gateway.stop()
+    again: EnvGatewayService = await start_gateway(feeder_mode="sync", batch_groups=3)
+    assert again.feeder is not None
+    assert (again.feeder.state.next_index, again.feeder.state.fed_version) == (9, 3)
+    assert await again.feeder.feed_once() == 0
+    await kv.put("policy_version", b"4")
+    await wait_for(lambda: again.feeder is not None and again.feeder.num_published == 3)
+    assert [t.task_id for t in (await stored_tasks(bus))[9:]] == [
+        f"arith-d0-s0-{i}" for i in (9, 10, 11)
+    ]
