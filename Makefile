@@ -34,6 +34,7 @@ bench: $(INSTALLED)
 	@mkdir -p bench/results
 	$(BIN)/python bench/bus_bench.py
 	$(BIN)/python bench/weights_codec_bench.py
+	$(BIN)/python bench/weights_transport_bench.py
 
 lint: $(INSTALLED)
 	$(BIN)/ruff check .

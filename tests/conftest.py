@@ -29,6 +29,7 @@ async def bus(nats_server: NatsServer) -> AsyncIterator[Bus]:
         nats_server.start()  # a test that stopped the server and failed before restarting it
     connection = await connect_bus(nats_server.url, name="pytest")
     for info in await connection.js.streams_info():
+        assert info.config.name is not None
         await connection.js.delete_stream(info.config.name)
     yield connection
     if not connection.nc.is_closed:

@@ -8,6 +8,12 @@ CorruptDeltaError. `finish()` raises MissingChunkError unless every chunk was ap
 drops removed tensors and, with `verify_full=True`, rehashes the whole result against the
 manifest's target hash. Chunks touch disjoint elements, so `apply` may run concurrently.
 
+`apply` is `commit(prepare(chunk))`: `prepare` only reads the state (decode, verify), so a
+live model can keep serving while it runs; `commit` writes the changed elements. Tensors the
+target adds are inserted into the state by `finish`. With `reuse_whole=True`, a whole tensor
+(a snapshot's) whose name, dtype and shape match a tensor of the state is written into it
+in place instead of replacing it, so a model's parameters take a snapshot too.
+
 `decode(base, manifest, chunks)` does the same into a copy of the base.
 """
 
@@ -16,6 +22,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterable, MutableMapping
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -28,6 +35,19 @@ from libs.weights.targets import CpuRange
 from libs.weights.tensors import RawTensor, State, as_raw, empty_raw, kind_of, like_kind, raw_state
 
 
+@dataclass(frozen=True)
+class PreparedChunk:
+    """A verified, decoded chunk: where to write what (see `DeltaApplier.prepare`)."""
+
+    index: int
+    writes: list[tuple[CpuRange, Any]]  # (target range, Written) per piece
+
+    @property
+    def num_written(self) -> int:
+        """Elements this chunk writes."""
+        return sum(t.size if w.positions is None else int(w.positions.size) for t, w in self.writes)
+
+
 class DeltaApplier:
     """Applies the chunks of one manifest to a mutable CPU state (numpy or torch) in place."""
 
@@ -37,6 +57,8 @@ class DeltaApplier:
         manifest: Manifest,
         current: VersionInfo | None = None,
         kind: str = "auto",
+        *,
+        reuse_whole: bool = False,
     ) -> None:
         """Check the base and prepare new tensors. `current` is what the receiver holds (None:
         hash the state now); `kind` is the type of new tensors ('auto' follows the state)."""
@@ -45,6 +67,8 @@ class DeltaApplier:
         if not manifest.is_snapshot:
             _check_base(state, manifest, current)
         self._kind = _output_kind(state, kind)
+        self._reuse_whole = reuse_whole
+        self._added: dict[str, Any] = {}  # new tensors, inserted into the state by finish()
         self._raw: dict[str, RawTensor] = {}
         self._refs = {ref.index: ref for ref in manifest.chunks}
         self._pending = set(self._refs)
@@ -66,13 +90,27 @@ class DeltaApplier:
                     f"the delta expects {entry.dtype}{entry.shape}"
                 )
             return raw
-        raw = empty_raw(entry.dtype, tuple(entry.shape))
-        self.state[entry.name] = like_kind(raw, self._kind)
-        return as_raw(self.state[entry.name])
+        if self._reuse_whole and entry.name in self.state:
+            raw = as_raw(self.state[entry.name])
+            if raw.dtype == entry.dtype and list(raw.shape) == entry.shape:
+                if not raw.data.flags.writeable:
+                    raise ValueError(f"tensor {entry.name!r} is read-only; cannot write in place")
+                return raw
+        tensor = like_kind(empty_raw(entry.dtype, tuple(entry.shape)), self._kind)
+        self._added[entry.name] = tensor
+        return as_raw(tensor)
 
-    def apply(self, chunk: Chunk) -> None:
+    def apply(self, chunk: Chunk, *, check_payload: bool = True) -> None:
         """Verify one chunk and write its changes; raises CorruptDeltaError without writing."""
-        header = self._check_header(chunk)
+        self.commit(self.prepare(chunk, check_payload=check_payload))
+
+    def prepare(self, chunk: Chunk, *, check_payload: bool = True) -> PreparedChunk:
+        """Verify and decode one chunk without writing (reads the state only).
+
+        `check_payload=False` skips rehashing the payload when the caller already checked it
+        against the manifest (the transport does, on fetch); the output hash is always checked.
+        """
+        header = self._check_header(chunk, check_payload)
         try:
             streams = _split_payload(chunk)
         except ValueError as exc:  # stream lists of different lengths
@@ -93,15 +131,21 @@ class DeltaApplier:
             raise CorruptDeltaError(
                 f"chunk {header.index}: decoded bytes do not match its output hash"
             )
-        for target, written in writes:
+        return PreparedChunk(header.index, writes)
+
+    def commit(self, prepared: PreparedChunk) -> None:
+        """Write a prepared chunk's changes into the state."""
+        with self._lock:
+            if prepared.index not in self._pending:
+                raise MissingChunkError(f"chunk {prepared.index} was already applied")
+            self._pending.discard(prepared.index)
+        for target, written in prepared.writes:
             if written.positions is None:
                 target.write_all(written.values)
             else:
                 target.scatter(written.positions, written.values)
-        with self._lock:
-            self._pending.discard(header.index)
 
-    def _check_header(self, chunk: Chunk) -> Any:
+    def _check_header(self, chunk: Chunk, check_payload: bool = True) -> Any:
         header = chunk.header
         manifest = self.manifest
         if header.target_hash != manifest.target_hash or header.version != manifest.version:
@@ -119,7 +163,7 @@ class DeltaApplier:
                 raise MissingChunkError(
                     f"chunk {header.index} is not pending (unknown or applied twice)"
                 )
-        if digest(chunk.payload).hex() != header.payload_hash:
+        if check_payload and digest(chunk.payload).hex() != header.payload_hash:
             raise CorruptDeltaError(f"chunk {header.index}: payload does not match its hash")
         if self._refs[header.index].payload_hash != header.payload_hash:
             raise CorruptDeltaError(
@@ -147,6 +191,8 @@ class DeltaApplier:
         if self._pending:
             missing = sorted(self._pending)
             raise MissingChunkError(f"{len(missing)} chunk(s) not applied, first: {missing[:5]}")
+        self.state.update(self._added)
+        self._added = {}
         for name in self.manifest.removed:
             self.state.pop(name, None)
         if verify_full:

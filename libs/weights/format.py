@@ -8,7 +8,8 @@ names removed, and a reference to each chunk. A chunk carries one or more pieces
 element range of one tensor each) and is decodable on its own. Hashes are sha256 truncated to
 16 bytes, as lowercase hex (hashing.py).
 
-The lead mirrors `Manifest` into proto/; keep these plain Structs.
+The manifest structs are defined once, in proto/ (the weight announcement carries the
+manifest); they are re-exported here under the codec's names.
 """
 
 from __future__ import annotations
@@ -17,53 +18,32 @@ from typing import Literal
 
 import msgspec
 
-FORMAT_VERSION = 1
-HASH_NAME = "sha256-128"
+from proto.messages import WEIGHT_FORMAT_VERSION as FORMAT_VERSION
+from proto.messages import WEIGHT_HASH_NAME as HASH_NAME
+from proto.messages import ChunkRef, TensorEntry
+from proto.messages import TensorChange as Change
+from proto.messages import WeightManifest as Manifest
 
-Change = Literal["same", "delta", "whole"]
+__all__ = [
+    "FORMAT_VERSION",
+    "HASH_NAME",
+    "Change",
+    "Chunk",
+    "ChunkHeader",
+    "ChunkRef",
+    "Encoding",
+    "Manifest",
+    "PieceHeader",
+    "TensorEntry",
+    "VersionInfo",
+    "encode_chunk",
+    "encode_manifest",
+]
+
 # sparse_add: gap-coded positions + zigzag (new - old mod 2^bits) values;
 # sparse_xor: gap-coded positions + byte planes of (new ^ old);
 # dense_xor: byte planes of (new ^ old) over the whole range; raw: byte planes of new.
 Encoding = Literal["sparse_add", "sparse_xor", "dense_xor", "raw"]
-
-
-class TensorEntry(msgspec.Struct, frozen=True, kw_only=True):
-    """One tensor of the target version and how it travels."""
-
-    name: str
-    dtype: str  # safetensors dtype name, e.g. "BF16"
-    shape: list[int]
-    change: Change
-    digest: str  # hash of the tensor's bytes (see hashing.tensor_digest)
-    num_changed: int  # elements that differ from the base (numel for `whole`)
-
-
-class ChunkRef(msgspec.Struct, frozen=True, kw_only=True):
-    """What the manifest knows about a chunk before fetching it."""
-
-    index: int
-    num_bytes: int  # size of the msgpack-encoded Chunk
-    payload_hash: str
-    tensors: list[str]  # names the chunk writes, in order
-
-
-class Manifest(msgspec.Struct, frozen=True, kw_only=True):
-    """A versioned delta or snapshot: the target's tensors, removed names and chunk list."""
-
-    format_version: int
-    version: int
-    base_version: int | None  # None for a snapshot
-    base_hash: str | None  # version hash of the base; None for a snapshot
-    target_hash: str  # version hash of the target (see hashing.version_hash)
-    tensors: list[TensorEntry]
-    removed: list[str]
-    chunks: list[ChunkRef]
-    hash_name: str = HASH_NAME
-
-    @property
-    def is_snapshot(self) -> bool:
-        """True when the manifest needs no base."""
-        return self.base_version is None
 
 
 class PieceHeader(msgspec.Struct, frozen=True, kw_only=True):

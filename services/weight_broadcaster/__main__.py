@@ -2,20 +2,19 @@
 
     rlpipe run weight-broadcaster        (or: python -m services.weight_broadcaster)
 
-Configured by RLPIPE_WEIGHT_BROADCASTER_* environment variables (see settings.py).
+It consumes versions the trainer staged (libs/weights/handoff.py), encodes deltas and
+snapshots, stores chunks and announces them (libs/weights/broadcaster.py). Configured by
+RLPIPE_WEIGHT_BROADCASTER_* environment variables (see settings.py).
 """
 
-from libs.service import IdleService, run_service
+from libs.service import run_service
+from services.weight_broadcaster.service import WeightBroadcasterService
 from services.weight_broadcaster.settings import WeightBroadcasterSettings
-
-IDLE_REASON = (
-    "idle: the delta transport over the bus arrives with issue #4 (the codec exists: "
-    "rlpipe weights)"
-)
 
 
 def main() -> None:
-    run_service(IdleService("weight-broadcaster", IDLE_REASON), WeightBroadcasterSettings())
+    settings = WeightBroadcasterSettings()
+    run_service(WeightBroadcasterService(settings), settings)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """Settings of the weight-broadcaster service, from RLPIPE_WEIGHT_BROADCASTER_* variables."""
 
+from pathlib import Path
 from typing import ClassVar
 
 from pydantic import Field
@@ -15,3 +16,26 @@ class WeightBroadcasterSettings(ServiceSettings):
     model_config = SettingsConfigDict(env_prefix=env_prefix("weight-broadcaster"), extra="ignore")
 
     http_port: int = Field(9105, ge=0, le=65535, description="Port of /healthz and /metrics")
+    staging_dir: Path | None = Field(
+        None,
+        description="Folder the trainer stages versions in (shared with it); "
+        "default <run_dir>/weights-staging",
+    )
+    snapshot_every_versions: int = Field(
+        10, ge=1, description="Deltas between full snapshots (K); the first version is one"
+    )
+    max_chunk_bytes: int = Field(
+        1 << 20,
+        ge=16 << 10,
+        le=8 << 20,
+        description="Largest stored chunk in bytes (capped at the server's max payload)",
+    )
+    zstd_level: int = Field(3, ge=1, le=19, description="zstd level of chunk payloads")
+    encode_threads: int = Field(2, ge=1, description="Threads for scanning, hashing, encoding")
+    publish_in_flight: int = Field(
+        16, ge=1, description="Chunk publishes awaiting their stream ack at a time"
+    )
+
+    def resolved_staging_dir(self) -> Path:
+        """The staging folder: the setting, or <run_dir>/weights-staging."""
+        return self.staging_dir or self.run_dir / "weights-staging"

@@ -1,0 +1,341 @@
+"""The weight-broadcaster's logic: staged versions in, stored chunks and announcements out.
+
+For each staged version (libs/weights/handoff.py), in order:
+
+1. encode a delta against the previous version (the codec, bit-exact; the base is the
+   previous staged file, memory-mapped), store its chunks (transport.py) and announce it on
+   `rl.weights.announce.delta`;
+2. every `snapshot_every` deltas, and for the first version, also encode the full version,
+   store it and announce it on `rl.weights.announce.snapshot` (after the delta, so a worker
+   one version behind takes the small delta and a late joiner the snapshot);
+3. after a snapshot at version v, purge everything before v from the chunk and announce
+   streams (by sequence: versions are stored in order): no receiver needs it, since a late
+   one catches up from snapshot v plus the deltas after it (receiver.py);
+4. delete staged files older than v; the latest stays as the next delta's base.
+
+Its state lives on the bus, not in memory: every announcement carries its chain position
+(snapshot_version, chain_length), so a restarted broadcaster reads the last delta and the last
+snapshot announcements (two direct gets), and takes the base of the next delta from the
+staged file if it is still there and hashes right, else rebuilds it from the bus (snapshot
+plus deltas, as a receiver). A staged version that is already announced (a redelivery after
+a crash) is skipped, or finished if its snapshot was still due.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import structlog
+from prometheus_client import Counter, Gauge, Histogram
+
+from libs.bus.connection import Bus
+from libs.bus.consumer import Delivery, PermanentError
+from libs.bus.publisher import Publisher
+from libs.weights.encoder import EncodeOptions, encode, encode_snapshot
+from libs.weights.errors import WeightsError
+from libs.weights.format import Chunk, Manifest
+from libs.weights.handoff import load_staged, remove_staged_before, staged_file_name
+from libs.weights.hashing import state_hash
+from libs.weights.receiver import WeightReceiver, latest_announcement
+from libs.weights.tensors import RawTensor
+from libs.weights.transport import StoredChunks, store_chunks
+from proto import streams
+from proto.messages import WeightAnnouncement, WeightKind, WeightsStaged
+from proto.subjects import weight_chunks_filter, weights_announce_subject
+
+log = structlog.get_logger(__name__)
+
+ENCODE_SECONDS = Histogram(
+    "rlpipe_weights_encode_seconds",
+    "Time to encode a version",
+    ["kind"],
+    buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0),
+)
+STORE_SECONDS = Histogram(
+    "rlpipe_weights_store_seconds",
+    "Time to store a version's chunks on the bus",
+    ["kind"],
+    buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0),
+)
+STORED_BYTES = Counter(
+    "rlpipe_weights_stored_bytes_total", "Bytes of weight chunks stored on the bus", ["kind"]
+)
+MODEL_BYTES = Counter(
+    "rlpipe_weights_model_bytes_total", "Bytes of model versions encoded", ["kind"]
+)
+COMPRESSION_RATIO = Gauge(
+    "rlpipe_weights_compression_ratio",
+    "Model bytes over stored bytes of the latest version",
+    ["kind"],
+)
+LATEST_VERSION = Gauge("rlpipe_weights_latest_version", "Latest announced policy version")
+SNAPSHOT_VERSION = Gauge("rlpipe_weights_snapshot_version", "Version of the latest snapshot")
+CHAIN_LENGTH = Gauge("rlpipe_weights_chain_length", "Deltas announced since the latest snapshot")
+
+
+@dataclass(frozen=True)
+class ChainHead:
+    """The latest announced version and its place in the snapshot chain."""
+
+    version: int
+    hash: str
+    snapshot_version: int
+    chain_length: int  # deltas after the snapshot, up to and including `version`
+
+
+class WeightBroadcaster:
+    """Encodes, stores and announces staged versions; keeps the chain on the bus."""
+
+    def __init__(
+        self,
+        bus: Bus,
+        publisher: Publisher,
+        staging_dir: str | Path,
+        *,
+        snapshot_every: int = 10,
+        options: EncodeOptions | None = None,
+        announce_stream: str = streams.WEIGHTS_ANNOUNCE.name,
+        chunk_stream: str = streams.WEIGHT_CHUNKS.name,
+    ) -> None:
+        if snapshot_every < 1:
+            raise ValueError(f"snapshot_every must be >= 1, got {snapshot_every}")
+        self._bus = bus
+        self._publisher = publisher
+        self.staging_dir = Path(staging_dir)
+        self.snapshot_every = snapshot_every
+        self.options = options or EncodeOptions()
+        self._announce_stream = announce_stream
+        self._chunk_stream = chunk_stream
+        self.head: ChainHead | None = None
+        self._base: Mapping[str, RawTensor] | None = None  # the state of head.version
+        self.num_handled = 0
+
+    # ---- recovery ----------------------------------------------------------------------
+
+    async def recover(self) -> ChainHead | None:
+        """Read the chain's head from the announce stream (after a restart, or the first start)."""
+        delta = await latest_announcement(self._bus.js, "delta", self._announce_stream)
+        snapshot = await latest_announcement(self._bus.js, "snapshot", self._announce_stream)
+        found = [entry[1] for entry in (delta, snapshot) if entry is not None]
+        if found:
+            # At a snapshot point the delta and the snapshot share a version: the snapshot wins.
+            last = max(found, key=lambda a: (a.version, a.kind == "snapshot"))
+            self._set_head(ChainHead(last.version, last.version_hash, last.snapshot_version,
+                                     last.chain_length))  # fmt: skip
+        log.info("weight chain recovered", head=self.head)
+        return self.head
+
+    async def _base_state(self) -> Mapping[str, RawTensor] | None:
+        """The state of head.version: in memory, the staged file, or rebuilt from the bus."""
+        head = self.head
+        if self._base is not None or head is None:
+            return self._base
+        path = self.staging_dir / staged_file_name(head.version)
+        if path.is_file():
+            staged = load_staged(
+                self.staging_dir,
+                WeightsStaged(version=head.version, file_name=path.name,
+                              num_bytes=path.stat().st_size),
+            )  # fmt: skip
+            if await asyncio.to_thread(state_hash, staged, self.options.threads) == head.hash:
+                self._base = staged
+                return staged
+            log.warning("staged file does not hash to the announced version", path=str(path))
+        self._base = await self._rebuild(head)
+        return self._base
+
+    async def _rebuild(self, head: ChainHead) -> dict[str, RawTensor] | None:
+        """Decode head.version from the bus (latest snapshot + deltas); None if it cannot."""
+        receiver = WeightReceiver(
+            self._bus, new_tensor_kind="raw", threads=self.options.threads,
+            announce_stream=self._announce_stream, chunk_stream=self._chunk_stream,
+        )  # fmt: skip
+        state: dict[str, Any] = {}
+        try:
+            held = await receiver.catch_up(state, version=head.version, timeout_s=600.0)
+        except (WeightsError, TimeoutError) as exc:
+            log.error("cannot rebuild the chain head from the bus", error=repr(exc))
+            return None
+        finally:
+            await receiver.close()
+        if held.version != head.version or held.hash != head.hash:
+            log.error("rebuilt state is not the chain head", held=held, head=head)
+            return None
+        log.info("rebuilt the chain head from the bus", version=head.version)
+        return state
+
+    # ---- handling a staged version -----------------------------------------------------
+
+    async def on_staged(self, message: WeightsStaged, delivery: Delivery | None = None) -> None:
+        """Handle one staged version (the consumer's handler; idempotent on redelivery)."""
+        head = self.head
+        if head is not None and message.version < head.version:
+            log.warning("stale staged version ignored", version=message.version, head=head.version)
+            return
+        try:
+            new = load_staged(self.staging_dir, message)
+        except ValueError as exc:
+            raise PermanentError(str(exc)) from exc
+        if head is not None and message.version == head.version:
+            await self._finish_announced(message.version, new)
+            return
+        base = await self._base_state() if head is not None else None
+        if head is not None and base is not None:
+            await self._publish_delta(head, base, new, message.version)
+            snapshot_due = self._snapshot_due()
+        else:
+            if head is not None:
+                log.error("chain base unavailable; starting a new chain", version=message.version)
+            snapshot_due = True
+        if snapshot_due:
+            await self._publish_snapshot(new, message.version)
+        self._base = new
+        remove_staged_before(self.staging_dir, message.version)
+        self.num_handled += 1
+
+    async def _finish_announced(self, version: int, new: Mapping[str, RawTensor]) -> None:
+        """A redelivered version that is already announced: same bytes, snapshot if due."""
+        head = self.head
+        assert head is not None
+        got = await asyncio.to_thread(state_hash, new, self.options.threads)
+        if got != head.hash:
+            raise PermanentError(
+                f"version {version} is already announced with hash {head.hash}; the staged "
+                f"file hashes to {got}. Versions must increase: stage it as a new version"
+            )
+        if self._snapshot_due():
+            await self._publish_snapshot(new, version)
+        self._base = new
+        log.info("staged version already announced", version=version)
+
+    def _snapshot_due(self) -> bool:
+        head = self.head
+        return head is not None and head.chain_length >= self.snapshot_every
+
+    async def _publish_delta(
+        self,
+        head: ChainHead,
+        base: Mapping[str, RawTensor],
+        new: Mapping[str, RawTensor],
+        version: int,
+    ) -> None:
+        started = time.perf_counter()
+        manifest, chunks = await asyncio.to_thread(
+            encode, base, new, base_version=head.version, version=version,
+            options=self.options, base_hash=head.hash,
+        )  # fmt: skip
+        encode_s = time.perf_counter() - started
+        chain_length = head.chain_length + 1
+        await self._store_and_announce(
+            "delta", manifest, chunks, new, encode_s, head.snapshot_version, chain_length
+        )
+        self._set_head(ChainHead(version, manifest.target_hash, head.snapshot_version,
+                                 chain_length))  # fmt: skip
+
+    async def _publish_snapshot(self, new: Mapping[str, RawTensor], version: int) -> None:
+        started = time.perf_counter()
+        manifest, chunks = await asyncio.to_thread(
+            encode_snapshot, new, version=version, options=self.options
+        )
+        encode_s = time.perf_counter() - started
+        await self._store_and_announce("snapshot", manifest, chunks, new, encode_s, version, 0)
+        self._set_head(ChainHead(version, manifest.target_hash, version, 0))
+        await self._purge_before(version)
+
+    async def _store_and_announce(
+        self,
+        kind: WeightKind,
+        manifest: Manifest,
+        chunks: list[Chunk],
+        new: Mapping[str, RawTensor],
+        encode_s: float,
+        snapshot_version: int,
+        chain_length: int,
+    ) -> None:
+        max_payload = self._bus.nc.max_payload
+        stored: StoredChunks = await store_chunks(self._publisher, manifest, chunks, max_payload)
+        model_bytes = sum(t.data.size for t in new.values())
+        announcement = WeightAnnouncement(
+            version=manifest.version,
+            base_version=manifest.base_version,
+            kind=kind,
+            manifest=manifest,
+            version_hash=manifest.target_hash,
+            snapshot_version=snapshot_version,
+            chain_length=chain_length,
+            model_bytes=model_bytes,
+            encoded_bytes=stored.num_bytes,
+            encode_s=encode_s,
+            created_at=time.time(),
+        )
+        size = len(msgspec.msgpack.encode(announcement))
+        if size > max_payload:
+            raise ValueError(
+                f"the announcement of version {manifest.version} is {size} bytes, above the "
+                f"server's max payload {max_payload}: raise max_chunk_bytes (fewer chunks) or "
+                "the server's max_payload"
+            )
+        await self._publisher.publish(
+            weights_announce_subject(kind),
+            announcement,
+            msg_id=f"announce.{manifest.version}.{kind}.{manifest.target_hash}",
+        )
+        ENCODE_SECONDS.labels(kind).observe(encode_s)
+        STORE_SECONDS.labels(kind).observe(stored.seconds)
+        STORED_BYTES.labels(kind).inc(stored.num_bytes)
+        MODEL_BYTES.labels(kind).inc(model_bytes)
+        COMPRESSION_RATIO.labels(kind).set(model_bytes / max(stored.num_bytes, 1))
+        log.info(
+            "weight version announced",
+            version=manifest.version,
+            kind=kind,
+            base=manifest.base_version,
+            chunks=len(chunks),
+            stored_mb=round(stored.num_bytes / 1e6, 3),
+            ratio=round(model_bytes / max(stored.num_bytes, 1), 1),
+            encode_s=round(encode_s, 3),
+            store_s=round(stored.seconds, 3),
+        )
+
+    async def _purge_before(self, version: int) -> None:
+        """Delete chunks and announcements of every version before `version`."""
+        js = self._bus.js
+        try:
+            first = await js.get_msg(
+                self._chunk_stream, seq=1, subject=weight_chunks_filter(version), next=True,
+                direct=True,
+            )  # fmt: skip
+        except Exception as exc:  # nothing stored for this version would be our bug: say so
+            log.error("cannot find the first chunk of the snapshot version", error=repr(exc))
+            return
+        if first.seq and first.seq > 1:
+            await js.purge_stream(self._chunk_stream, seq=first.seq)
+        delta = await latest_announcement(js, "delta", self._announce_stream)
+        snapshot = await latest_announcement(js, "snapshot", self._announce_stream)
+        keep = [e[0] for e in (delta, snapshot) if e is not None and e[1].version == version]
+        if keep and min(keep) > 1:
+            await js.purge_stream(self._announce_stream, seq=min(keep))
+        log.info("purged versions before the snapshot", snapshot=version, chunk_seq=first.seq)
+
+    def _set_head(self, head: ChainHead) -> None:
+        self.head = head
+        LATEST_VERSION.set(head.version)
+        SNAPSHOT_VERSION.set(head.snapshot_version)
+        CHAIN_LENGTH.set(head.chain_length)
+
+    def health(self) -> dict[str, Any]:
+        """Chain state for /healthz."""
+        head = self.head
+        return {
+            "latest_version": head.version if head else None,
+            "snapshot_version": head.snapshot_version if head else None,
+            "chain_length": head.chain_length if head else 0,
+            "snapshot_every": self.snapshot_every,
+            "versions_handled": self.num_handled,
+        }

@@ -1,0 +1,389 @@
+"""Receive weight versions from the bus and apply them in place: the rollout-worker's side.
+
+    receiver = WeightReceiver(bus, current=None)        # None: a new worker, no weights yet
+    while True:
+        update = await receiver.next_update()             # fetched + verified, not applied
+        await asyncio.to_thread(receiver.decode, update, state)   # optional, off the lock
+        with engine_lock:
+            pause_s = receiver.apply(update, state)       # writes only the changed elements
+
+How it follows the chain (catch-up is derived from the streams; no request/reply, so it
+works while the broadcaster is down): the receiver reads RL_WEIGHTS_ANNOUNCE with its own
+ephemeral pull consumer that starts at the latest snapshot announcement (one direct get,
+last by subject `rl.weights.announce.snapshot`), or at the start of the stream when there is
+none. In stream order it then takes, skipping everything at or below the version it holds:
+a snapshot newer than what it holds; a delta whose base is exactly what it holds (version
+and hash). A delta on another base is a gap (a missed or refused version): the receiver
+restarts from the latest snapshot if that is newer than what it holds, otherwise it skips
+until the next snapshot. A new or late worker therefore catches up with the latest snapshot
+plus the deltas after it, and a worker that is one version behind takes only the delta
+(a snapshot point announces the delta first, then the snapshot).
+
+`next_update` fetches every chunk with many direct gets in flight (libs/weights/transport.py)
+and raises MissingChunkError / CorruptDeltaError, applying nothing, when the version cannot
+be had intact; the next call moves on (to the snapshot of the same version, or the next one).
+`apply` refuses an update whose base is not the version held (BaseMismatchError), writes
+the chunks in place through the codec's DeltaApplier (deltas touch only changed elements;
+snapshots write into same-named tensors of the same dtype and shape), and returns the pause
+in seconds (exported as rlpipe_weights_apply_pause_seconds). With `verify_full` it then
+rehashes the whole state against the version hash; a mismatch raises CorruptDeltaError and
+the receiver holds "unknown" until the next snapshot.
+
+The state is a mutable mapping name -> CPU tensor (numpy, torch, RawTensor) sharing memory
+with the model, e.g. `dict(model.state_dict())` for a contiguous CPU torch model. Tensors a
+version adds are inserted into that mapping (not into a module); removed ones are dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import MutableMapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import nats.errors
+import structlog
+from nats.js import JetStreamContext
+from nats.js import api as js_api
+from nats.js.errors import NotFoundError
+from prometheus_client import Counter, Gauge, Histogram
+
+from libs.bus import wire
+from libs.bus.connection import Bus
+from libs.weights.applier import DeltaApplier, PreparedChunk
+from libs.weights.errors import BaseMismatchError, CorruptDeltaError
+from libs.weights.format import Chunk, VersionInfo
+from libs.weights.hashing import state_hash
+from libs.weights.tensors import raw_state
+from libs.weights.transport import (
+    DEFAULT_ATTEMPTS,
+    DEFAULT_MAX_IN_FLIGHT_BYTES,
+    DEFAULT_PARALLEL,
+    FetchResult,
+    fetch_chunks,
+)
+from proto import streams
+from proto.messages import WeightAnnouncement
+from proto.subjects import WEIGHTS_ANNOUNCE_ALL, weights_announce_subject
+
+log = structlog.get_logger(__name__)
+
+APPLY_PAUSE_SECONDS = Histogram(
+    "rlpipe_weights_apply_pause_seconds",
+    "Time the model was paused while a version was written into it",
+    buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
+)
+FETCH_SECONDS = Histogram(
+    "rlpipe_weights_fetch_seconds",
+    "Time to fetch and verify every chunk of a version",
+    ["kind"],
+    buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0),
+)
+UPDATES = Counter("rlpipe_weights_updates_total", "Weight versions by outcome", ["kind", "outcome"])
+RECEIVED_VERSION = Gauge(
+    "rlpipe_weights_received_version", "Policy version the receiver's model holds (-1: unknown)"
+)
+
+
+@dataclass
+class PreparedUpdate:
+    """A version whose chunks are fetched and verified, not yet applied."""
+
+    announcement: WeightAnnouncement
+    fetch: FetchResult
+    # Set by WeightReceiver.decode: the applier bound to a state and its decoded chunks.
+    applier: DeltaApplier | None = field(default=None, repr=False)
+    decoded: list[PreparedChunk] = field(default_factory=list, repr=False)
+    decoded_for: int | None = field(default=None, repr=False)  # id() of the decoded state
+
+    @property
+    def version(self) -> int:
+        return self.announcement.version
+
+    @property
+    def kind(self) -> str:
+        return self.announcement.kind
+
+    @property
+    def chunks(self) -> list[Chunk]:
+        return self.fetch.chunks
+
+
+class WeightReceiver:
+    """Follows weight announcements and turns them into in-place updates of a state."""
+
+    def __init__(
+        self,
+        bus: Bus,
+        *,
+        current: VersionInfo | None = None,
+        parallel: int = DEFAULT_PARALLEL,
+        max_in_flight_bytes: int = DEFAULT_MAX_IN_FLIGHT_BYTES,
+        attempts: int = DEFAULT_ATTEMPTS,
+        fetch_timeout_s: float = 10.0,
+        verify_full: bool = True,
+        threads: int = 1,
+        new_tensor_kind: str = "auto",
+        announce_stream: str = streams.WEIGHTS_ANNOUNCE.name,
+        chunk_stream: str = streams.WEIGHT_CHUNKS.name,
+        poll_timeout_s: float = 1.0,
+    ) -> None:
+        self._bus = bus
+        self._current = current
+        self._parallel = parallel
+        self._max_in_flight_bytes = max_in_flight_bytes
+        self._attempts = attempts
+        self._fetch_timeout_s = fetch_timeout_s
+        self.verify_full = verify_full
+        self._threads = threads
+        self._kind = new_tensor_kind
+        self._announce_stream = announce_stream
+        self._chunk_stream = chunk_stream
+        self._poll_timeout_s = poll_timeout_s
+        self._sub: JetStreamContext.PullSubscription | None = None
+        self._next_seq: int | None = None  # where a re-created consumer resumes
+        self.last_pause_s: float | None = None
+        RECEIVED_VERSION.set(_gauge_version(current))
+
+    @property
+    def current(self) -> VersionInfo | None:
+        """What the state holds, as far as this receiver knows (None: nothing or unknown)."""
+        return self._current
+
+    def reset(self, current: VersionInfo | None) -> None:
+        """Declare what the state holds after the caller loaded weights some other way."""
+        self._current = current
+        RECEIVED_VERSION.set(_gauge_version(current))
+
+    # ---- following announcements ---------------------------------------------------------
+
+    async def next_update(self) -> PreparedUpdate:
+        """Wait for the next version this receiver can apply and fetch it (verified).
+
+        Raises MissingChunkError / CorruptDeltaError when that version cannot be had intact;
+        nothing is applied, and the next call moves on.
+        """
+        while True:
+            announcement = await self._next_announcement()
+            if not await self._wanted(announcement):
+                continue
+            kind = announcement.kind
+            try:
+                fetched = await fetch_chunks(
+                    self._bus.nc,
+                    announcement.manifest,
+                    stream=self._chunk_stream,
+                    parallel=self._parallel,
+                    max_in_flight_bytes=self._max_in_flight_bytes,
+                    attempts=self._attempts,
+                    timeout_s=self._fetch_timeout_s,
+                )
+            except CorruptDeltaError as exc:  # MissingChunkError included
+                UPDATES.labels(kind, "refused").inc()
+                log.error(
+                    "weight version refused",
+                    version=announcement.version,
+                    kind=kind,
+                    error=str(exc),
+                )
+                raise
+            FETCH_SECONDS.labels(kind).observe(fetched.seconds)
+            log.info(
+                "weight version fetched",
+                version=announcement.version,
+                kind=kind,
+                mb=round(fetched.num_bytes / 1e6, 2),
+                mb_per_s=round(fetched.mb_per_s, 1),
+            )
+            return PreparedUpdate(announcement, fetched)
+
+    async def _wanted(self, announcement: WeightAnnouncement) -> bool:
+        """Whether to take this announcement; on a gap, reposition to the latest snapshot."""
+        current = self._current
+        held = current.version if current is not None else None
+        if held is not None and announcement.version <= held:
+            return False
+        if announcement.kind == "snapshot":
+            return True
+        if current is not None and _is_base(announcement, current):
+            return True
+        snapshot = await self._latest_snapshot()
+        if snapshot is not None and (held is None or snapshot[1].version > held):
+            log.warning(
+                "weight chain gap; catching up from the latest snapshot",
+                held=held,
+                delta=announcement.version,
+                base=announcement.base_version,
+                snapshot=snapshot[1].version,
+            )
+            await self._reposition(snapshot[0])
+        else:
+            log.warning(
+                "weight delta on another base; waiting for the next snapshot",
+                held=held,
+                delta=announcement.version,
+                base=announcement.base_version,
+            )
+        return False
+
+    async def _next_announcement(self) -> WeightAnnouncement:
+        """The next announcement in stream order (waits for one)."""
+        while True:
+            try:
+                sub = await self._subscription()
+                msgs = await sub.fetch(1, timeout=self._poll_timeout_s)
+            except nats.errors.TimeoutError:
+                continue
+            except (nats.errors.Error, NotFoundError) as exc:
+                # The server restarted or dropped our consumer: resume where we were.
+                log.warning("announcement consumer lost; re-creating", error=repr(exc))
+                await self._drop_subscription()
+                await asyncio.sleep(self._poll_timeout_s / 2)
+                continue
+            msg = msgs[0]
+            self._next_seq = msg.metadata.sequence.stream + 1
+            try:
+                return wire.decode(WeightAnnouncement, msg.data, msg.headers)
+            except wire.InvalidMessage as exc:
+                log.error(
+                    "unreadable weight announcement skipped", seq=self._next_seq - 1, error=str(exc)
+                )
+
+    async def _subscription(self) -> JetStreamContext.PullSubscription:
+        if self._sub is None:
+            start = self._next_seq
+            if start is None:
+                snapshot = await self._latest_snapshot()
+                start = snapshot[0] if snapshot is not None else None
+            config = js_api.ConsumerConfig(
+                deliver_policy=(
+                    js_api.DeliverPolicy.BY_START_SEQUENCE if start else js_api.DeliverPolicy.ALL
+                ),
+                opt_start_seq=start or None,
+                ack_policy=js_api.AckPolicy.NONE,
+                inactive_threshold=300.0,  # an abandoned receiver's consumer goes away
+                mem_storage=True,
+            )
+            self._sub = await self._bus.js.pull_subscribe(
+                WEIGHTS_ANNOUNCE_ALL, stream=self._announce_stream, config=config
+            )
+        return self._sub
+
+    async def _reposition(self, seq: int) -> None:
+        await self._drop_subscription()
+        self._next_seq = seq
+
+    async def _drop_subscription(self) -> None:
+        if self._sub is not None:
+            sub, self._sub = self._sub, None
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+
+    async def _latest_snapshot(self) -> tuple[int, WeightAnnouncement] | None:
+        """Stream sequence and content of the latest snapshot announcement, if any."""
+        return await latest_announcement(self._bus.js, "snapshot", self._announce_stream)
+
+    async def close(self) -> None:
+        """Stop following (the ephemeral consumer expires on the server)."""
+        await self._drop_subscription()
+
+    # ---- applying --------------------------------------------------------------------------
+
+    def decode(self, update: PreparedUpdate, state: MutableMapping[str, Any]) -> None:
+        """Decode `update` against `state` without writing to it (blocking; a live model may
+        keep serving meanwhile). `apply` does this itself when it was not done."""
+        applier = DeltaApplier(
+            state, update.announcement.manifest, self._checked_base(update), self._kind,
+            reuse_whole=True,
+        )  # fmt: skip
+        decoded = self._map(lambda c: applier.prepare(c, check_payload=False), update.chunks)
+        update.applier, update.decoded, update.decoded_for = applier, decoded, id(state)
+
+    def apply(self, update: PreparedUpdate, state: MutableMapping[str, Any]) -> float:
+        """Write `update` into `state` in place; returns the pause in seconds (the time the
+        state was being written). Blocking: run it under the engine's lock."""
+        if update.applier is None or update.decoded_for != id(state):
+            self.decode(update, state)
+        else:
+            self._checked_base(update)
+        applier = update.applier
+        assert applier is not None  # set by decode
+        started = time.perf_counter()
+        self._current = None  # mid-write the state is neither version
+        for prepared in update.decoded:
+            applier.commit(prepared)
+        held = applier.finish()
+        pause_s = time.perf_counter() - started
+        self.last_pause_s = pause_s
+        APPLY_PAUSE_SECONDS.observe(pause_s)
+        if self.verify_full and state_hash(raw_state(state), self._threads) != held.hash:
+            UPDATES.labels(update.kind, "corrupt_after_apply").inc()
+            RECEIVED_VERSION.set(-1)
+            raise CorruptDeltaError(
+                f"after applying version {update.version} the state does not match its hash: "
+                "the state was changed outside the receiver; waiting for a snapshot"
+            )
+        self._current = held
+        RECEIVED_VERSION.set(held.version if held.version is not None else -1)
+        UPDATES.labels(update.kind, "applied").inc()
+        log.info(
+            "weight version applied", version=update.version, kind=update.kind, pause_s=pause_s
+        )
+        return pause_s
+
+    def _checked_base(self, update: PreparedUpdate) -> VersionInfo | None:
+        """The version the update applies to; BaseMismatchError if it is not what is held."""
+        announcement = update.announcement
+        if announcement.kind == "snapshot":
+            return self._current
+        if self._current is None or not _is_base(announcement, self._current):
+            held = self._current.version if self._current else None
+            raise BaseMismatchError(
+                f"version {announcement.version} is a delta on {announcement.base_version}, "
+                f"the state holds {held if held is not None else 'nothing known'}"
+            )
+        return self._current
+
+    def _map(self, work: Any, chunks: list[Chunk]) -> list[PreparedChunk]:
+        if self._threads > 1 and len(chunks) > 1:
+            with ThreadPoolExecutor(self._threads) as pool:
+                return list(pool.map(work, chunks))
+        return [work(chunk) for chunk in chunks]
+
+    async def catch_up(
+        self, state: MutableMapping[str, Any], *, version: int, timeout_s: float = 60.0
+    ) -> VersionInfo:
+        """Apply updates until the state holds `version` (the broadcaster's restart path)."""
+        async with asyncio.timeout(timeout_s):
+            while _gauge_version(self._current) < version:
+                update = await self.next_update()
+                await asyncio.to_thread(self.apply, update, state)
+        assert self._current is not None
+        return self._current
+
+
+def _is_base(announcement: WeightAnnouncement, current: VersionInfo) -> bool:
+    """True when a delta announcement applies to what `current` describes."""
+    if announcement.manifest.base_hash != current.hash:
+        return False
+    return current.version is None or current.version == announcement.base_version
+
+
+def _gauge_version(current: VersionInfo | None) -> int:
+    return -1 if current is None or current.version is None else current.version
+
+
+async def latest_announcement(
+    js: JetStreamContext, kind: str, stream: str = streams.WEIGHTS_ANNOUNCE.name
+) -> tuple[int, WeightAnnouncement] | None:
+    """Stream sequence and content of the last `delta` or `snapshot` announcement, if any."""
+    try:
+        raw = await js.get_msg(stream, subject=weights_announce_subject(kind), direct=True)
+    except NotFoundError:
+        return None
+    if raw.data is None or raw.seq is None:
+        return None
+    return raw.seq, wire.decode(WeightAnnouncement, raw.data, raw.headers)

@@ -1,0 +1,75 @@
+"""The weight-broadcaster service: a durable consumer of staged versions around the
+library's WeightBroadcaster (libs/weights/broadcaster.py), which does the work."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from libs.bus.connection import Bus
+from libs.bus.consumer import PullConsumer
+from libs.bus.publisher import Publisher
+from libs.service import Service
+from libs.weights.broadcaster import WeightBroadcaster
+from libs.weights.encoder import HEADROOM_BYTES, EncodeOptions
+from proto.messages import WeightsStaged
+from proto.streams import WEIGHT_BROADCASTER_STAGED
+from services.weight_broadcaster.settings import WeightBroadcasterSettings
+
+
+class WeightBroadcasterService(Service):
+    """Takes staged versions one at a time, in order; health reports the chain."""
+
+    name = "weight-broadcaster"
+
+    def __init__(self, settings: WeightBroadcasterSettings) -> None:
+        super().__init__()
+        self.settings = settings
+        self.broadcaster: WeightBroadcaster | None = None
+        self._consumer: PullConsumer[WeightsStaged] | None = None
+
+    async def start(self, bus: Bus) -> None:
+        await super().start(bus)
+        settings = self.settings
+        publisher = Publisher(bus.js, max_in_flight=settings.publish_in_flight)
+        # A chunk and its headers must fit the server's max payload.
+        max_chunk_bytes = min(settings.max_chunk_bytes, bus.nc.max_payload - HEADROOM_BYTES // 16)
+        options = EncodeOptions(
+            max_chunk_bytes=max_chunk_bytes,
+            level=settings.zstd_level,
+            threads=settings.encode_threads,
+        )
+        staging_dir = settings.resolved_staging_dir()
+        staging_dir.mkdir(parents=True, exist_ok=True)
+        self.broadcaster = WeightBroadcaster(
+            bus,
+            publisher,
+            staging_dir,
+            snapshot_every=settings.snapshot_every_versions,
+            options=options,
+        )
+        await self.broadcaster.recover()
+        self._consumer = PullConsumer(
+            bus.js,
+            WEIGHT_BROADCASTER_STAGED,
+            WeightsStaged,
+            self.broadcaster.on_staged,
+            publisher,
+            batch_size=1,
+            concurrency=1,  # versions are encoded in order, each against the previous one
+            fetch_timeout_s=1.0,
+        )
+        self.status = "ok"
+        self.detail = f"staging folder {staging_dir}"
+
+    async def run(self) -> None:
+        assert self._consumer is not None, "start() first"
+        await self._consumer.run()
+
+    async def stop(self) -> None:
+        await super().stop()
+        if self._consumer is not None:
+            await self._consumer.stop(grace_s=self.settings.drain_timeout_s)
+
+    def health(self) -> dict[str, Any]:
+        chain = self.broadcaster.health() if self.broadcaster else {}
+        return {**super().health(), **chain}

@@ -1,0 +1,294 @@
+"""Trainer -> weight-broadcaster -> rollout-worker receiver on a real nats-server: bit-exact
+versions, snapshots and catch-up, clean-up, restarts, and refusals of damaged versions."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from nats.js.errors import NotFoundError
+
+from libs.bus.connection import Bus
+from libs.bus.provision import provision
+from libs.bus.publisher import Publisher
+from libs.weights import BaseMismatchError, CorruptDeltaError, MissingChunkError
+from libs.weights.format import encode_chunk
+from libs.weights.handoff import stage_weights, staged_versions
+from libs.weights.receiver import WeightReceiver, latest_announcement
+from libs.weights.tensors import as_raw
+from libs.weights.transport import chunk_subject, fetch_chunks
+from proto import streams
+from proto.messages import WeightAnnouncement
+from proto.subjects import weight_chunk_subject
+from services.weight_broadcaster.service import WeightBroadcasterService
+from services.weight_broadcaster.settings import WeightBroadcasterSettings
+from tests.conftest import wait_for
+
+SNAPSHOT_EVERY = 3  # versions 1 (first), 4, 7 are snapshot points
+
+DTYPES = [
+    torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int8, torch.uint8,
+    torch.int32, torch.int64, torch.bool, torch.float8_e4m3fn, torch.float8_e5m2,
+]  # fmt: skip
+
+
+def trainer_state(seed: int) -> dict[str, torch.Tensor]:
+    """Small random weights of every dtype, arbitrary bit patterns (NaN payloads, -0.0...)."""
+    rng = np.random.default_rng(seed)
+    state = {}
+    for i, dtype in enumerate(DTYPES):
+        width = torch.empty((), dtype=dtype).element_size()
+        numel = 3000 + 517 * i
+        data = rng.integers(0, 256, numel * width, dtype=np.uint8)
+        if dtype == torch.bool:
+            data &= 1
+        state[f"layer.{i}.{str(dtype)[6:]}"] = torch.from_numpy(data).view(dtype).reshape(-1, 1)
+    return state
+
+
+def next_version(state: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
+    """A few percent of the elements get new bit patterns, like an RL step in bf16."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    for name, tensor in state.items():
+        units = as_raw(tensor).units().copy()
+        picked = rng.random(units.size) < 0.03
+        fresh = rng.integers(0, 2 ** (8 * units.itemsize), units.size, dtype=np.uint64)
+        units[picked] = fresh[picked].astype(units.dtype)
+        if tensor.dtype == torch.bool:
+            units &= 1
+        out[name] = torch.from_numpy(units.view(np.uint8)).view(tensor.dtype).reshape(tensor.shape)
+    return out
+
+
+def assert_bit_exact(got: dict[str, Any], want: dict[str, torch.Tensor]) -> None:
+    assert list(got) == list(want)
+    for name, tensor in want.items():
+        assert got[name].dtype == tensor.dtype and got[name].shape == tensor.shape, name
+        assert np.array_equal(as_raw(got[name]).data, as_raw(tensor).data), name
+
+
+class Harness:
+    """A trainer (stage_weights), a running broadcaster service, and what was staged."""
+
+    def __init__(self, bus: Bus, staging_dir: Path) -> None:
+        self.bus = bus
+        self.staging_dir = staging_dir
+        self.publisher = Publisher(bus.js)
+        self.versions: dict[int, dict[str, torch.Tensor]] = {}
+        self.service: WeightBroadcasterService | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    async def start_broadcaster(self) -> WeightBroadcasterService:
+        settings = WeightBroadcasterSettings(
+            staging_dir=self.staging_dir,
+            snapshot_every_versions=SNAPSHOT_EVERY,
+            max_chunk_bytes=16 << 10,  # many chunks even for a small state
+            encode_threads=1,
+        )
+        self.service = WeightBroadcasterService(settings)
+        await self.service.start(self.bus)
+        self._task = asyncio.create_task(self.service.run())
+        return self.service
+
+    async def stop_broadcaster(self) -> None:
+        assert self.service is not None and self._task is not None
+        await self.service.stop()
+        await asyncio.wait_for(self._task, 10)
+        self.service, self._task = None, None
+
+    async def stage(self, version: int) -> None:
+        """The trainer's side: a new version, staged and handed over."""
+        previous = self.versions.get(version - 1)
+        state = trainer_state(0) if previous is None else next_version(previous, version)
+        self.versions[version] = state
+        await stage_weights(self.publisher, self.staging_dir, state, version)
+
+    async def stage_until(self, version: int) -> None:
+        for v in range(max(self.versions, default=0) + 1, version + 1):
+            await self.stage(v)
+        await wait_for(self.announced(version), 20, f"version {version} announced")
+
+    def announced(self, version: int) -> Any:
+        async def check() -> bool:
+            service = self.service
+            head = service.broadcaster.head if service and service.broadcaster else None
+            return head is not None and head.version >= version and not _snapshot_pending(head)
+
+        return check
+
+
+def _snapshot_pending(head: Any) -> bool:
+    return bool(head.chain_length >= SNAPSHOT_EVERY)
+
+
+@pytest.fixture
+async def harness(bus: Bus, tmp_path: Path) -> AsyncIterator[Harness]:
+    await provision(bus.js)
+    h = Harness(bus, tmp_path / "staging")
+    await h.start_broadcaster()
+    yield h
+    if h.service is not None:
+        await h.stop_broadcaster()
+
+
+async def receive(receiver: WeightReceiver, state: dict[str, Any]) -> tuple[str, float]:
+    update = await asyncio.wait_for(receiver.next_update(), 20)
+    pause_s = receiver.apply(update, state)
+    return update.kind, pause_s
+
+
+async def test_versions_arrive_bit_exact_and_in_place(harness: Harness) -> None:
+    state: dict[str, Any] = {}
+    receiver = WeightReceiver(harness.bus, parallel=4)
+    kinds = []
+    try:
+        for version in range(1, 6):
+            await harness.stage(version)
+            kind, pause_s = await receive(receiver, state)
+            kinds.append(kind)
+            assert pause_s >= 0 and receiver.current is not None
+            assert receiver.current.version == version
+            assert_bit_exact(state, harness.versions[version])
+            if version == 1:
+                storage = {n: t.data_ptr() for n, t in state.items()}
+        # The model's own tensors were written in place, deltas and snapshot points alike.
+        assert {n: t.data_ptr() for n, t in state.items()} == storage
+    finally:
+        await receiver.close()
+    # The first version is a snapshot; a worker holding v-1 takes v's delta, never v's snapshot.
+    assert kinds == ["snapshot", "delta", "delta", "delta", "delta"]
+    health = harness.service.health() if harness.service else {}
+    chain = (health["latest_version"], health["snapshot_version"], health["chain_length"])
+    assert chain == (5, 4, 1)
+    # Older staged files are deleted; the latest stays as the next delta's base.
+    assert staged_versions(harness.staging_dir) == [5]
+
+
+async def test_a_late_joiner_catches_up_from_the_snapshot_and_old_chunks_are_gone(
+    harness: Harness,
+) -> None:
+    await harness.stage_until(6)  # snapshots at 1 and 4; deltas 2..6
+    js = harness.bus.js
+    # Nothing before the latest snapshot (4) is stored any more; 4's delta and snapshot are.
+    for gone in (weight_chunk_subject(1, "snapshot", 0), weight_chunk_subject(3, "delta", 0)):
+        with pytest.raises(NotFoundError):
+            await js.get_msg(streams.WEIGHT_CHUNKS.name, subject=gone, direct=True)
+    for kept in (weight_chunk_subject(4, "delta", 0), weight_chunk_subject(4, "snapshot", 0)):
+        await js.get_msg(streams.WEIGHT_CHUNKS.name, subject=kept, direct=True)
+    announced = await js.stream_info(streams.WEIGHTS_ANNOUNCE.name)
+    assert announced.state.messages == 4  # delta 4, snapshot 4, delta 5, delta 6
+
+    state: dict[str, Any] = {}
+    late = WeightReceiver(harness.bus, parallel=8)
+    try:
+        kinds = [(await receive(late, state))[0] for _ in range(3)]
+    finally:
+        await late.close()
+    assert kinds == ["snapshot", "delta", "delta"]
+    assert late.current is not None and late.current.version == 6
+    assert_bit_exact(state, harness.versions[6])
+
+
+async def test_a_restarted_broadcaster_continues_the_chain(harness: Harness) -> None:
+    await harness.stage_until(3)
+    await harness.stop_broadcaster()
+    # Its memory is gone, and so are the staged files: the base comes back from the bus.
+    for path in harness.staging_dir.iterdir():
+        path.unlink()
+    service = await harness.start_broadcaster()
+    assert service.broadcaster is not None and service.broadcaster.head is not None
+    assert (service.broadcaster.head.version, service.broadcaster.head.chain_length) == (3, 2)
+
+    await harness.stage_until(5)
+    delta = await latest_announcement(harness.bus.js, "delta")
+    snapshot = await latest_announcement(harness.bus.js, "snapshot")
+    assert delta is not None and snapshot is not None
+    assert (delta[1].version, delta[1].base_version) == (5, 4)
+    assert snapshot[1].version == 4  # the snapshot came on schedule, not from a broken chain
+
+    state: dict[str, Any] = {}
+    receiver = WeightReceiver(harness.bus)
+    try:
+        await receiver.catch_up(state, version=5, timeout_s=20)
+    finally:
+        await receiver.close()
+    assert_bit_exact(state, harness.versions[5])
+
+
+async def test_a_tampered_chunk_refuses_the_version_and_leaves_the_model_alone(
+    harness: Harness,
+) -> None:
+    state: dict[str, Any] = {}
+    receiver = WeightReceiver(harness.bus, attempts=2)
+    try:
+        await harness.stage_until(1)
+        await receive(receiver, state)
+        await harness.stage_until(2)
+        announcement = await _announcement(harness.bus, "delta", 2)
+        good = await fetch_chunks(harness.bus.nc, announcement.manifest)
+        body = bytearray(encode_chunk(good.chunks[0]))
+        body[-5] ^= 0x01
+        await harness.bus.js.publish(chunk_subject(announcement.manifest, 0), bytes(body))
+        before = {n: as_raw(t).data.copy() for n, t in state.items()}
+
+        with pytest.raises(CorruptDeltaError, match="refused after 2 attempts"):
+            await asyncio.wait_for(receiver.next_update(), 20)
+        assert receiver.current is not None and receiver.current.version == 1
+        assert all(np.array_equal(as_raw(state[n]).data, before[n]) for n in state)
+
+        # The chain is broken for this worker: it waits for the next snapshot (4), then follows.
+        await harness.stage_until(5)
+        kinds = [(await receive(receiver, state))[0] for _ in range(2)]
+    finally:
+        await receiver.close()
+    assert kinds == ["snapshot", "delta"]
+    assert_bit_exact(state, harness.versions[5])
+
+
+async def test_a_missing_chunk_refuses_the_version_loudly(harness: Harness) -> None:
+    await harness.stage_until(2)
+    announcement = await _announcement(harness.bus, "delta", 2)
+    subject = chunk_subject(announcement.manifest, len(announcement.manifest.chunks) - 1)
+    await harness.bus.js.purge_stream(streams.WEIGHT_CHUNKS.name, subject=subject)
+
+    state: dict[str, Any] = {}
+    receiver = WeightReceiver(harness.bus)
+    try:
+        await receive(receiver, state)  # the snapshot of version 1
+        with pytest.raises(MissingChunkError, match="not stored"):
+            await asyncio.wait_for(receiver.next_update(), 20)
+        assert receiver.current is not None and receiver.current.version == 1
+    finally:
+        await receiver.close()
+    assert_bit_exact(state, harness.versions[1])
+
+
+async def test_a_delta_on_another_base_is_refused(harness: Harness) -> None:
+    await harness.stage_until(3)
+    state: dict[str, Any] = {}
+    ahead = WeightReceiver(harness.bus)
+    behind = WeightReceiver(harness.bus)
+    try:
+        await receive(ahead, state)  # holds version 1
+        update_2 = await asyncio.wait_for(ahead.next_update(), 20)
+        await receive(behind, {})
+        update_2_again = await asyncio.wait_for(behind.next_update(), 20)
+        ahead.apply(update_2, state)  # holds version 2
+        with pytest.raises(BaseMismatchError, match="delta on 1"):
+            ahead.apply(update_2_again, state)
+    finally:
+        await ahead.close()
+        await behind.close()
+    assert_bit_exact(state, harness.versions[2])
+
+
+async def _announcement(bus: Bus, kind: str, version: int) -> WeightAnnouncement:
+    found = await latest_announcement(bus.js, kind)
+    assert found is not None and found[1].version == version
+    return found[1]
