@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 import nats.errors
@@ -28,10 +26,10 @@ from nats.js import JetStreamContext
 from prometheus_client import Counter, Histogram
 
 from libs.bus import wire
+from libs.bus.dead_letter import Delivery, publish_dead_letter
 from libs.bus.publisher import Publisher
-from proto.messages import DeadLetter, Message
+from proto.messages import Message
 from proto.streams import ConsumerSpec
-from proto.subjects import dead_letter_subject
 
 log = structlog.get_logger(__name__)
 
@@ -51,44 +49,12 @@ class PermanentError(Exception):
     """Raised by a handler for a message that can never succeed: dead-letter it now."""
 
 
-@dataclass(frozen=True)
-class Delivery:
-    """Where a message came from and how often it was delivered."""
-
-    subject: str
-    stream: str
-    stream_sequence: int
-    num_delivered: int
-    headers: dict[str, str]
-
-    @property
-    def msg_id(self) -> str | None:
-        return self.headers.get(wire.MSG_ID_HEADER)
-
-
 Handler = Callable[[M, Delivery], Awaitable[None]]
 
 
 def backoff_delay_s(num_delivered: int, schedule: tuple[float, ...] = DEFAULT_BACKOFF_S) -> float:
     """Redelivery delay after the `num_delivered`-th failed attempt."""
     return schedule[min(num_delivered, len(schedule)) - 1]
-
-
-def build_dead_letter(
-    msg: Msg, delivery: Delivery, consumer: str, reason: str, error: str
-) -> DeadLetter:
-    return DeadLetter(
-        origin_subject=delivery.subject,
-        origin_stream=delivery.stream,
-        consumer=consumer,
-        reason=reason,  # type: ignore[arg-type]  # checked by callers: one of DeadLetter's reasons
-        error=error[:2000],
-        num_delivered=delivery.num_delivered,
-        stream_sequence=delivery.stream_sequence,
-        payload=msg.data,
-        headers=delivery.headers,
-        failed_at=time.time(),
-    )
 
 
 class PullConsumer(Generic[M]):
@@ -217,14 +183,10 @@ class PullConsumer(Generic[M]):
                     await msg.in_progress()
 
     async def _dead_letter(self, msg: Msg, delivery: Delivery, reason: str, error: str) -> None:
-        letter = build_dead_letter(msg, delivery, self.spec.durable, reason, error)
-        headers = wire.headers_for(letter, f"dead:{delivery.stream}:{delivery.stream_sequence}")
-        headers[wire.DEAD_REASON_HEADER] = reason
-        headers[wire.DEAD_ORIGIN_HEADER] = f"{delivery.stream}/{self.spec.durable}"
-        headers[wire.DEAD_ERROR_HEADER] = error.replace("\r", " ").replace("\n", " ")[:500]
-        subject = dead_letter_subject(delivery.stream)
         try:
-            await self._publisher.publish_raw(subject, wire.encode(letter), headers)
+            await publish_dead_letter(
+                self._publisher, msg.data, delivery, self.spec.durable, reason, error
+            )
         except Exception as exc:
             # Not stored: leave the message with the server, to be dead-lettered next time.
             log.error("dead-letter publish failed", seq=delivery.stream_sequence, error=repr(exc))

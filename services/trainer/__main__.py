@@ -5,17 +5,14 @@
 Configured by RLPIPE_TRAINER_* environment variables (see settings.py).
 """
 
-from libs.service import IdleService, run_service
+from libs.service import run_service
+from services.trainer.service import TrainerService
 from services.trainer.settings import TrainerSettings
-
-IDLE_REASON = (
-    "idle: the training loop (consume scored rollouts, GRPO step, publish weights) "
-    "arrives with issue #3"
-)
 
 
 def main() -> None:
-    run_service(IdleService("trainer", IDLE_REASON), TrainerSettings())
+    settings = TrainerSettings()
+    run_service(TrainerService(settings), settings)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ from typing import ClassVar
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
+from libs.policy import DTypeName
 from libs.settings import ServiceSettings, env_prefix
 
 
@@ -15,3 +16,28 @@ class TrainerSettings(ServiceSettings):
     model_config = SettingsConfigDict(env_prefix=env_prefix("trainer"), extra="ignore")
 
     http_port: int = Field(9101, ge=0, le=65535, description="Port of /healthz and /metrics")
+    policy_preset: str = Field("tiny", description="Architecture from libs.policy presets")
+    policy_path: str | None = Field(None, description="Local model folder; overrides the preset")
+    dtype: DTypeName = Field("auto", description="float32, bfloat16, float16 or auto (bf16 on GPU)")
+    device: str = Field("auto", description="cpu, cuda, cuda:N, or auto")
+    seed: int = Field(0, description="Seed of the random init")
+    learning_rate: float = Field(1e-3, gt=0, description="AdamW learning rate")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
+    batch_groups: int = Field(16, ge=1, description="GRPO groups per optimizer step")
+    max_staleness: int = Field(
+        4, ge=0, description="Samples older than this many versions are dropped (0: synchronous)"
+    )
+    clip_eps_low: float = Field(0.2, gt=0, description="PPO clip below 1")
+    clip_eps_high: float = Field(0.2, gt=0, description="PPO clip above 1")
+    importance_weight_cap: float = Field(
+        2.0, ge=1, description="Truncation of the behavior->trainer importance weight"
+    )
+    normalize_advantage_std: bool = Field(True, description="Divide advantages by group std")
+    minibatches: int = Field(1, ge=1, description="Optimizer steps per batch (PPO minibatches)")
+    max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm")
+    max_sequence_tokens: int | None = Field(None, ge=2, description="Truncate longer samples")
+    checkpoint_every_steps: int = Field(10, ge=1, description="Steps between checkpoints")
+    max_steps: int | None = Field(None, ge=1, description="Stop after this many steps")
+    incomplete_group_timeout_s: float = Field(
+        120.0, gt=0, description="Train a group with missing samples after this long"
+    )

@@ -1,0 +1,84 @@
+"""Trainer checkpoints: model, optimizer, and how far each input stream was consumed.
+
+Layout: `<dir>/step-<N>/` with `config.json` + `model.safetensors` (loadable as a policy
+folder), `optimizer.pt`, and `state.json` (step, version, cursors). A checkpoint is written
+to a temporary folder and renamed into place, so a crash mid-write leaves the previous one
+intact; `latest_checkpoint` only ever sees complete folders. The newest `keep` are kept.
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import torch
+from transformers import PreTrainedModel
+
+from libs.policy import save_policy
+from libs.trainer.cursor import ConsumedCursor
+
+STATE_FILE = "state.json"
+
+
+class TrainerState(msgspec.Struct, kw_only=True):
+    """What besides tensors a resumed trainer needs."""
+
+    step: int
+    version: int
+    # Incremented at each resume; step records carry it, so records of steps lost with a
+    # crash (written after the last checkpoint) can be told from their replacements.
+    segment: int = 0
+    scored_cursor: ConsumedCursor = msgspec.field(default_factory=ConsumedCursor)
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    path: Path
+    state: TrainerState
+
+
+def save_checkpoint(
+    directory: Path,
+    state: TrainerState,
+    model: PreTrainedModel,
+    optimizer: torch.optim.Optimizer,
+    keep: int = 2,
+) -> Path:
+    """Write a complete checkpoint for `state.step`; returns its folder."""
+    final = directory / f"step-{state.step:08d}"
+    partial = directory / f".step-{state.step:08d}.partial"
+    shutil.rmtree(partial, ignore_errors=True)
+    save_policy(model, partial)
+    torch.save(optimizer.state_dict(), partial / "optimizer.pt")
+    (partial / STATE_FILE).write_bytes(msgspec.json.encode(state))
+    shutil.rmtree(final, ignore_errors=True)
+    partial.rename(final)
+    _prune(directory, keep)
+    return final
+
+
+def latest_checkpoint(directory: Path) -> Checkpoint | None:
+    """The newest complete checkpoint in `directory`, or None."""
+    if not directory.exists():
+        return None
+    for path in sorted(directory.glob("step-*"), reverse=True):
+        state_file = path / STATE_FILE
+        if state_file.exists():
+            return Checkpoint(path, msgspec.json.decode(state_file.read_bytes(), type=TrainerState))
+    return None
+
+
+def load_optimizer_state(checkpoint_dir: Path, device: torch.device) -> dict[str, Any]:
+    """The optimizer state saved in `checkpoint_dir`, with its tensors on `device`."""
+    state: dict[str, Any] = torch.load(
+        checkpoint_dir / "optimizer.pt", map_location=device, weights_only=True
+    )
+    return state
+
+
+def _prune(directory: Path, keep: int) -> None:
+    for path in sorted(directory.glob("step-*"), reverse=True)[keep:]:
+        shutil.rmtree(path, ignore_errors=True)

@@ -1,0 +1,299 @@
+"""The trainer's loop: collect groups, drop stale samples, step, publish the new version.
+
+    setup   resume from the latest checkpoint (or build the policy), announce its weights
+    run     repeat: batch <- complete groups from the scored stream
+                    kept, dropped <- staleness split against the trainer's version
+                    stats <- train_step(kept)               (in a worker thread)
+                    version += 1; stage the new weights for the broadcaster
+                    record the step; checkpoint every N steps
+    stop    finish the current step, checkpoint, return
+
+Exactly-once: the scored stream is read from the checkpoint's cursor; a sample is marked
+consumed when its step (or its drop) is recorded, and the cursor is saved with the model.
+After a crash, everything the last checkpoint had not consumed is read again, and nothing
+it had is. Versions never repeat: a resumed trainer publishes its checkpoint's weights as a
+version above every version announced before (read from the KV bucket), so workers roll
+back to the checkpoint's weights under a new number.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import structlog
+import torch
+from nats.js.errors import KeyNotFoundError
+
+from libs.bus.connection import Bus
+from libs.bus.publisher import Publisher
+from libs.bus.stream_reader import StreamReader
+from libs.logs import bind_context
+from libs.policy import PolicyConfig, build_policy
+from libs.rl import split_by_staleness, staleness_histogram
+from libs.trainer.checkpoint import (
+    TrainerState,
+    latest_checkpoint,
+    load_optimizer_state,
+    save_checkpoint,
+)
+from libs.trainer.groups import Group, GroupBuffer
+from libs.trainer.metrics import StepLog, StepRecord
+from libs.trainer.step import StepConfig, StepStats, train_step
+from libs.weights.handoff import stage_weights
+from proto import streams, subjects
+from proto.messages import ScoredRollout
+
+log = structlog.get_logger(__name__)
+
+POLICY_VERSION_KEY = "policy_version"
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    """Everything the loop needs; built from the service's settings."""
+
+    policy: PolicyConfig
+    step: StepConfig
+    run_dir: Path
+    learning_rate: float = 1e-3
+    weight_decay: float = 0.0
+    batch_groups: int = 16
+    max_staleness: int = 4
+    checkpoint_every_steps: int = 10
+    max_steps: int | None = None
+    incomplete_group_timeout_s: float = 120.0
+    read_batch: int = 256
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return self.run_dir / "trainer" / "checkpoints"
+
+    @property
+    def staging_dir(self) -> Path:
+        return self.run_dir / "weights" / "staging"
+
+    @property
+    def steps_path(self) -> Path:
+        return self.run_dir / "trainer" / "steps.jsonl"
+
+
+@dataclass
+class Batch:
+    """Groups taken for one step, split by staleness."""
+
+    groups: list[Group]
+    kept: list[ScoredRollout]
+    dropped: list[ScoredRollout]
+    staleness: dict[int, int]
+    wait_s: float
+
+    @property
+    def sequences(self) -> list[int]:
+        return [seq for group in self.groups for seq in group.sequences]
+
+
+@dataclass
+class Timers:
+    started_s: float = field(default_factory=time.monotonic)
+    busy_s: float = 0.0
+
+    @property
+    def busy_fraction(self) -> float:
+        return self.busy_s / max(time.monotonic() - self.started_s, 1e-9)
+
+
+class Trainer:
+    """Owns the policy, the optimizer and the trainer's position in the scored stream."""
+
+    def __init__(self, config: TrainerConfig, bus: Bus, publisher: Publisher) -> None:
+        self.config = config
+        self._bus = bus
+        self._publisher = publisher
+        self._stopping = asyncio.Event()
+        self._buffer = GroupBuffer(config.incomplete_group_timeout_s)
+        self._steps = StepLog(config.steps_path)
+        self._timers = Timers()
+        self.state = TrainerState(step=0, version=0)
+        self.model = build_policy(config.policy)
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay
+        )
+        self._reader: StreamReader[ScoredRollout] | None = None
+        self.status = "starting"
+
+    async def setup(self) -> None:
+        """Resume from the latest checkpoint if any, then publish the weights we hold."""
+        checkpoint = latest_checkpoint(self.config.checkpoint_dir)
+        if checkpoint is not None:
+            await asyncio.to_thread(self._load, checkpoint.path, checkpoint.state)
+            self.state.segment += 1
+            log.info("resumed", step=self.state.step, checkpoint=str(checkpoint.path))
+        announced = await self._announced_version()
+        if announced is not None:
+            # Versions never repeat: these weights go out under a number above any seen.
+            self.state.version = max(self.state.version, announced) + 1
+        await self._publish_weights()
+        self._reader = StreamReader(
+            self._bus.js,
+            streams.ROLLOUTS_SCORED.name,
+            subjects.ROLLOUTS_SCORED,
+            ScoredRollout,
+            self._publisher,
+            start_sequence=self.state.scored_cursor.floor + 1,
+            reader_name="trainer",
+        )
+        self.status = "ok"
+
+    def _load(self, path: Path, state: TrainerState) -> None:
+        self.model = build_policy(self.config.policy.model_copy(update={"path": str(path)}))
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(),
+            lr=self.config.learning_rate,
+            weight_decay=self.config.weight_decay,
+        )
+        device = next(self.model.parameters()).device
+        self.optimizer.load_state_dict(load_optimizer_state(path, device))
+        self.state = state
+
+    async def run(self) -> None:
+        """Train until stopped or `max_steps` is reached; checkpoint on the way out."""
+        self._timers = Timers()
+        try:
+            while not self._stopping.is_set() and not self._reached_max_steps():
+                batch = await self._next_batch()
+                if batch is None:
+                    break
+                await self._train(batch)
+        finally:
+            if self.state.step > 0:
+                await asyncio.to_thread(self._checkpoint)
+            if self._reader is not None:
+                await self._reader.close()
+
+    async def stop(self) -> None:
+        self._stopping.set()
+
+    def _reached_max_steps(self) -> bool:
+        return self.config.max_steps is not None and self.state.step >= self.config.max_steps
+
+    async def _next_batch(self) -> Batch | None:
+        """Read until `batch_groups` groups are complete; None when stopping first."""
+        assert self._reader is not None, "setup() first"
+        started_s = time.monotonic()
+        self.status = "ok" if self.state.step else "waiting for rollouts"
+        while self._buffer.num_ready < self.config.batch_groups:
+            if self._stopping.is_set():
+                return None
+            for record in await self._reader.read(self.config.read_batch, timeout_s=0.5):
+                if not self.state.scored_cursor.is_done(record.sequence):
+                    self._buffer.add(record.sequence, record.message)
+            self._buffer.expire()
+        groups = self._buffer.take(self.config.batch_groups)
+        samples = [sample for group in groups for sample in group.rollouts]
+        split = split_by_staleness(samples, self.state.version, self.config.max_staleness)
+        return Batch(
+            groups=groups,
+            kept=split.kept,
+            dropped=split.dropped,
+            staleness=staleness_histogram(split.staleness),
+            wait_s=time.monotonic() - started_s,
+        )
+
+    async def _train(self, batch: Batch) -> None:
+        started_s = time.monotonic()
+        stats = None
+        if batch.kept:
+            stats = await asyncio.to_thread(
+                train_step,
+                self.model,
+                self.optimizer,
+                batch.kept,
+                self.state.version,
+                self.config.step,
+            )
+        step_s = time.monotonic() - started_s
+        self._timers.busy_s += step_s
+        self.state.step += 1
+        self.state.version += 1
+        bind_context(step=self.state.step, policy_version=self.state.version)
+        self.state.scored_cursor.mark_done(batch.sequences)
+        self._steps.write(self._record(batch, stats, step_s))
+        await self._publish_weights()
+        if self.state.step % self.config.checkpoint_every_steps == 0:
+            await asyncio.to_thread(self._checkpoint)
+
+    async def _publish_weights(self) -> None:
+        """Record the version as taken (KV), then hand the weights to the broadcaster.
+
+        The KV write comes first so a crash in between can only skip a number, never reuse it.
+        """
+        kv = await self._bus.js.key_value(streams.STATE.bucket)
+        await kv.put(POLICY_VERSION_KEY, str(self.state.version).encode())
+        state = {name: tensor.detach() for name, tensor in self.model.state_dict().items()}
+        await stage_weights(
+            self._publisher,
+            self.config.staging_dir,
+            state,
+            self.state.version,
+            step=self.state.step,
+        )
+
+    async def _announced_version(self) -> int | None:
+        kv = await self._bus.js.key_value(streams.STATE.bucket)
+        try:
+            entry = await kv.get(POLICY_VERSION_KEY)
+        except KeyNotFoundError:
+            return None
+        return int((entry.value or b"0").decode())
+
+    def _checkpoint(self) -> None:
+        path = save_checkpoint(self.config.checkpoint_dir, self.state, self.model, self.optimizer)
+        log.info("checkpoint saved", path=str(path))
+
+    def _record(self, batch: Batch, stats: StepStats | None, step_s: float) -> StepRecord:
+        rewards = [s.reward for s in batch.kept]
+        tokens = stats.num_loss_tokens if stats else 0
+        return StepRecord(
+            step=self.state.step,
+            version=self.state.version,
+            segment=self.state.segment,
+            time=time.time(),
+            mean_reward=sum(rewards) / len(rewards) if rewards else 0.0,
+            num_samples=len(batch.kept),
+            num_groups=len(batch.groups),
+            num_zero_variance_groups=stats.num_zero_variance_groups if stats else 0,
+            num_loss_tokens=tokens,
+            loss=stats.loss if stats else 0.0,
+            grad_norm=stats.grad_norm if stats else 0.0,
+            staleness=batch.staleness,
+            num_dropped=len(batch.dropped),
+            mismatch_tokens=stats.mismatch.num_tokens if stats else 0,
+            mismatch_mean_abs=stats.mismatch.mean_abs_diff if stats else 0.0,
+            mismatch_kl=stats.mismatch.kl if stats else 0.0,
+            clip_fraction=stats.policy.clip_fraction if stats else 0.0,
+            is_weight_mean=stats.policy.is_weight_mean if stats else 0.0,
+            is_weight_max=stats.policy.is_weight_max if stats else 0.0,
+            is_truncated_fraction=stats.policy.is_truncated_fraction if stats else 0.0,
+            step_s=step_s,
+            wait_s=batch.wait_s,
+            tokens_per_s=tokens / max(step_s, 1e-9),
+            samples_per_s=len(batch.kept) / max(step_s + batch.wait_s, 1e-9),
+            busy_fraction=self._timers.busy_fraction,
+            sample_ids=[s.rollout.rollout_id for s in batch.kept],
+            dropped_ids=[s.rollout.rollout_id for s in batch.dropped],
+        )
+
+    def health(self) -> dict[str, Any]:
+        return {
+            "status": self.status,
+            "step": self.state.step,
+            "policy_version": self.state.version,
+            "groups_open": self._buffer.num_open,
+            "groups_ready": self._buffer.num_ready,
+            "busy_fraction": round(self._timers.busy_fraction, 3),
+            **self._steps.reward_summary(),
+        }
