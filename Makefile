@@ -35,6 +35,7 @@ bench: $(INSTALLED)
 	$(BIN)/python bench/bus_bench.py
 	$(BIN)/python bench/weights_codec_bench.py
 	$(BIN)/python bench/weights_transport_bench.py
+	$(BIN)/python bench/pipeline_bench.py
 
 lint: $(INSTALLED)
 	$(BIN)/ruff check .

@@ -147,18 +147,9 @@ REWARD_ROLLOUTS = ConsumerSpec(
     description="Reward scores every raw rollout.",
     ack_wait_s=120.0,
 )
-TRAINER_SCORED = ConsumerSpec(
-    stream=ROLLOUTS_SCORED.name,
-    durable="trainer",
-    description="The trainer's offline input.",
-    max_ack_pending=10_000,
-)
-TRAINER_ONLINE = ConsumerSpec(
-    stream=ROLLOUTS_ONLINE.name,
-    durable="trainer-online",
-    description="The trainer's online input.",
-    max_ack_pending=10_000,
-)
+# The trainer has no durable consumer: it reads ROLLOUTS_SCORED (and ROLLOUTS_ONLINE) from
+# the position stored in its own checkpoint (libs.trainer.cursor), so the model and how far
+# it consumed are saved together and a resume neither loses nor repeats a sample.
 JOINER_GENERATIONS = ConsumerSpec(
     stream=SERVING_GENERATIONS.name,
     durable="feedback-joiner-generations",
@@ -182,8 +173,6 @@ WEIGHT_BROADCASTER_STAGED = ConsumerSpec(
 ALL_CONSUMERS: tuple[ConsumerSpec, ...] = (
     ROLLOUT_WORKER_TASKS,
     REWARD_ROLLOUTS,
-    TRAINER_SCORED,
-    TRAINER_ONLINE,
     JOINER_GENERATIONS,
     JOINER_FEEDBACK,
     WEIGHT_BROADCASTER_STAGED,

@@ -133,6 +133,9 @@ def service_spec(
         f"{prefix}_HTTP_HOST": "127.0.0.1",
         f"{prefix}_HTTP_PORT": str(port),
         "PYTHONUNBUFFERED": "1",
+        # The services share this machine's cores: one math thread each unless told otherwise,
+        # so torch in the trainer and the workers does not oversubscribe them.
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
         **options.extra_env.get(name, {}),
     }
     argv = list(options.commands.get(name) or [sys.executable, "-m", f"services.{pkg}"])

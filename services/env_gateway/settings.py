@@ -17,16 +17,16 @@ class EnvGatewaySettings(ServiceSettings):
     http_port: int = Field(9103, ge=0, le=65535, description="Port of /healthz and /metrics")
     env: str = Field("arith", description="Environment whose tasks the feeder publishes")
     difficulty: int = Field(0, ge=0, description="Task difficulty (arith: digits per operand)")
-    group_size: int = Field(8, ge=1, description="Rollouts per task (the GRPO group)")
+    group_size: int = Field(16, ge=1, description="Rollouts per task (the GRPO group)")
     feeder_mode: Literal["async", "sync", "off"] = Field(
         "async",
         description="async: keep the queue at queue_depth_tasks; sync: batch_groups tasks per "
         "new policy version; off: serve episodes only",
     )
     queue_depth_tasks: int = Field(
-        16, ge=1, description="Tasks kept pending or in progress (async mode)"
+        32, ge=1, description="Tasks kept pending or in progress (async mode)"
     )
-    batch_groups: int = Field(8, ge=1, description="Tasks published per policy version (sync)")
+    batch_groups: int = Field(16, ge=1, description="Tasks published per policy version (sync)")
     seed: int = Field(0, description="Seed of task generation")
     feeder_poll_interval_s: float = Field(
         0.2, gt=0, description="How often the feeder checks queue depth or policy version"
