@@ -11,13 +11,14 @@ Methods are synchronous and blocking; the asyncio services run them in a worker 
 from __future__ import annotations
 
 import abc
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, TypeVar
 
 import torch
 
 FinishReason = Literal["stop", "length"]
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -99,3 +100,16 @@ class InferenceEngine(abc.ABC):
         leaves some tensors unchanged). A call never interleaves with a `generate` call, so
         every completion comes from exactly one version.
         """
+
+    def live_tensors(self) -> dict[str, torch.Tensor] | None:
+        """The model's own weight tensors by name, on its device, sharing storage with its
+        parameters (tied weights under every name), to be written in place only inside
+        `write_in_place`; None when the engine cannot expose them (weights in another
+        process): then hand new weights over with `update_weights`."""
+        return None
+
+    def write_in_place(self, write: Callable[[], T], version: int) -> tuple[T, float]:
+        """Run `write` (which changes the `live_tensors()` in place) while no `generate` runs,
+        then report `version`; returns what `write` returned and the pause in seconds. If
+        `write` raises, the version stays as it was (and the weights are whatever it left)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot be written in place")

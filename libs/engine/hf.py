@@ -20,14 +20,14 @@ from __future__ import annotations
 import inspect
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import DynamicCache, PreTrainedModel
 
-from libs.engine.base import Completion, FinishReason, InferenceEngine, SamplingParams
+from libs.engine.base import Completion, FinishReason, InferenceEngine, SamplingParams, T
 from libs.engine.sampling import SampledTokens, make_generator, sample_next_tokens
 from libs.policy import position_ids_from_mask
 from libs.tokenizer import Tokenizer
@@ -135,6 +135,22 @@ class HFEngine(InferenceEngine):
                 torch.cuda.synchronize(self.device)
             self._version = version
             return time.perf_counter() - start_s
+
+    def live_tensors(self) -> dict[str, torch.Tensor] | None:
+        return {name: tensor.detach() for name, tensor in self._tensors.items()}
+
+    def write_in_place(self, write: Callable[[], T], version: int) -> tuple[T, float]:
+        with self._lock:
+            if version < self._version:
+                raise ValueError(
+                    f"weight version {version} is older than the loaded version {self._version}"
+                )
+            start_s = time.perf_counter()
+            result = write()
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self._version = version
+            return result, time.perf_counter() - start_s
 
     def _stage(self, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """`state` checked against the model and moved to its device and dtypes."""

@@ -5,14 +5,14 @@
 Configured by RLPIPE_ROLLOUT_WORKER_* environment variables (see settings.py).
 """
 
-from libs.service import IdleService, run_service
+from libs.service import run_service
+from services.rollout_worker.service import RolloutWorkerService
 from services.rollout_worker.settings import RolloutWorkerSettings
-
-IDLE_REASON = "idle: rolling out tasks with the hf engine arrives with issue #3"
 
 
 def main() -> None:
-    run_service(IdleService("rollout-worker", IDLE_REASON), RolloutWorkerSettings())
+    settings = RolloutWorkerSettings()
+    run_service(RolloutWorkerService(settings), settings)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,254 @@
+"""One `generate` call for the prompts of many concurrent tasks: the rollout-worker's batcher.
+
+The engine is one model; decoding 8 tasks' groups together costs little more than one.
+Each task handler awaits `batcher.generate(prompts, params)`; the batcher's `run` loop takes
+every pending request that can share a call (same sampling rule, up to `max_batch_tasks`
+requests), runs `engine.generate` in a worker thread so the event loop keeps serving the
+bus, and resolves each request with its own completions:
+
+    batcher = GenerationBatcher(engine, max_batch_tasks=8)
+    asyncio.create_task(batcher.run())
+    completions = await batcher.generate([prompt_ids] * 8, SamplingParams(max_tokens=4))
+
+Requests share a call when they agree on everything but `max_tokens`: the call decodes up to
+the largest, and each completion is cut back to its own request's `max_tokens`. That is
+exact: a row's tokens never depend on how long it goes on afterwards.
+
+`gate` is held for the whole of each call and `open` must be set for a call to start; the
+weights follower takes the gate to swap weights between calls and clears `open` while the
+weights are unusable. `meter` measures the busy fraction (time inside `generate` over wall
+time) and generated tokens per second.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import structlog
+from prometheus_client import Counter, Gauge, Histogram
+
+from libs.engine.base import Completion, InferenceEngine, SamplingParams
+
+log = structlog.get_logger(__name__)
+
+GENERATED_TOKENS = Counter("rlpipe_rollout_generated_tokens_total", "Tokens sampled by the engine")
+GENERATE_SECONDS = Counter(
+    "rlpipe_rollout_generate_seconds_total", "Time spent inside engine.generate"
+)
+BATCH_TASKS = Histogram(
+    "rlpipe_rollout_batch_requests",
+    "Requests (tasks) decoded together in one generate call",
+    buckets=(1, 2, 4, 8, 16, 32, 64),
+)
+BUSY_FRACTION = Gauge(
+    "rlpipe_rollout_busy_ratio", "Fraction of recent wall time spent inside engine.generate"
+)
+TOKENS_PER_SECOND = Gauge(
+    "rlpipe_rollout_generated_tokens_per_second", "Tokens sampled per wall-clock second, recently"
+)
+
+
+class ThroughputMeter:
+    """Busy fraction and tokens/s over the last `window_s` seconds of wall time."""
+
+    def __init__(self, window_s: float = 60.0) -> None:
+        if window_s <= 0:
+            raise ValueError(f"window_s must be > 0, got {window_s}")
+        self.window_s = window_s
+        self.started = time.monotonic()
+        self._calls: deque[tuple[float, float, int]] = deque()  # (start, end, tokens)
+
+    def record(self, start: float, end: float, num_tokens: int) -> None:
+        """One generate call from `start` to `end` (monotonic seconds) that sampled tokens."""
+        self._calls.append((start, end, num_tokens))
+        GENERATED_TOKENS.inc(num_tokens)
+        GENERATE_SECONDS.inc(end - start)
+        BUSY_FRACTION.set(self.busy_fraction(end))
+        TOKENS_PER_SECOND.set(self.tokens_per_s(end))
+
+    def _window(self, now: float | None) -> tuple[float, float]:
+        """(window start, window length) ending at `now`; drops calls that ended before it."""
+        now = time.monotonic() if now is None else now
+        begin = max(self.started, now - self.window_s)
+        while self._calls and self._calls[0][1] < begin:
+            self._calls.popleft()
+        return begin, max(now - begin, 1e-9)
+
+    def busy_fraction(self, now: float | None = None) -> float:
+        """Time inside generate over wall time, in [0, 1]."""
+        begin, length = self._window(now)
+        busy = sum(end - max(start, begin) for start, end, _ in self._calls)
+        return min(busy / length, 1.0)
+
+    def tokens_per_s(self, now: float | None = None) -> float:
+        """Sampled tokens per wall-clock second."""
+        _, length = self._window(now)
+        return sum(tokens for *_, tokens in self._calls) / length
+
+
+@dataclass
+class _Request:
+    prompts: list[list[int]]
+    params: SamplingParams
+    future: asyncio.Future[list[Completion]]
+
+    @property
+    def key(self) -> SamplingParams:
+        """What requests must share to be decoded together (all but max_tokens)."""
+        return dataclasses.replace(self.params, max_tokens=1)
+
+
+class GenerationBatcher:
+    """Merges concurrent generate requests into few engine calls, run off the event loop."""
+
+    def __init__(
+        self,
+        engine: InferenceEngine,
+        *,
+        max_batch_tasks: int = 8,
+        batch_window_s: float = 0.005,
+        meter: ThroughputMeter | None = None,
+    ) -> None:
+        if max_batch_tasks < 1:
+            raise ValueError(f"max_batch_tasks must be >= 1, got {max_batch_tasks}")
+        self.engine = engine
+        self.max_batch_tasks = max_batch_tasks
+        self.batch_window_s = batch_window_s
+        self.meter = meter or ThroughputMeter()
+        self.gate = asyncio.Lock()
+        self.open = asyncio.Event()
+        self._pending: deque[_Request] = deque()
+        self._arrived = asyncio.Event()
+        self.num_calls = 0
+        self.largest_batch = 0  # most requests decoded in one call so far
+
+    async def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+        """One completion per prompt (a prompt listed G times gives a group of G), in order."""
+        if not prompts:
+            return []
+        future: asyncio.Future[list[Completion]] = asyncio.get_running_loop().create_future()
+        self._pending.append(_Request(prompts, params, future))
+        self._arrived.set()
+        return await future
+
+    async def run(self) -> None:
+        """Serve requests until cancelled."""
+        while True:
+            await self._wait_for_requests()
+            # Taken after the gate: requests that arrive during a weight swap join this call.
+            await self._acquire_open_gate()
+            try:
+                batch = self._take_batch()
+                if batch:
+                    await self._run_batch(batch)
+            finally:
+                self.gate.release()
+
+    async def _wait_for_requests(self) -> None:
+        """Until a request is pending, then a short window for others to join it."""
+        while not self._pending:
+            self._arrived.clear()
+            await self._arrived.wait()
+        if len(self._pending) < self.max_batch_tasks and self.batch_window_s > 0:
+            await asyncio.sleep(self.batch_window_s)
+
+    def _take_batch(self) -> list[_Request]:
+        """The oldest live request and up to max_batch_tasks - 1 later ones that match it."""
+        while self._pending and self._pending[0].future.done():  # its task was cancelled
+            self._pending.popleft()
+        if not self._pending:
+            return []
+        key = self._pending[0].key
+        batch: list[_Request] = []
+        kept: deque[_Request] = deque()
+        for request in self._pending:
+            if request.future.done():
+                continue
+            if len(batch) < self.max_batch_tasks and request.key == key:
+                batch.append(request)
+            else:
+                kept.append(request)
+        self._pending = kept
+        return batch
+
+    async def _run_batch(self, batch: list[_Request]) -> None:
+        try:
+            results = await self._generate(batch)
+        except asyncio.CancelledError:
+            for request in batch:
+                request.future.cancel()
+            raise
+        except ValueError as exc:
+            if len(batch) == 1:
+                _fail(batch[0], exc)
+                return
+            # One request the engine refuses must not fail the others: run each alone.
+            for request in batch:
+                try:
+                    _resolve(request, (await self._generate([request]))[0])
+                except ValueError as alone:
+                    _fail(request, alone)
+            return
+        except Exception as exc:
+            for request in batch:
+                _fail(request, exc)
+            return
+        for request, completions in zip(batch, results, strict=True):
+            _resolve(request, completions)
+
+    async def _acquire_open_gate(self) -> None:
+        while True:
+            await self.open.wait()
+            await self.gate.acquire()
+            if self.open.is_set():
+                return
+            self.gate.release()
+
+    async def _generate(self, batch: list[_Request]) -> list[list[Completion]]:
+        """Run one engine call for `batch` (the gate held); completions per request."""
+        rows = [prompt for request in batch for prompt in request.prompts]
+        params = dataclasses.replace(
+            batch[0].params, max_tokens=max(r.params.max_tokens for r in batch)
+        )
+        start = time.monotonic()
+        completions = await asyncio.to_thread(self.engine.generate, rows, params, 1)
+        end = time.monotonic()
+        self.num_calls += 1
+        self.largest_batch = max(self.largest_batch, len(batch))
+        BATCH_TASKS.observe(len(batch))
+        out: list[list[Completion]] = []
+        at = 0
+        for request in batch:
+            mine = completions[at : at + len(request.prompts)]
+            at += len(request.prompts)
+            out.append([_truncated(c, request.params.max_tokens, i) for i, c in enumerate(mine)])
+        self.meter.record(start, end, sum(len(c.token_ids) for group in out for c in group))
+        return out
+
+
+def _truncated(completion: Completion, max_tokens: int, index: int) -> Completion:
+    """`completion` cut to `max_tokens` and renumbered as row `index` of its own request."""
+    cut = len(completion.token_ids) > max_tokens
+    return dataclasses.replace(
+        completion,
+        prompt_index=index,
+        sample_index=0,
+        token_ids=completion.token_ids[:max_tokens],
+        logprobs=completion.logprobs[:max_tokens],
+        raw_logprobs=completion.raw_logprobs[:max_tokens],
+        finish_reason="length" if cut else completion.finish_reason,
+    )
+
+
+def _resolve(request: _Request, completions: list[Completion]) -> None:
+    if not request.future.done():
+        request.future.set_result(completions)
+
+
+def _fail(request: _Request, exc: BaseException) -> None:
+    if not request.future.done():
+        request.future.set_exception(exc)

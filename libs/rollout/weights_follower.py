@@ -1,0 +1,253 @@
+"""Keep an inference engine on the newest policy version of the bus, swapping in place.
+
+    follower = WeightsFollower(engine, WeightReceiver(bus), batcher)
+    await follower.start(bus.js)                 # notes the newest version announced now
+    asyncio.create_task(follower.run())          # fetch, verify, apply, forever
+    await follower.wait_caught_up()              # holds that version (or the first one)
+    await follower.wait_for_version(7)           # the synchronous baseline's wait
+
+Each version is fetched and verified by the receiver while the engine keeps generating,
+then decoded against the live weights (still generating: decoding only reads them). Only
+then does the follower take the batcher's gate (no new generate call starts; the running one
+finishes first) and write: on a CPU engine straight into the model's parameters through
+`engine.write_in_place` (the receiver's state is the engine's `live_tensors()`, which share
+storage with the parameters, so nothing is copied twice and the parameters keep their
+storage); otherwise (weights on a GPU, or not exposed) into a CPU shadow copy, whose changed
+tensors then go through `engine.update_weights`. The pause is the time the engine
+was locked for the write, and is exported.
+
+A version that cannot be had intact (MissingChunkError, CorruptDeltaError) or does not fit
+(BaseMismatchError, or it names tensors the model lacks) is logged loudly and never written;
+the receiver moves on (to the next snapshot), after a growing delay so a bad snapshot is not
+refetched in a tight loop. Should the whole-state check fail after a write (the weights were
+changed outside the receiver), generation stops (`batcher.open` cleared, status "waiting for
+weights") until a snapshot has been applied.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import MutableMapping
+from typing import Any
+
+import structlog
+import torch
+from nats.js import JetStreamContext
+from prometheus_client import Counter, Gauge
+
+from libs.engine.base import InferenceEngine
+from libs.rollout.batcher import GenerationBatcher
+from libs.weights.errors import CorruptDeltaError, WeightsError
+from libs.weights.receiver import PreparedUpdate, WeightReceiver, latest_announcement
+from proto import streams
+
+log = structlog.get_logger(__name__)
+
+POLICY_VERSION = Gauge("rlpipe_rollout_policy_version", "Policy version the engine generates with")
+SWAP_PAUSE_SECONDS = Gauge(
+    "rlpipe_rollout_weight_swap_pause_seconds",
+    "Time generation was paused for the latest weight swap",
+)
+SWAPS = Counter("rlpipe_rollout_weight_swaps_total", "Weight versions swapped into the engine")
+SWAP_FAILURES = Counter(
+    "rlpipe_rollout_weight_swap_failures_total", "Weight versions refused or failed", ["reason"]
+)
+
+DEFAULT_RETRY_DELAYS_S = (0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
+
+
+class WeightsMismatchError(WeightsError):
+    """A version names tensors the engine's model does not have."""
+
+
+async def latest_announced_version(
+    js: JetStreamContext, stream: str = streams.WEIGHTS_ANNOUNCE.name
+) -> int | None:
+    """The newest version announced on the bus (delta or snapshot), or None."""
+    found = [await latest_announcement(js, kind, stream) for kind in ("delta", "snapshot")]
+    versions = [announcement.version for _, announcement in filter(None, found)]
+    return max(versions, default=None)
+
+
+class WeightsFollower:
+    """Applies every version the receiver delivers to `engine`, between generate calls."""
+
+    def __init__(
+        self,
+        engine: InferenceEngine,
+        receiver: WeightReceiver,
+        batcher: GenerationBatcher,
+        *,
+        retry_delays_s: tuple[float, ...] = DEFAULT_RETRY_DELAYS_S,
+    ) -> None:
+        self.engine = engine
+        self.receiver = receiver
+        self.batcher = batcher
+        self.retry_delays_s = retry_delays_s
+        live = engine.live_tensors()
+        self._host: dict[str, torch.Tensor] | None = live if _writable_on_host(live) else None
+        # What the receiver writes into: a subset of the host tensors, or a CPU shadow.
+        self._state: dict[str, Any] = {}
+        self.usable = False  # the engine holds a complete, verified version
+        self.last_pause_s: float | None = None
+        self.num_applied = 0
+        self.num_failed = 0
+        self.target_version: int | None = None
+        self._changed = asyncio.Event()
+
+    @property
+    def in_place(self) -> bool:
+        """True when versions are written straight into the model's parameters."""
+        return self._host is not None
+
+    @property
+    def policy_version(self) -> int | None:
+        """Version the engine generates with; None until one was applied."""
+        return self.engine.policy_version if self.usable else None
+
+    async def start(self, js: JetStreamContext) -> None:
+        """Note the newest version announced now: `wait_caught_up` waits for it."""
+        self.target_version = await latest_announced_version(js)
+        log.info("following weights", target_version=self.target_version, in_place=self.in_place)
+
+    async def run(self) -> None:
+        """Fetch and apply versions until cancelled."""
+        failures = 0
+        while True:
+            try:
+                update = await self.receiver.next_update()
+                await self.apply(update)
+            except (WeightsError, ValueError) as exc:
+                failures += 1
+                await self._on_failure(exc, failures)
+                continue
+            failures = 0
+
+    async def apply(self, update: PreparedUpdate) -> float:
+        """Verify and decode `update` off the lock, then write it; returns the pause in s."""
+        state = self._state_for(update)
+        await asyncio.to_thread(self.receiver.decode, update, state)  # generation goes on
+        async with self.batcher.gate:
+            try:
+                pause_s = await self._write(update, state)
+            except CorruptDeltaError:
+                self._set_unusable()
+                raise
+        self._state = state
+        self.usable = True
+        self.batcher.open.set()
+        self.last_pause_s = pause_s
+        self.num_applied += 1
+        POLICY_VERSION.set(update.version)
+        SWAP_PAUSE_SECONDS.set(pause_s)
+        SWAPS.inc()
+        log.info(
+            "weights swapped",
+            version=update.version,
+            kind=update.kind,
+            pause_s=round(pause_s, 6),
+            in_place=self.in_place,
+        )
+        self._notify()
+        return pause_s
+
+    def _state_for(self, update: PreparedUpdate) -> dict[str, Any]:
+        """The mapping this update is written into (a snapshot re-picks the tensors)."""
+        manifest = update.announcement.manifest
+        names = [entry.name for entry in manifest.tensors]
+        if self._host is not None:
+            unknown = [name for name in names if name not in self._host]
+            if unknown:
+                raise WeightsMismatchError(
+                    f"version {update.version} names {len(unknown)} tensor(s) the model lacks, "
+                    f"first {unknown[:3]}: is the worker's policy the trainer's architecture?"
+                )
+            if update.kind == "snapshot":
+                self._warn_uncovered(set(names))
+                return {name: self._host[name] for name in names}
+            return self._state
+        if update.kind == "snapshot":
+            return {name: self._state[name] for name in names if name in self._state}
+        return self._state
+
+    def _warn_uncovered(self, names: set[str]) -> None:
+        """Log model tensors a version does not write and that share no storage with one
+        it does (tied weights do): they would keep the worker's own initial values."""
+        assert self._host is not None
+        covered = {self._host[name].data_ptr() for name in names}
+        stale = [n for n, t in self._host.items() if n not in names and t.data_ptr() not in covered]
+        if stale:
+            log.warning("weight version leaves model tensors unwritten", tensors=stale[:5])
+
+    async def _write(self, update: PreparedUpdate, state: dict[str, Any]) -> float:
+        """Write the decoded update (the gate held); the engine's pause in seconds."""
+        if self._host is not None:
+            _, pause_s = await asyncio.to_thread(
+                self.engine.write_in_place,
+                lambda: self.receiver.apply(update, state),
+                update.version,
+            )
+            return pause_s
+        await asyncio.to_thread(self.receiver.apply, update, state)
+        changed = _changed_tensors(update, state)
+        try:
+            return await asyncio.to_thread(self.engine.update_weights, changed, update.version)
+        except ValueError:
+            # The shadow holds the version, the engine does not: start over from a snapshot.
+            self.receiver.reset(None)
+            state.clear()
+            raise
+
+    def _set_unusable(self) -> None:
+        self.usable = False
+        self.batcher.open.clear()
+        self._notify()
+
+    async def _on_failure(self, exc: Exception, failures: int) -> None:
+        self.num_failed += 1
+        reason = type(exc).__name__
+        SWAP_FAILURES.labels(reason).inc()
+        delay_s = self.retry_delays_s[min(failures, len(self.retry_delays_s)) - 1]
+        log.error(
+            "weight version NOT applied; continuing from the next usable version",
+            reason=reason,
+            error=str(exc),
+            held=self.engine.policy_version,
+            usable=self.usable,
+            retry_in_s=delay_s,
+        )
+        await asyncio.sleep(delay_s)
+
+    def _notify(self) -> None:
+        changed, self._changed = self._changed, asyncio.Event()
+        changed.set()
+
+    def has_version(self, version: int) -> bool:
+        """True when the engine holds a usable version >= `version`."""
+        return self.usable and self.engine.policy_version >= version
+
+    async def wait_for_version(self, version: int) -> None:
+        """Until the engine generates with a usable version >= `version`."""
+        while not self.has_version(version):
+            await self._changed.wait()
+
+    async def wait_caught_up(self) -> None:
+        """Until the engine holds the version that was newest at `start` (or any version,
+        when none was announced then)."""
+        await self.wait_for_version(self.target_version or 0)
+
+
+def _writable_on_host(tensors: dict[str, torch.Tensor] | None) -> bool:
+    """True when the receiver can write these tensors in place: CPU and contiguous (the
+    codec writes through numpy views; a non-contiguous tensor's view would be a copy)."""
+    if not tensors:
+        return False
+    return all(t.device.type == "cpu" and t.is_contiguous() for t in tensors.values())
+
+
+def _changed_tensors(update: PreparedUpdate, state: MutableMapping[str, Any]) -> dict[str, Any]:
+    """The tensors of `state` that `update` wrote (all of them for a snapshot)."""
+    entries = update.announcement.manifest.tensors
+    if update.kind == "snapshot":
+        return {entry.name: state[entry.name] for entry in entries}
+    return {entry.name: state[entry.name] for entry in entries if entry.change != "same"}
