@@ -35,6 +35,8 @@ bench: $(INSTALLED)
 	$(BIN)/python bench/bus_bench.py
 	$(BIN)/python bench/weights_codec_bench.py
 	$(BIN)/python bench/weights_transport_bench.py
+	$(BIN)/python bench/sandbox_bench.py
+	$(BIN)/python bench/feedback_bench.py
 	$(BIN)/python bench/pipeline_bench.py
 
 lint: $(INSTALLED)

@@ -60,28 +60,6 @@ class Service(ABC):
         return {"service": self.name, "status": self.status, "detail": self.detail}
 
 
-class IdleService(Service):
-    """A service whose job a later issue builds: it connects, stays up, and says so."""
-
-    def __init__(self, name: str, reason: str) -> None:
-        super().__init__()
-        self.name = name
-        self.reason = reason
-        self._stopped = asyncio.Event()
-
-    async def start(self, bus: Bus) -> None:
-        await super().start(bus)
-        self.status = "idle"
-        self.detail = self.reason
-
-    async def run(self) -> None:
-        await self._stopped.wait()
-
-    async def stop(self) -> None:
-        await super().stop()
-        self._stopped.set()
-
-
 async def serve(service: Service, settings: ServiceSettings) -> None:
     """Run `service` against the bus at `settings.nats_url` until a signal or its end."""
     SERVICE_INFO.info({"service": service.name})

@@ -25,6 +25,10 @@ SHARED_FALLBACKS = {
 }
 
 
+# A field whose name has one of these words (split at "_") is masked in the start-up log.
+SECRET_WORDS = frozenset({"key", "keys", "secret", "password", "token", "credentials"})
+
+
 class ServiceSettings(BaseSettings):
     """Fields every service has. Subclasses set `SERVICE` and `model_config`'s env_prefix."""
 
@@ -72,7 +76,7 @@ class ServiceSettings(BaseSettings):
         """The resolved settings for the start-up log, secrets masked."""
         values = self.model_dump(mode="json")
         for name in values:
-            if any(word in name for word in ("key", "secret", "password", "token")):
+            if SECRET_WORDS & set(name.split("_")):
                 values[name] = "***" if values[name] else values[name]
         return values
 

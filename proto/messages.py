@@ -10,7 +10,7 @@ Times are Unix seconds (float). Token ids are ints of the policy's tokenizer.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import msgspec
 
@@ -231,24 +231,40 @@ class ServedGeneration(Message, kw_only=True):
 
 FeedbackSignal = Literal["accepted", "rejected", "edited", "ignored", "thumbs_up", "thumbs_down"]
 
+# Ids a product chooses (a UUID, a ULID, ...): they become a Nats-Msg-Id header and a KV key,
+# so only letters, digits, '-' and '_'. `(?!\n)` because Python's `$` also matches before a
+# final newline; the pattern means the same in ECMA (JSON Schema) and Python regex.
+FeedbackId = Annotated[
+    str, msgspec.Meta(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_-]+(?!\n)$")
+]
+ProductName = Annotated[
+    str, msgspec.Meta(min_length=1, max_length=64, pattern=r"^[a-z0-9][a-z0-9_-]*(?!\n)$")
+]
+# Unix seconds, finite: from 0 to year 2286.
+UnixTime = Annotated[float, msgspec.Meta(ge=0.0, le=1e10)]
+ShortText = Annotated[str, msgspec.Meta(max_length=128)]
+
 
 class FeedbackEvent(Message, kw_only=True):
-    """What a product user did with a served generation."""
+    """What a product user did with a served generation (posted to the feedback API)."""
 
     SCHEMA: ClassVar[str] = "feedback_event"
 
-    event_id: str
-    generation_id: str
-    product: str
+    # Chosen by the product, unique per event: a repeat with the same id is the same event.
+    event_id: FeedbackId
+    # The generation this rates, as the serving API returned it.
+    generation_id: FeedbackId
+    product: ProductName
     signal: FeedbackSignal
     # Optional magnitude (e.g. edit distance ratio for "edited"); meaning per signal.
-    value: float | None = None
-    occurred_at: float
-    received_at: float = 0.0
+    value: Annotated[float, msgspec.Meta(ge=-1e9, le=1e9)] | None = None
+    occurred_at: UnixTime
+    # Set by the feedback-ingester when it accepts the event; a client's value is replaced.
+    received_at: UnixTime = 0.0
     # Hashed by the product: raw user or session ids never enter the system.
-    user_hash: str = ""
-    session_hash: str = ""
-    experiment_arm: str = ""
+    user_hash: ShortText = ""
+    session_hash: ShortText = ""
+    experiment_arm: ShortText = ""
 
 
 class OnlineSample(Message, kw_only=True):

@@ -30,6 +30,7 @@ SERVICES = (
 
 def build_parser() -> argparse.ArgumentParser:
     from libs.launcher.run import add_demo_arguments
+    from libs.sandbox.cli import add_sandbox_parser
     from libs.weights.cli import add_weights_parser
 
     parser = argparse.ArgumentParser(
@@ -50,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     schema = commands.add_parser("schema", help="write the wire contract's JSON Schema")
     schema.add_argument("--check", action="store_true", help="exit 1 if proto/schema is stale")
     add_weights_parser(commands)
+    add_sandbox_parser(commands)
     return parser
 
 
@@ -97,12 +99,19 @@ def on_weights(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def on_sandbox(args: argparse.Namespace) -> int:
+    from libs.sandbox.cli import run
+
+    return run(args)
+
+
 HANDLERS = {
     "demo": on_demo,
     "run": on_run,
     "provision": on_provision,
     "schema": on_schema,
     "weights": on_weights,
+    "sandbox": on_sandbox,
 }
 
 

@@ -44,19 +44,19 @@ def wait_http_ok(url: str, process: subprocess.Popen[str], timeout_s: float = 30
 
 
 @pytest.fixture
-def idle_service(
+def reward_service(
     nats_server: NatsServer, tmp_path: Path
 ) -> Iterator[tuple[subprocess.Popen[str], int]]:
     port = free_port()
     env = {
         **os.environ,
         "RLPIPE_NATS_URL": nats_server.url,
-        "RLPIPE_FEEDBACK_INGESTER_HTTP_PORT": str(port),
+        "RLPIPE_REWARD_HTTP_PORT": str(port),
         "RLPIPE_RUN_DIR": str(tmp_path),
         "RLPIPE_LOG_FORMAT": "json",
     }
     process = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "run", "feedback-ingester"],
+        [sys.executable, "-m", "services.cli", "run", "reward"],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -69,23 +69,22 @@ def idle_service(
 
 
 def test_service_reports_health_and_metrics_then_drains_on_sigterm(
-    idle_service: tuple[subprocess.Popen[str], int],
+    reward_service: tuple[subprocess.Popen[str], int],
 ) -> None:
-    process, port = idle_service
+    process, port = reward_service
     health = json.loads(wait_http_ok(f"http://127.0.0.1:{port}/healthz", process))
-    assert health["service"] == "feedback-ingester" and health["status"] == "idle"
-    assert "issue #6" in health["detail"], "an idle service must say what it is waiting for"
+    assert health["service"] == "reward" and health["status"] == "ok"
 
     status, metrics = http_get(f"http://127.0.0.1:{port}/metrics")
     assert status == 200
-    assert b'rlpipe_service_up{service="feedback-ingester"} 1.0' in metrics
+    assert b'rlpipe_service_up{service="reward"} 1.0' in metrics
     assert http_get(f"http://127.0.0.1:{port}/nope")[0] == 404
 
     process.send_signal(signal.SIGTERM)
     _, stderr = process.communicate(timeout=20)
     assert process.returncode == 0, stderr[-2000:]
     events = [json.loads(line) for line in stderr.splitlines() if line.startswith("{")]
-    assert all(e["service"] == "feedback-ingester" for e in events)
+    assert all(e["service"] == "reward" for e in events)
     assert events[0]["event"] == "starting" and events[0]["settings"]["http_port"] == port
     assert events[-1]["event"] == "service stopped"
 

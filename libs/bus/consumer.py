@@ -112,7 +112,7 @@ class PullConsumer(Generic[M]):
         free = max(1, self._concurrency - len(self._in_flight))
         try:
             msgs = await sub.fetch(min(self._batch_size, free), timeout=self._fetch_timeout_s)
-        except nats.errors.TimeoutError:
+        except (nats.errors.TimeoutError, TimeoutError):  # fetch raises either
             return
         for msg in msgs:
             await self._slots.acquire()

@@ -71,7 +71,7 @@ class StreamReader(Generic[M]):
         sub = await self._subscription()
         try:
             msgs = await sub.fetch(max_messages, timeout=timeout_s)
-        except nats.errors.TimeoutError:
+        except (nats.errors.TimeoutError, TimeoutError):  # fetch raises either
             return []
         except (nats.errors.Error, nats.js.errors.Error) as exc:
             log.warning("stream read failed; recreating the consumer", error=repr(exc))

@@ -2,7 +2,11 @@
 
 Two modes:
 - `async`: keep the rollout workers' queue (pending + in-progress tasks of the shared
-  consumer proto.streams.ROLLOUT_WORKER_TASKS) at `queue_depth_tasks`;
+  consumer proto.streams.ROLLOUT_WORKER_TASKS) at `queue_depth_tasks`, but never more than
+  `max_ahead_versions` batches ahead of the trainer: at most
+  (versions trained since start + 1 + max_ahead_versions) * batch_groups tasks in all. That
+  bounds staleness where it is made: a worker far ahead of the trainer would only produce
+  samples the trainer drops (AReaL's rollout controller works the same way);
 - `sync`: the synchronous baseline: each time the trainer's policy version (KV bucket
   proto.streams.STATE, key `policy_version`, an ASCII decimal integer) advances to v, publish
   exactly `batch_groups` tasks tagged `min_policy_version=v`.
@@ -80,6 +84,7 @@ class TaskFeeder:
         mode: FeederMode,
         queue_depth_tasks: int = 32,
         batch_groups: int = 8,
+        max_ahead_versions: int | None = None,
         poll_interval_s: float = 0.2,
     ) -> None:
         self._js = js
@@ -89,6 +94,8 @@ class TaskFeeder:
         self.mode = mode
         self.queue_depth_tasks = queue_depth_tasks
         self.batch_groups = batch_groups
+        self.max_ahead_versions = max_ahead_versions
+        self._start_version: int | None = None
         self.poll_interval_s = poll_interval_s
         self.state = FeederState()
         self.num_published = 0
@@ -141,10 +148,22 @@ class TaskFeeder:
         return depth
 
     async def _top_up(self) -> int:
-        missing = self.queue_depth_tasks - await self.queue_depth()
+        missing = min(self.queue_depth_tasks - await self.queue_depth(), await self._room_ahead())
         if missing <= 0:
             return 0
         return await self._publish(missing, min_policy_version=0)
+
+    async def _room_ahead(self) -> int:
+        """Tasks that may still be published before the trainer's next version."""
+        if self.max_ahead_versions is None:
+            return self.queue_depth_tasks
+        assert self._kv is not None, "call start() first"
+        version = await read_policy_version(self._kv)
+        if self._start_version is None:
+            self._start_version = version
+        trained = max(0, version - self._start_version)
+        allowed = (trained + 1 + self.max_ahead_versions) * self.batch_groups
+        return allowed - self.num_published
 
     async def _feed_new_version(self) -> int:
         assert self._kv is not None, "call start() first"

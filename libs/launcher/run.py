@@ -132,6 +132,8 @@ def service_spec(
         "RLPIPE_LOG_FORMAT": "json",
         f"{prefix}_HTTP_HOST": "127.0.0.1",
         f"{prefix}_HTTP_PORT": str(port),
+        # The feedback API's own port: free, so a busy 8080 never stops a local run.
+        "RLPIPE_FEEDBACK_INGESTER_API_PORT": str(free_port()),
         "PYTHONUNBUFFERED": "1",
         # The services share this machine's cores: one math thread each unless told otherwise,
         # so torch in the trainer and the workers does not oversubscribe them.

@@ -43,7 +43,7 @@ from libs.trainer.checkpoint import (
 from libs.trainer.groups import Group, GroupBuffer
 from libs.trainer.metrics import StepLog, StepRecord
 from libs.trainer.step import StepConfig, StepStats, train_step
-from libs.weights.handoff import stage_weights
+from libs.weights.handoff import default_staging_dir, stage_weights
 from proto import streams, subjects
 from proto.messages import ScoredRollout
 
@@ -74,7 +74,7 @@ class TrainerConfig:
 
     @property
     def staging_dir(self) -> Path:
-        return self.run_dir / "weights" / "staging"
+        return default_staging_dir(self.run_dir)
 
     @property
     def steps_path(self) -> Path:
@@ -181,40 +181,55 @@ class Trainer:
         return self.config.max_steps is not None and self.state.step >= self.config.max_steps
 
     async def _next_batch(self) -> Batch | None:
-        """Read until `batch_groups` groups are complete; None when stopping first."""
-        assert self._reader is not None, "setup() first"
+        """Take groups until `batch_groups` of them have samples fresh enough to train on.
+
+        Stale samples are dropped as their groups are taken, so a step always trains on a
+        full batch; the dropped ones are reported with it. None when stopping first.
+        """
         started_s = time.monotonic()
         self.status = "ok" if self.state.step else "waiting for rollouts"
-        while self._buffer.num_ready < self.config.batch_groups:
-            if self._stopping.is_set():
+        taken: list[Group] = []
+        kept: list[ScoredRollout] = []
+        dropped: list[ScoredRollout] = []
+        staleness: list[int] = []
+        num_fresh_groups = 0
+        while num_fresh_groups < self.config.batch_groups:
+            if not await self._fill_buffer():
                 return None
+            for group in self._buffer.take(self.config.batch_groups - num_fresh_groups):
+                split = split_by_staleness(
+                    group.rollouts, self.state.version, self.config.max_staleness
+                )
+                taken.append(group)
+                kept += split.kept
+                dropped += split.dropped
+                staleness += split.staleness
+                num_fresh_groups += bool(split.kept)
+        return Batch(
+            groups=taken,
+            kept=kept,
+            dropped=dropped,
+            staleness=staleness_histogram(staleness),
+            wait_s=time.monotonic() - started_s,
+        )
+
+    async def _fill_buffer(self) -> bool:
+        """Read until at least one group is ready; False when stopping first."""
+        assert self._reader is not None, "setup() first"
+        while self._buffer.num_ready == 0:
+            if self._stopping.is_set():
+                return False
             for record in await self._reader.read(self.config.read_batch, timeout_s=0.5):
                 if not self.state.scored_cursor.is_done(record.sequence):
                     self._buffer.add(record.sequence, record.message)
             self._buffer.expire()
-        groups = self._buffer.take(self.config.batch_groups)
-        samples = [sample for group in groups for sample in group.rollouts]
-        split = split_by_staleness(samples, self.state.version, self.config.max_staleness)
-        return Batch(
-            groups=groups,
-            kept=split.kept,
-            dropped=split.dropped,
-            staleness=staleness_histogram(split.staleness),
-            wait_s=time.monotonic() - started_s,
-        )
+        return True
 
     async def _train(self, batch: Batch) -> None:
         started_s = time.monotonic()
-        stats = None
-        if batch.kept:
-            stats = await asyncio.to_thread(
-                train_step,
-                self.model,
-                self.optimizer,
-                batch.kept,
-                self.state.version,
-                self.config.step,
-            )
+        stats = await asyncio.to_thread(
+            train_step, self.model, self.optimizer, batch.kept, self.state.version, self.config.step
+        )
         step_s = time.monotonic() - started_s
         self._timers.busy_s += step_s
         self.state.step += 1
@@ -254,9 +269,9 @@ class Trainer:
         path = save_checkpoint(self.config.checkpoint_dir, self.state, self.model, self.optimizer)
         log.info("checkpoint saved", path=str(path))
 
-    def _record(self, batch: Batch, stats: StepStats | None, step_s: float) -> StepRecord:
+    def _record(self, batch: Batch, stats: StepStats, step_s: float) -> StepRecord:
         rewards = [s.reward for s in batch.kept]
-        tokens = stats.num_loss_tokens if stats else 0
+        tokens = stats.num_loss_tokens
         return StepRecord(
             step=self.state.step,
             version=self.state.version,
@@ -265,19 +280,19 @@ class Trainer:
             mean_reward=sum(rewards) / len(rewards) if rewards else 0.0,
             num_samples=len(batch.kept),
             num_groups=len(batch.groups),
-            num_zero_variance_groups=stats.num_zero_variance_groups if stats else 0,
+            num_zero_variance_groups=stats.num_zero_variance_groups,
             num_loss_tokens=tokens,
-            loss=stats.loss if stats else 0.0,
-            grad_norm=stats.grad_norm if stats else 0.0,
+            loss=stats.loss,
+            grad_norm=stats.grad_norm,
             staleness=batch.staleness,
             num_dropped=len(batch.dropped),
-            mismatch_tokens=stats.mismatch.num_tokens if stats else 0,
-            mismatch_mean_abs=stats.mismatch.mean_abs_diff if stats else 0.0,
-            mismatch_kl=stats.mismatch.kl if stats else 0.0,
-            clip_fraction=stats.policy.clip_fraction if stats else 0.0,
-            is_weight_mean=stats.policy.is_weight_mean if stats else 0.0,
-            is_weight_max=stats.policy.is_weight_max if stats else 0.0,
-            is_truncated_fraction=stats.policy.is_truncated_fraction if stats else 0.0,
+            mismatch_tokens=stats.mismatch.num_tokens,
+            mismatch_mean_abs=stats.mismatch.mean_abs_diff,
+            mismatch_kl=stats.mismatch.kl,
+            clip_fraction=stats.policy.clip_fraction,
+            is_weight_mean=stats.policy.is_weight_mean,
+            is_weight_max=stats.policy.is_weight_max,
+            is_truncated_fraction=stats.policy.is_truncated_fraction,
             step_s=step_s,
             wait_s=batch.wait_s,
             tokens_per_s=tokens / max(step_s, 1e-9),

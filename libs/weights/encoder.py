@@ -215,7 +215,8 @@ def _encode_body(
             written = written_by(new_units, encoded, new_units[:0], new_units[:0])
         else:
             positions, old_vals, new_vals = _relative(piece.job.changes, start, stop)
-            old_units = old[name].units()[start:stop]
+            base = old.get(name)  # None: rebuilt from the target if needed (GPU path)
+            old_units = None if base is None else base.units()[start:stop]
             encoded = encode_delta(old_units, new_units, positions, old_vals, new_vals, level)
             written = written_by(new_units, encoded, positions, new_vals)
         hash_written(hasher, name, start, written)

@@ -179,7 +179,7 @@ def encode_whole(new: np.ndarray, level: int) -> EncodedPiece:
 
 
 def encode_delta(
-    old: np.ndarray,
+    old: np.ndarray | None,
     new: np.ndarray,
     positions: np.ndarray,
     old_vals: np.ndarray,
@@ -190,7 +190,8 @@ def encode_delta(
 
     `positions` are the changed elements (relative to the range) and `old_vals`/`new_vals`
     their values. Sparse value streams are compared on a sample of up to 64 Ki changes,
-    then only the winner is compressed whole.
+    then only the winner is compressed whole. `old` None: the base range is rebuilt from
+    `new` and the changed values when a dense form is tried (the GPU path keeps no base copy).
     """
     pos_raw = encode_positions(positions)
     pos_streams = [compress(s, level) for s in pos_raw]
@@ -207,6 +208,9 @@ def encode_delta(
     )
     candidates = [_sparse(best, pos_raw, pos_streams, value_forms[best](old_vals, new_vals), level)]  # type: ignore[arg-type]
     if positions.size > new.size * DENSE_TRY_FRACTION:
+        if old is None:
+            old = new.copy()
+            old[positions] = old_vals
         candidates.append(_pack("dense_xor", [to_planes(old ^ new)], positions.size, level))
         candidates.append(_pack("raw", [to_planes(new)], positions.size, level))
     return min(candidates, key=lambda c: c.num_bytes)

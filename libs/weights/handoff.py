@@ -34,6 +34,11 @@ from proto.subjects import WEIGHTS_STAGED
 _FILE_RE = re.compile(r"^v(\d+)\.safetensors$")
 
 
+def default_staging_dir(run_dir: Path) -> Path:
+    """Where trainer and broadcaster meet unless configured: `<run_dir>/weights-staging`."""
+    return run_dir / "weights-staging"
+
+
 def staged_file_name(version: int) -> str:
     """File name of a staged version, e.g. `v12.safetensors`."""
     if version < 0:

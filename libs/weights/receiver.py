@@ -29,9 +29,11 @@ in seconds (exported as rlpipe_weights_apply_pause_seconds). With `verify_full` 
 rehashes the whole state against the version hash; a mismatch raises CorruptDeltaError and
 the receiver holds "unknown" until the next snapshot.
 
-The state is a mutable mapping name -> CPU tensor (numpy, torch, RawTensor) sharing memory
-with the model, e.g. `dict(model.state_dict())` for a contiguous CPU torch model. Tensors a
-version adds are inserted into that mapping (not into a module); removed ones are dropped.
+The state is a mutable mapping name -> tensor (numpy, torch, RawTensor) sharing memory
+with the model, e.g. `dict(model.state_dict())` for a contiguous torch model; a state of CUDA
+tensors is patched on the GPU (libs/weights/gpu.py), only the changed elements crossing
+PCIe. Tensors a version adds are inserted into that mapping (not into a module); removed
+ones are dropped.
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ from libs.weights.applier import DeltaApplier, PreparedChunk
 from libs.weights.errors import BaseMismatchError, CorruptDeltaError
 from libs.weights.format import Chunk, VersionInfo
 from libs.weights.hashing import state_hash
-from libs.weights.tensors import raw_state
+from libs.weights.tensors import kind_of, raw_state
 from libs.weights.transport import (
     DEFAULT_ATTEMPTS,
     DEFAULT_MAX_IN_FLIGHT_BYTES,
@@ -235,7 +237,7 @@ class WeightReceiver:
             try:
                 sub = await self._subscription()
                 msgs = await sub.fetch(1, timeout=self._poll_timeout_s)
-            except nats.errors.TimeoutError:
+            except (nats.errors.TimeoutError, TimeoutError):  # fetch raises either
                 continue
             except (nats.errors.Error, NotFoundError) as exc:
                 # The server restarted or dropped our consumer: resume where we were.
@@ -295,7 +297,7 @@ class WeightReceiver:
     def decode(self, update: PreparedUpdate, state: MutableMapping[str, Any]) -> None:
         """Decode `update` against `state` without writing to it (blocking; a live model may
         keep serving meanwhile). `apply` does this itself when it was not done."""
-        applier = DeltaApplier(
+        applier = _applier_type(state)(
             state, update.announcement.manifest, self._checked_base(update), self._kind,
             reuse_whole=True,
         )  # fmt: skip
@@ -319,7 +321,7 @@ class WeightReceiver:
         pause_s = time.perf_counter() - started
         self.last_pause_s = pause_s
         APPLY_PAUSE_SECONDS.observe(pause_s)
-        if self.verify_full and state_hash(raw_state(state), self._threads) != held.hash:
+        if self.verify_full and _state_hash(state, self._threads) != held.hash:
             UPDATES.labels(update.kind, "corrupt_after_apply").inc()
             RECEIVED_VERSION.set(-1)
             raise CorruptDeltaError(
@@ -363,6 +365,24 @@ class WeightReceiver:
                 await asyncio.to_thread(self.apply, update, state)
         assert self._current is not None
         return self._current
+
+
+def _applier_type(state: MutableMapping[str, Any]) -> type[DeltaApplier]:
+    """DeltaApplier, or its device variant for a state of GPU tensors (imports torch)."""
+    if not any(kind_of(t) == "torch" and t.device.type != "cpu" for t in state.values()):
+        return DeltaApplier
+    from libs.weights.gpu import DeviceDeltaApplier
+
+    return DeviceDeltaApplier
+
+
+def _state_hash(state: MutableMapping[str, Any], threads: int) -> str:
+    """Version hash of the state; GPU tensors are hashed from one host copy each."""
+    if _applier_type(state) is DeltaApplier:
+        return state_hash(raw_state(state), threads)
+    from libs.weights.gpu import device_state_hash
+
+    return device_state_hash(state, threads)
 
 
 def _is_base(announcement: WeightAnnouncement, current: VersionInfo) -> bool:

@@ -20,9 +20,9 @@ BLOCK_BYTES = 4 << 20  # scan granularity: bounds temporaries, many jobs per thr
 
 @dataclass(frozen=True)
 class Changes:
-    """Changed elements of a tensor: sorted int64 indices and their old and new values."""
+    """Changed elements of a tensor: sorted indices and their old and new values."""
 
-    positions: np.ndarray
+    positions: np.ndarray  # int64 (int32 from the GPU scan, gpu.py, below 2^31 elements)
     old: np.ndarray  # uint elements of the tensor's width
     new: np.ndarray
 

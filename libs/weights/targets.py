@@ -2,8 +2,8 @@
 
 The codec reads old values and writes new ones only through `ElementRange`, so applying a
 delta touches only the changed elements. `CpuRange` serves numpy arrays and CPU torch
-tensors (they share memory). A GPU path implements the same four methods with torch
-indexing on the device (gather to host, scatter from host), and nothing else changes.
+tensors (they share memory). `gpu.GpuRange` implements the same methods with torch indexing
+on the device (gather to host, scatter of values staged on the device).
 """
 
 from __future__ import annotations

@@ -262,7 +262,7 @@ class _Fetcher:
         for attempt in range(1, attempts + 1):
             try:
                 reply = await self._nc.request(self._prefix + subject, b"", timeout=self._timeout_s)
-            except nats.errors.TimeoutError:
+            except (nats.errors.TimeoutError, TimeoutError):  # fetch raises either
                 problem, reason = f"no reply within {self._timeout_s} s", "timeout"
             else:
                 body = _reply_body(reply.data, reply.headers, subject)

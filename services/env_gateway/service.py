@@ -45,6 +45,7 @@ class EnvGatewayService(Service):
                 mode=s.feeder_mode,
                 queue_depth_tasks=s.queue_depth_tasks,
                 batch_groups=s.batch_groups,
+                max_ahead_versions=s.max_ahead_versions,
                 poll_interval_s=s.feeder_poll_interval_s,
             )
             await self.feeder.start()

@@ -26,7 +26,18 @@ class EnvGatewaySettings(ServiceSettings):
     queue_depth_tasks: int = Field(
         32, ge=1, description="Tasks kept pending or in progress (async mode)"
     )
-    batch_groups: int = Field(16, ge=1, description="Tasks published per policy version (sync)")
+    batch_groups: int = Field(
+        16,
+        ge=1,
+        description="Tasks per trainer batch: per version in sync mode, the unit of "
+        "max_ahead_versions in async mode (match the trainer's batch_groups)",
+    )
+    max_ahead_versions: int | None = Field(
+        1,
+        ge=0,
+        description="async: batches the feeder may run ahead of the trainer (bounds "
+        "staleness); unset for no bound",
+    )
     seed: int = Field(0, description="Seed of task generation")
     feeder_poll_interval_s: float = Field(
         0.2, gt=0, description="How often the feeder checks queue depth or policy version"

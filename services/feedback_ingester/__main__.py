@@ -5,14 +5,14 @@
 Configured by RLPIPE_FEEDBACK_INGESTER_* environment variables (see settings.py).
 """
 
-from libs.service import IdleService, run_service
+from libs.service import run_service
+from services.feedback_ingester.service import FeedbackIngesterService
 from services.feedback_ingester.settings import FeedbackIngesterSettings
-
-IDLE_REASON = "idle: the HTTP feedback API and the join arrive with issue #6"
 
 
 def main() -> None:
-    run_service(IdleService("feedback-ingester", IDLE_REASON), FeedbackIngesterSettings())
+    settings = FeedbackIngesterSettings()
+    run_service(FeedbackIngesterService(settings), settings)
 
 
 if __name__ == "__main__":

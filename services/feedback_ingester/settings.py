@@ -1,10 +1,18 @@
-"""Settings of the feedback-ingester service, from RLPIPE_FEEDBACK_INGESTER_* variables."""
+"""Settings of the feedback-ingester service, from RLPIPE_FEEDBACK_INGESTER_* variables.
 
-from typing import ClassVar
+API keys: `RLPIPE_FEEDBACK_INGESTER_API_KEYS` (JSON list of {name, sha256, products}) and/or
+`RLPIPE_FEEDBACK_INGESTER_API_KEYS_FILE` (a TOML/JSON secret file); see libs.feedback.auth.
+"""
 
-from pydantic import Field
+from pathlib import Path
+from typing import Any, ClassVar, Literal
+from urllib.parse import urlsplit, urlunsplit
+
+from pydantic import Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
+from libs.feedback.auth import ApiKeyEntry
+from libs.feedback.restricted_bus import DEFAULT_INBOX_PREFIX
 from libs.settings import ServiceSettings, env_prefix
 
 
@@ -15,3 +23,77 @@ class FeedbackIngesterSettings(ServiceSettings):
     model_config = SettingsConfigDict(env_prefix=env_prefix("feedback-ingester"), extra="ignore")
 
     http_port: int = Field(9106, ge=0, le=65535, description="Port of /healthz and /metrics")
+    role: Literal["all", "api", "join"] = Field(
+        "all", description="Run the HTTP API, the join, or both in this process"
+    )
+
+    # --- the HTTP API ---
+    api_host: str | None = Field(
+        None, description="Address of the feedback API; http_host if unset"
+    )
+    api_port: int = Field(8080, ge=0, le=65535, description="Port of the feedback API")
+    api_keys: list[ApiKeyEntry] = Field(
+        default_factory=list, description="API keys (hashed) as JSON: [{name, sha256, products}]"
+    )
+    api_keys_file: Path | None = Field(
+        None, description="Secret TOML/JSON file with a `keys` list, added to api_keys"
+    )
+    max_body_bytes: int = Field(1024 * 1024, ge=1024, description="Largest request body, bytes")
+    max_batch_events: int = Field(500, ge=1, description="Most events in one batch request")
+    rate_per_s: float = Field(1000.0, gt=0, description="Events a second per API key, sustained")
+    rate_burst_events: int = Field(2000, ge=1, description="Events per API key in a burst")
+    publish_timeout_s: float = Field(2.0, gt=0, description="Wait for the stream's ack, per try")
+    publish_attempts: int = Field(3, ge=1, description="Tries to store an event before a 503")
+    publish_max_in_flight: int = Field(
+        1024, ge=1, description="Unacknowledged feedback publishes at a time"
+    )
+    api_nats_url: str | None = Field(
+        None,
+        description="NATS URL with the feedback-only user's credentials for the API's publishes "
+        "(deploy/nats/auth.conf); the service's own connection if unset",
+    )
+    api_nats_inbox_prefix: str = Field(
+        DEFAULT_INBOX_PREFIX, description="Reply inbox prefix the feedback-only user may read"
+    )
+
+    # --- the join ---
+    join_window_s: float = Field(
+        3600.0, ge=1, description="How long an event waits for its generation, and vice versa"
+    )
+    join_sweep_interval_s: float = Field(
+        30.0, gt=0, description="How often waiting events are checked for expiry"
+    )
+    join_batch_size: int = Field(64, ge=1, description="Messages fetched per pull")
+    join_concurrency: int = Field(16, ge=1, description="Messages joined at the same time")
+    join_fetch_timeout_s: float = Field(1.0, gt=0, description="Longest wait of one pull")
+
+    @model_validator(mode="after")
+    def _batch_fits_burst(self) -> "FeedbackIngesterSettings":
+        if self.max_batch_events > self.rate_burst_events:
+            raise ValueError(
+                f"max_batch_events ({self.max_batch_events}) exceeds rate_burst_events "
+                f"({self.rate_burst_events}): a full batch could never pass the rate limit"
+            )
+        return self
+
+    @property
+    def resolved_api_host(self) -> str:
+        return self.api_host or self.http_host
+
+    def redacted(self) -> dict[str, Any]:
+        """As the base, and passwords in NATS URLs masked."""
+        values = super().redacted()
+        for name in ("nats_url", "api_nats_url"):
+            if values.get(name):
+                values[name] = _mask_password(values[name])
+        return values
+
+
+def _mask_password(url: str) -> str:
+    """`nats://user:secret@host:4222` -> `nats://user:***@host:4222`; a bare token -> `***`."""
+    parts = urlsplit(url)
+    if "@" not in parts.netloc:
+        return url
+    _, _, hostport = parts.netloc.rpartition("@")
+    user = f"{parts.username}:***" if parts.password is not None else "***"
+    return urlunsplit(parts._replace(netloc=f"{user}@{hostport}"))

@@ -21,7 +21,7 @@ class TrainerSettings(ServiceSettings):
     dtype: DTypeName = Field("auto", description="float32, bfloat16, float16 or auto (bf16 on GPU)")
     device: str = Field("auto", description="cpu, cuda, cuda:N, or auto")
     seed: int = Field(0, description="Seed of the random init")
-    learning_rate: float = Field(1e-3, gt=0, description="AdamW learning rate")
+    learning_rate: float = Field(5e-4, gt=0, description="AdamW learning rate")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
     batch_groups: int = Field(16, ge=1, description="GRPO groups per optimizer step")
     max_staleness: int = Field(

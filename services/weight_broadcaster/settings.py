@@ -7,6 +7,7 @@ from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
 from libs.settings import ServiceSettings, env_prefix
+from libs.weights.handoff import default_staging_dir
 
 
 class WeightBroadcasterSettings(ServiceSettings):
@@ -38,4 +39,4 @@ class WeightBroadcasterSettings(ServiceSettings):
 
     def resolved_staging_dir(self) -> Path:
         """The staging folder: the setting, or <run_dir>/weights-staging."""
-        return self.staging_dir or self.run_dir / "weights-staging"
+        return self.staging_dir or default_staging_dir(self.run_dir)

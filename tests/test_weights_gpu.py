@@ -1,0 +1,207 @@
+"""The GPU path of the delta codec (libs/weights/gpu.py): diff and apply on torch devices.
+
+Every test runs on CPU torch tensors through the same code; the `cuda` cases skip without a
+GPU. The reference is always the CPU codec: the device encoder must produce the same bytes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from libs.weights import CorruptDeltaError, DeltaApplier, EncodeOptions, VersionInfo, encode
+from libs.weights.format import Chunk, encode_chunk, encode_manifest
+from libs.weights.gpu import DeviceDeltaApplier, device_changes, encode_device, on_device
+from libs.weights.hashing import state_hash
+from libs.weights.scan import changed_elements
+from libs.weights.tensors import DTYPE_WIDTHS, _torch_dtypes, as_raw, raw_state
+
+SMALL = EncodeOptions(max_chunk_bytes=16 << 10)  # many chunks and pieces on small tensors
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+DEVICES = ["cpu", pytest.param("cuda", marks=CUDA)]
+DTYPES = ["BF16", "F16", "F32", "I8", "BOOL", "F64", "U8", "F8_E4M3"]
+
+# f32 bit patterns a float compare would get wrong: +-0, +-inf, NaNs with payloads, subnormals.
+SPECIAL_F32 = [0x00000000, 0x80000000, 0x7F800000, 0xFF800000, 0x7FC00001, 0xFFC12345,
+               0x7F800001, 0x00000001, 0x807FFFFF]  # fmt: skip
+
+
+def bits_tensor(bits: np.ndarray, dtype: str, device: str) -> torch.Tensor:
+    """A torch tensor of `dtype` holding exactly these little-endian bytes."""
+    data = torch.from_numpy(np.ascontiguousarray(bits).view(np.uint8).copy())
+    return data.view(_torch_dtypes()[dtype]).to(device)
+
+
+def random_pair(
+    rng: np.random.Generator, dtype: str, numel: int, fraction: float, device: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Arbitrary bit patterns and a copy with about `fraction` of the elements re-drawn."""
+    width = DTYPE_WIDTHS[dtype]
+    top = 2 if dtype == "BOOL" else 256
+    old = rng.integers(0, top, numel * width, dtype=np.uint8)
+    fresh = rng.integers(0, top, numel * width, dtype=np.uint8)
+    units_old, units_new = old.view(f"<u{width}"), fresh.view(f"<u{width}").copy()
+    keep = rng.random(numel) >= fraction
+    units_new[keep] = units_old[keep]
+    return bits_tensor(units_old, dtype, device), bits_tensor(units_new, dtype, device)
+
+
+def special_pair(dtype: str, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """NaN payloads, signed zeros, infinities and subnormals, rotated by one element."""
+    width = DTYPE_WIDTHS[dtype]
+    base = np.array(SPECIAL_F32, dtype=np.uint64)
+    patterns = base << np.uint64(32) if width == 8 else base >> np.uint64(32 - 8 * width)
+    old = patterns.astype(f"<u{width}")
+    return bits_tensor(old, dtype, device), bits_tensor(np.roll(old, 1), dtype, device)
+
+
+def host(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {name: tensor.cpu().clone() for name, tensor in state.items()}
+
+
+def assert_same_bits(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert list(got) == list(want)
+    for name, tensor in want.items():
+        assert got[name].dtype == tensor.dtype and got[name].shape == tensor.shape, name
+        assert np.array_equal(as_raw(got[name].cpu()).data, as_raw(tensor.cpu()).data), name
+
+
+def assert_same_delta(a: tuple, b: tuple) -> None:
+    """Same manifest and chunks, byte for byte."""
+    assert encode_manifest(a[0]) == encode_manifest(b[0])
+    assert [encode_chunk(c) for c in a[1]] == [encode_chunk(c) for c in b[1]]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_device_changes_equal_the_cpu_scan(device: str, dtype: str) -> None:
+    rng = np.random.default_rng(DTYPES.index(dtype))
+    old, new = random_pair(rng, dtype, 50_000, 0.03, device)
+    got = device_changes(old, new)
+    width = DTYPE_WIDTHS[dtype]
+    want = changed_elements(as_raw(old.cpu()).data, as_raw(new.cpu()).data, width)
+    assert got.positions.size > 0
+    assert np.array_equal(got.positions, want.positions)
+    assert got.old.dtype == want.old.dtype and np.array_equal(got.old, want.old)
+    assert np.array_equal(got.new, want.new)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", ["F32", "BF16", "F16", "F64"])
+def test_nan_payloads_and_signed_zeros_are_changes_and_survive(device: str, dtype: str) -> None:
+    old, new = special_pair(dtype, device)
+    assert device_changes(old, new).positions.size == old.numel()  # no float compare
+    base, target = {"w": old}, {"w": new}
+    mirror = host(base)
+    got = encode_device(base, target, mirror, base_version=1, version=2, options=SMALL)
+    assert_same_delta(
+        got, encode(host(base), host(target), base_version=1, version=2, options=SMALL)
+    )
+    state = {"w": old.clone()}
+    applier = DeviceDeltaApplier(state, got[0])
+    for chunk in got[1]:
+        applier.apply(chunk)
+    applier.finish(verify_full=True)
+    assert_same_bits(state, target)
+    assert_same_bits(mirror, target)
+
+
+def mixed_states(device: str, seed: int = 0) -> tuple[dict, dict]:
+    """Sparse and dense changes in every dtype, identical, added, reshaped, removed tensors."""
+    rng = np.random.default_rng(seed)
+    base: dict[str, torch.Tensor] = {}
+    new: dict[str, torch.Tensor] = {}
+    for i, dtype in enumerate(DTYPES):
+        fraction = [0.0, 0.02, 0.5, 1.0][i % 4]
+        base[f"t{i}.{dtype}"], new[f"t{i}.{dtype}"] = random_pair(
+            rng, dtype, 3_000 + 997 * i, fraction, device
+        )
+    master = torch.randn(20_000, generator=torch.Generator().manual_seed(seed)) * 0.02
+    base["step"] = master.to(torch.bfloat16).to(device)  # small moves: sparse_add wins
+    new["step"] = (master + master.sign() * 3e-6).to(torch.bfloat16).to(device)
+    base["reshaped"], _ = random_pair(rng, "BF16", 600, 0.0, device)
+    new["reshaped"] = base["reshaped"].reshape(20, 30).clone()
+    base["retyped"], _ = random_pair(rng, "F32", 100, 0.0, device)
+    new["retyped"] = base["retyped"].to(torch.float16)
+    base["removed"], _ = random_pair(rng, "I8", 10, 0.0, device)
+    new["added"], _ = random_pair(rng, "F16", 4096, 0.0, device)
+    return base, new
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_device_encoder_is_byte_identical_to_the_cpu_encoder(device: str) -> None:
+    base, new = mixed_states(device)
+    mirror = host(base)
+    want = encode(host(base), host(new), base_version=4, version=5, options=SMALL)
+    got = encode_device(base, new, mirror, base_version=4, version=5, options=SMALL)
+    assert_same_delta(got, want)
+    encodings = {p.encoding for c in got[1] for p in c.header.pieces}
+    assert {"sparse_add", "raw"} <= encodings and encodings & {"sparse_xor", "dense_xor"}
+    assert_same_bits(mirror, new)  # the mirror now holds the target: the next call's base
+    assert state_hash(raw_state(mirror)) == got[0].target_hash
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_device_apply_writes_in_place_and_matches_the_target(device: str) -> None:
+    base, new = mixed_states(device, seed=1)
+    manifest, chunks = encode(host(base), host(new), base_version=4, version=5, options=SMALL)
+    state = {name: tensor.clone() for name, tensor in base.items()}
+    pointers = {name: tensor.data_ptr() for name, tensor in state.items()}
+    applier = DeviceDeltaApplier(state, manifest, reuse_whole=True)
+    prepared = [applier.prepare(chunk) for chunk in reversed(chunks)]
+    assert_same_bits({n: state[n] for n in base}, base)  # prepare reads only
+    for chunk in prepared:
+        applier.commit(chunk)
+    held = applier.finish(verify_full=True)
+    assert held == VersionInfo(version=5, hash=manifest.target_hash)
+    assert_same_bits(state, new)
+    for name in ("t1.F16", "t2.F32", "t3.I8"):  # patched where it lives, not replaced
+        assert state[name].data_ptr() == pointers[name]
+    assert all(t.device.type == torch.device(device).type for t in state.values())
+    cpu_applier = DeltaApplier(host(base), manifest, reuse_whole=True)
+    cpu_written = sum(cpu_applier.prepare(chunk).num_written for chunk in chunks)
+    assert sum(p.num_written for p in prepared) == cpu_written  # the same elements, no more
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_device_apply_refuses_a_corrupt_chunk_without_writing(device: str) -> None:
+    base, new = mixed_states(device, seed=2)
+    manifest, chunks = encode(host(base), host(new), base_version=1, version=2, options=SMALL)
+    state = {name: tensor.clone() for name, tensor in base.items()}
+    applier = DeviceDeltaApplier(state, manifest)
+    payload = bytearray(chunks[0].payload)
+    payload[len(payload) // 2] ^= 0x40
+    with pytest.raises(CorruptDeltaError, match="payload"):
+        applier.apply(Chunk(header=chunks[0].header, payload=bytes(payload)))
+    assert_same_bits(state, base)
+
+
+def test_the_receiver_keeps_the_cpu_applier_for_cpu_states() -> None:
+    receiver = pytest.importorskip("libs.weights.receiver")  # needs the service dependencies
+    cpu_state = {"w": torch.zeros(4)}
+    assert not on_device(cpu_state)
+    assert receiver._applier_type(cpu_state) is DeltaApplier
+
+
+@CUDA
+def test_the_receiver_picks_the_device_applier_for_cuda_states() -> None:
+    receiver = pytest.importorskip("libs.weights.receiver")
+    state = {"w": torch.zeros(4, device="cuda")}
+    assert on_device(state)
+    assert receiver._applier_type(state) is DeviceDeltaApplier
+
+
+@CUDA
+def test_only_the_changes_cross_to_the_host() -> None:
+    """A bf16 step with ~3% of values changed transfers about 8 bytes per change."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    master = torch.randn(1 << 22, device="cuda", generator=gen) * 0.02
+    old = master.to(torch.bfloat16)
+    new = (master + torch.randn(1 << 22, device="cuda", generator=gen).sign() * 3e-6).to(
+        torch.bfloat16
+    )
+    found = device_changes(old, new)
+    crossed = found.positions.nbytes + found.old.nbytes + found.new.nbytes
+    assert crossed == 8 * found.positions.size
+    assert crossed < 0.5 * old.numel() * old.element_size()
