@@ -233,3 +233,19 @@ async def test_sync_feeder_publishes_one_tagged_batch_per_version(
     assert [t.task_id for t in (await stored_tasks(bus))[9:]] == [
         f"arith-d0-s0-{i}" for i in (9, 10, 11)
     ]
+
+
+async def test_async_feeder_stays_a_bounded_number_of_batches_ahead_of_the_trainer(
+    bus: Bus, start_gateway: Callable
+) -> None:
+    gateway: EnvGatewayService = await start_gateway(
+        feeder_mode="async", queue_depth_tasks=100, batch_groups=2, max_ahead_versions=1
+    )
+    assert gateway.feeder is not None
+    kv = await bus.js.key_value(streams.STATE.bucket)
+    # The trainer's batch in progress plus one batch ahead: 2 * 2 tasks, however deep the queue.
+    await wait_for(lambda: gateway.feeder is not None and gateway.feeder.num_published == 4)
+    assert await gateway.feeder.feed_once() == 0
+    await kv.put("trainer_groups_taken", b"2")  # one batch taken (trained or dropped)
+    await wait_for(lambda: gateway.feeder is not None and gateway.feeder.num_published == 6)
+    assert await gateway.feeder.feed_once() == 0

@@ -153,20 +153,24 @@ async def test_trainer_steps_on_groups_drops_stale_samples_and_stages_each_versi
     assert trainer.state.version == 0
     samples = [scored(g, i, float(i % 2)) for g in range(3) for i in range(4)]
     samples += [scored(3, i, float(i % 2), version=-5) for i in range(4)]  # far too stale
+    samples += [scored(4, i, float(i % 2)) for i in range(4)]
     await publish_scored(bus, samples)
     await trainer.run()
 
     steps = read_steps(tmp_path)
     assert [s["step"] for s in steps] == [1, 2] and [s["version"] for s in steps] == [1, 2]
     assert steps[0]["sample_ids"] == [f"g{g}.{i}" for g in (0, 1) for i in range(4)]
+    # A stale group does not shrink the step: it is dropped and the next fresh one taken.
+    assert steps[1]["sample_ids"] == [f"g{g}.{i}" for g in (2, 4) for i in range(4)]
     assert steps[1]["dropped_ids"] == [f"g3.{i}" for i in range(4)]
-    assert steps[1]["staleness"] == {"1": 4, "6": 4} and steps[1]["num_dropped"] == 4
+    assert steps[1]["staleness"] == {"1": 8, "6": 4} and steps[1]["num_dropped"] == 4
     info = await bus.js.stream_info(streams.WEIGHTS_STAGED.name)
     assert info.state.messages == 3  # versions 0, 1, 2
     last = await bus.js.get_last_msg(streams.WEIGHTS_STAGED.name, subjects.WEIGHTS_STAGED)
     assert msgspec.msgpack.decode(last.data or b"", type=WeightsStaged).version == 2
     kv = await bus.js.key_value(streams.STATE.bucket)
     assert (await kv.get("policy_version")).value == b"2"
+    assert (await kv.get("trainer_groups_taken")).value == b"5"
     assert (tmp_path / "trainer" / "checkpoints" / "step-00000002" / "model.safetensors").exists()
 
 

@@ -4,9 +4,11 @@ Two modes:
 - `async`: keep the rollout workers' queue (pending + in-progress tasks of the shared
   consumer proto.streams.ROLLOUT_WORKER_TASKS) at `queue_depth_tasks`, but never more than
   `max_ahead_versions` batches ahead of the trainer: at most
-  (versions trained since start + 1 + max_ahead_versions) * batch_groups tasks in all. That
-  bounds staleness where it is made: a worker far ahead of the trainer would only produce
-  samples the trainer drops (AReaL's rollout controller works the same way);
+  groups taken by the trainer + (1 + max_ahead_versions) * batch_groups tasks published
+  since the trainer's count began (KV key `trainer_groups_taken`). That bounds staleness
+  where it is made: a worker far ahead of the trainer would only produce samples the trainer
+  drops (AReaL's rollout controller works the same way). Dropped groups count as taken, so
+  drops free room instead of stalling the loop;
 - `sync`: the synchronous baseline: each time the trainer's policy version (KV bucket
   proto.streams.STATE, key `policy_version`, an ASCII decimal integer) advances to v, publish
   exactly `batch_groups` tasks tagged `min_policy_version=v`.
@@ -39,6 +41,7 @@ log = structlog.get_logger(__name__)
 
 FeederMode = Literal["async", "sync", "off"]
 POLICY_VERSION_KEY = "policy_version"
+GROUPS_TAKEN_KEY = "trainer_groups_taken"
 MAX_FAILED_ROUNDS = 50
 
 TASKS_PUBLISHED = Counter("rlpipe_feeder_tasks_published_total", "Tasks published", ["env"])
@@ -58,16 +61,21 @@ def feeder_state_key(env: str) -> str:
 
 async def read_policy_version(kv: KeyValue) -> int:
     """The trainer's current policy version; 0 before it has written one."""
+    return await read_counter(kv, POLICY_VERSION_KEY)
+
+
+async def read_counter(kv: KeyValue, key: str) -> int:
+    """A counter the trainer keeps in the state bucket; 0 before it has written one."""
     try:
-        entry = await kv.get(POLICY_VERSION_KEY)
+        entry = await kv.get(key)
     except (KeyNotFoundError, KeyDeletedError):
         return 0
     try:
         return int((entry.value or b"0").decode())
     except ValueError:
         raise ValueError(
-            f"KV {streams.STATE.bucket}/{POLICY_VERSION_KEY} holds {entry.value!r}; "
-            "the trainer must write the version as an ASCII decimal integer"
+            f"KV {streams.STATE.bucket}/{key} holds {entry.value!r}; "
+            "the trainer must write it as an ASCII decimal integer"
         ) from None
 
 
@@ -95,7 +103,7 @@ class TaskFeeder:
         self.queue_depth_tasks = queue_depth_tasks
         self.batch_groups = batch_groups
         self.max_ahead_versions = max_ahead_versions
-        self._start_version: int | None = None
+        self._start: tuple[int, int] | None = None  # (groups taken, tasks published) at start
         self.poll_interval_s = poll_interval_s
         self.state = FeederState()
         self.num_published = 0
@@ -158,12 +166,12 @@ class TaskFeeder:
         if self.max_ahead_versions is None:
             return self.queue_depth_tasks
         assert self._kv is not None, "call start() first"
-        version = await read_policy_version(self._kv)
-        if self._start_version is None:
-            self._start_version = version
-        trained = max(0, version - self._start_version)
-        allowed = (trained + 1 + self.max_ahead_versions) * self.batch_groups
-        return allowed - self.num_published
+        taken = await read_counter(self._kv, GROUPS_TAKEN_KEY)
+        if self._start is None:
+            self._start = (taken, self.num_published)
+        taken_since_start = max(0, taken - self._start[0])
+        allowed = taken_since_start + (1 + self.max_ahead_versions) * self.batch_groups
+        return allowed - (self.num_published - self._start[1])
 
     async def _feed_new_version(self) -> int:
         assert self._kv is not None, "call start() first"

@@ -238,11 +238,12 @@ class WeightsFollower:
 
 
 def _writable_on_host(tensors: dict[str, torch.Tensor] | None) -> bool:
-    """True when the receiver can write these tensors in place: CPU and contiguous (the
-    codec writes through numpy views; a non-contiguous tensor's view would be a copy)."""
+    """True when the receiver can write these tensors in place: contiguous, on the CPU
+    (numpy views) or on a CUDA device (libs.weights.gpu scatters there); a non-contiguous
+    tensor's view would be a copy."""
     if not tensors:
         return False
-    return all(t.device.type == "cpu" and t.is_contiguous() for t in tensors.values())
+    return all(t.device.type in ("cpu", "cuda") and t.is_contiguous() for t in tensors.values())
 
 
 def _changed_tensors(update: PreparedUpdate, state: MutableMapping[str, Any]) -> dict[str, Any]:

@@ -31,6 +31,7 @@ class TrainerState(msgspec.Struct, kw_only=True):
     # Incremented at each resume; step records carry it, so records of steps lost with a
     # crash (written after the last checkpoint) can be told from their replacements.
     segment: int = 0
+    groups_taken: int = 0
     scored_cursor: ConsumedCursor = msgspec.field(default_factory=ConsumedCursor)
 
 

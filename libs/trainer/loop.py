@@ -50,6 +50,9 @@ from proto.messages import ScoredRollout
 log = structlog.get_logger(__name__)
 
 POLICY_VERSION_KEY = "policy_version"
+# Groups the trainer has taken from the scored stream (trained or dropped as stale): the
+# feeder stays a bounded number of batches ahead of this count.
+GROUPS_TAKEN_KEY = "trainer_groups_taken"
 
 
 @dataclass(frozen=True)
@@ -64,6 +67,9 @@ class TrainerConfig:
     batch_groups: int = 16
     max_staleness: int = 4
     checkpoint_every_steps: int = 10
+    # Stage weights for the broadcaster every N steps (1: every version; more for big models
+    # whose versions take longer to ship than to train).
+    publish_every_steps: int = 1
     max_steps: int | None = None
     incomplete_group_timeout_s: float = 120.0
     read_batch: int = 256
@@ -236,8 +242,12 @@ class Trainer:
         self.state.version += 1
         bind_context(step=self.state.step, policy_version=self.state.version)
         self.state.scored_cursor.mark_done(batch.sequences)
+        self.state.groups_taken += len(batch.groups)
         self._steps.write(self._record(batch, stats, step_s))
-        await self._publish_weights()
+        if self.state.step % self.config.publish_every_steps == 0:
+            await self._publish_weights()
+        else:
+            await self._record_progress()
         if self.state.step % self.config.checkpoint_every_steps == 0:
             await asyncio.to_thread(self._checkpoint)
 
@@ -246,8 +256,7 @@ class Trainer:
 
         The KV write comes first so a crash in between can only skip a number, never reuse it.
         """
-        kv = await self._bus.js.key_value(streams.STATE.bucket)
-        await kv.put(POLICY_VERSION_KEY, str(self.state.version).encode())
+        await self._record_progress()
         state = {name: tensor.detach() for name, tensor in self.model.state_dict().items()}
         await stage_weights(
             self._publisher,
@@ -256,6 +265,12 @@ class Trainer:
             self.state.version,
             step=self.state.step,
         )
+
+    async def _record_progress(self) -> None:
+        """Publish the version and the groups taken to the KV bucket (the feeder reads them)."""
+        kv = await self._bus.js.key_value(streams.STATE.bucket)
+        await kv.put(POLICY_VERSION_KEY, str(self.state.version).encode())
+        await kv.put(GROUPS_TAKEN_KEY, str(self.state.groups_taken).encode())
 
     async def _announced_version(self) -> int | None:
         kv = await self._bus.js.key_value(streams.STATE.bucket)

@@ -40,6 +40,7 @@ def trainer_config(settings: TrainerSettings) -> TrainerConfig:
         batch_groups=settings.batch_groups,
         max_staleness=settings.max_staleness,
         checkpoint_every_steps=settings.checkpoint_every_steps,
+        publish_every_steps=settings.publish_every_steps,
         max_steps=settings.max_steps,
         incomplete_group_timeout_s=settings.incomplete_group_timeout_s,
     )

@@ -37,6 +37,9 @@ class TrainerSettings(ServiceSettings):
     max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm")
     max_sequence_tokens: int | None = Field(None, ge=2, description="Truncate longer samples")
     checkpoint_every_steps: int = Field(10, ge=1, description="Steps between checkpoints")
+    publish_every_steps: int = Field(
+        1, ge=1, description="Stage weights for the broadcaster every N steps (sync mode: 1)"
+    )
     max_steps: int | None = Field(None, ge=1, description="Stop after this many steps")
     incomplete_group_timeout_s: float = Field(
         120.0, gt=0, description="Train a group with missing samples after this long"
