@@ -41,6 +41,21 @@ POLICY_PRESETS: dict[str, dict[str, Any]] = {
         "max_position_embeddings": 2048,
         "tie_word_embeddings": True,
     },
+    # About 0.5B parameters over the byte vocabulary, for the loop on one GPU with the
+    # embedded tokenizer: the Qwen2.5-0.5B layer shape, 33 layers (492M params).
+    "byte-0.5b": {
+        "model_type": "qwen2",
+        "vocab_size": BYTE_VOCAB_SIZE,
+        "hidden_size": 896,
+        "intermediate_size": 4864,
+        "num_hidden_layers": 33,
+        "num_attention_heads": 14,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 4096,
+        "rope_theta": 1_000_000.0,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": True,
+    },
     # The shape of Qwen2.5-0.5B (494M params with its 151,936-token vocabulary), for a GPU
     # run from random init; pair with that tokenizer or set vocab_size to your own.
     "qwen2-0.5b": {

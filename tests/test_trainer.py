@@ -3,6 +3,7 @@ bus, and a kill mid-run proving by sample ids that nothing is lost or trained tw
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -228,3 +229,23 @@ async def test_trainer_killed_mid_run_resumes_without_losing_or_repeating_sample
     assert resumed_from >= 3 and resumed_from % 3 == 0 and resumed_from <= steps_at_kill
     superseded = [r for r in records if r["segment"] == 0 and int(r["step"]) > resumed_from]  # type: ignore[call-overload]
     assert len(records) == len(effective) + len(superseded)
+
+
+async def test_groups_dropped_while_waiting_are_reported_to_the_feeder(
+    bus: Bus, tmp_path: Path
+) -> None:
+    await provision(bus.js)
+    trainer = Trainer(trainer_config(tmp_path), bus, Publisher(bus.js))
+    await trainer.setup()
+    await publish_scored(bus, [scored(g, i, 1.0, version=-9) for g in range(2) for i in range(4)])
+    running = asyncio.create_task(trainer.run())
+    kv = await bus.js.key_value(streams.STATE.bucket)
+
+    async def taken_is_two() -> bool:
+        return (await kv.get("trainer_groups_taken")).value == b"2"
+
+    # No step can happen (every sample is too stale), yet the feeder learns the groups are gone.
+    await wait_for(taken_is_two, what="the dropped groups counted as taken")
+    await trainer.stop()
+    await running
+    assert trainer.state.step == 0

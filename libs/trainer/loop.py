@@ -130,6 +130,7 @@ class Trainer:
         )
         self._reader: StreamReader[ScoredRollout] | None = None
         self.status = "starting"
+        self.detail = ""
 
     async def setup(self) -> None:
         """Resume from the latest checkpoint if any, then publish the weights we hold."""
@@ -193,7 +194,7 @@ class Trainer:
         full batch; the dropped ones are reported with it. None when stopping first.
         """
         started_s = time.monotonic()
-        self.status = "ok" if self.state.step else "waiting for rollouts"
+        self.detail = "" if self.state.step else "waiting for the first rollouts"
         taken: list[Group] = []
         kept: list[ScoredRollout] = []
         dropped: list[ScoredRollout] = []
@@ -202,7 +203,9 @@ class Trainer:
         while num_fresh_groups < self.config.batch_groups:
             if not await self._fill_buffer():
                 return None
-            for group in self._buffer.take(self.config.batch_groups - num_fresh_groups):
+            groups = self._buffer.take(self.config.batch_groups - num_fresh_groups)
+            fresh_before = num_fresh_groups
+            for group in groups:
                 split = split_by_staleness(
                     group.rollouts, self.state.version, self.config.max_staleness
                 )
@@ -211,6 +214,11 @@ class Trainer:
                 dropped += split.dropped
                 staleness += split.staleness
                 num_fresh_groups += bool(split.kept)
+            self.state.groups_taken += len(groups)
+            if num_fresh_groups - fresh_before < len(groups):
+                # Dropped groups free the feeder's room now, or a loop whose samples all
+                # went stale would wait for tasks the feeder holds back for it.
+                await self._record_progress()
         return Batch(
             groups=taken,
             kept=kept,
@@ -242,7 +250,6 @@ class Trainer:
         self.state.version += 1
         bind_context(step=self.state.step, policy_version=self.state.version)
         self.state.scored_cursor.mark_done(batch.sequences)
-        self.state.groups_taken += len(batch.groups)
         self._steps.write(self._record(batch, stats, step_s))
         if self.state.step % self.config.publish_every_steps == 0:
             await self._publish_weights()
@@ -320,6 +327,7 @@ class Trainer:
     def health(self) -> dict[str, Any]:
         return {
             "status": self.status,
+            "detail": self.detail,
             "step": self.state.step,
             "policy_version": self.state.version,
             "groups_open": self._buffer.num_open,

@@ -71,4 +71,4 @@ class TrainerService(Service):
     def health(self) -> dict[str, Any]:
         if self.trainer is None:
             return super().health()
-        return {"service": self.name, **self.trainer.health(), "detail": ""}
+        return {"service": self.name, **self.trainer.health()}
