@@ -279,7 +279,7 @@ async def bench_all(
             "repeats": repeats,
             "max_in_flight": settings.max_in_flight,
             "raw_fetch_batch": settings.raw_batch,
-            "library_consumer": "PullConsumer defaults (batch_size 64, concurrency 16)",
+            "library_consumer": "PullConsumer defaults (batch_size 64, concurrency 64)",
             "message": "proto Task, prompt padded so the msgpack body is body_bytes long",
             "units": "MiB = 2**20 bytes of message body; end_to_end = publish then consume",
         },
