@@ -5,7 +5,9 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 BIN := $(VENV)/bin
 INSTALLED := $(VENV)/.installed
-DEMO_ARGS ?=
+# The demo stops on its own after 300 trainer steps (about 3 minutes on 2 cores, by which
+# the built-in task is learned); DEMO_ARGS= runs until Ctrl-C.
+DEMO_ARGS ?= --max-trainer-steps 300
 PYTEST_ARGS ?=
 
 .PHONY: demo test bench lint schema venv system-tools clean

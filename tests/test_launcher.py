@@ -316,6 +316,29 @@ def test_sigterm_to_launcher_stops_everything_cleanly(
     assert not [pid for pid in recorded_pids(tmp_path) if is_alive(pid)]
 
 
+def test_services_stop_when_the_launcher_is_killed_outright(
+    tmp_path: Path, launcher_process: Callable[..., subprocess.Popen[str]]
+) -> None:
+    process = launcher_process(fake_commands())
+    wait_all_serving(tmp_path)
+    services = [pid for pid in recorded_pids(tmp_path) if pid != process.pid]
+    process.kill()  # no chance to stop anything itself
+    process.wait()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and any(is_alive(pid) for pid in services):
+        time.sleep(0.1)
+    # The services got SIGTERM from the kernel when their parent died (NATS keeps its own
+    # session and is left for the next run's folder cleanup).
+    assert not [pid for pid in services if is_alive(pid) and not _is_nats(pid)]
+
+
+def _is_nats(pid: int) -> bool:
+    try:
+        return "nats-server" in Path(f"/proc/{pid}/cmdline").read_text()
+    except OSError:
+        return False
+
+
 def test_second_ctrl_c_kills_what_ignores_sigterm(
     tmp_path: Path, launcher_process: Callable[..., subprocess.Popen[str]]
 ) -> None:

@@ -13,6 +13,7 @@ Output goes to `<log_dir>/<name>.log`, appended across restarts.
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import os
 import signal
 import time
@@ -199,6 +200,7 @@ class Supervisor:
                 stderr=asyncio.subprocess.STDOUT,
                 env={**os.environ, **child.spec.env},
                 start_new_session=True,
+                preexec_fn=_terminate_with_parent,
             )
         child.pids.append(child.process.pid)
         child.state, child.detail = "running", ""
@@ -240,3 +242,13 @@ class Supervisor:
     def _event(self, event: str, **fields: Any) -> None:
         if self._on_event:
             self._on_event(event, **fields)
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _terminate_with_parent() -> None:
+    """In the child, before exec: SIGTERM when the launcher dies, however it dies (a
+    SIGKILL, a full disk), so no service outlives a launcher that cannot stop it."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
