@@ -25,7 +25,7 @@ from libs.policy import PolicyConfig, build_policy, sequence_logprobs
 from libs.tokenizer import ByteTokenizer
 from libs.trainer.cursor import ConsumedCursor
 from libs.trainer.groups import GroupBuffer
-from libs.trainer.loop import Trainer, TrainerConfig
+from libs.trainer.loop import Trainer, TrainerConfig, learning_rate_at
 from libs.trainer.step import StepConfig, train_step
 from proto import streams, subjects
 from proto.messages import Rollout, ScoredRollout, Task, Turn, WeightsStaged
@@ -249,3 +249,12 @@ async def test_groups_dropped_while_waiting_are_reported_to_the_feeder(
     await trainer.stop()
     await running
     assert trainer.state.step == 0
+
+
+def test_learning_rate_decays_linearly_to_its_floor_and_stays(tmp_path: Path) -> None:
+    config = trainer_config(
+        tmp_path, learning_rate=1e-3, learning_rate_decay_steps=100, min_learning_rate_ratio=0.1
+    )
+    rates = [learning_rate_at(config, step) for step in (0, 50, 100, 200)]
+    assert rates == pytest.approx([1e-3, 5.5e-4, 1e-4, 1e-4])
+    assert learning_rate_at(trainer_config(tmp_path, learning_rate=2e-4), 10_000) == 2e-4

@@ -36,6 +36,8 @@ def trainer_config(settings: TrainerSettings) -> TrainerConfig:
         ),
         run_dir=settings.run_dir,
         learning_rate=settings.learning_rate,
+        learning_rate_decay_steps=settings.learning_rate_decay_steps,
+        min_learning_rate_ratio=settings.min_learning_rate_ratio,
         weight_decay=settings.weight_decay,
         batch_groups=settings.batch_groups,
         max_staleness=settings.max_staleness,

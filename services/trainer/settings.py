@@ -22,6 +22,14 @@ class TrainerSettings(ServiceSettings):
     device: str = Field("auto", description="cpu, cuda, cuda:N, or auto")
     seed: int = Field(0, description="Seed of the random init")
     learning_rate: float = Field(5e-4, gt=0, description="AdamW learning rate")
+    learning_rate_decay_steps: int | None = Field(
+        400,
+        ge=1,
+        description="Steps over which the learning rate decays linearly (unset: constant)",
+    )
+    min_learning_rate_ratio: float = Field(
+        0.1, gt=0, le=1, description="Learning rate at the end of the decay, as a fraction"
+    )
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
     batch_groups: int = Field(16, ge=1, description="GRPO groups per optimizer step")
     max_staleness: int = Field(
