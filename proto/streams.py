@@ -183,4 +183,9 @@ STATE = KeyValueSpec(
     description="Live state: current policy version, heartbeats, run config.",
 )
 
+# Keys of STATE the trainer writes (ASCII decimal integers) and the feeder reads.
+POLICY_VERSION_KEY = "policy_version"
+# Groups the trainer has taken from the scored stream, trained or dropped as stale.
+GROUPS_TAKEN_KEY = "trainer_groups_taken"
+
 ALL_KV: tuple[KeyValueSpec, ...] = (STATE,)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 from dataclasses import dataclass
 
 import nats
@@ -43,12 +44,16 @@ async def connect_bus(
     max_attempts: int = 10,
     retry_delay_s: float = 0.5,
     connect_timeout_s: float = 2.0,
+    inbox_prefix: str | None = None,
 ) -> Bus:
     """Connect to `url`, retrying up to `max_attempts` times, and check the server.
 
     Once connected, nats-py reconnects on its own forever; only the first contact is bounded
-    so a wrong URL fails in seconds with a message naming it.
+    so a wrong URL fails in seconds with a message naming it (credentials left out).
+    `inbox_prefix` is for users whose permissions allow replies only under that prefix.
     """
+    shown_url = redact_url(url)
+    options = {"inbox_prefix": inbox_prefix} if inbox_prefix else {}
     last_error: Exception | None = None
     for attempt in range(1, max_attempts + 1):
         try:
@@ -65,24 +70,30 @@ async def connect_bus(
                     error_cb=_on_error,
                     disconnected_cb=_on_disconnected,
                     reconnected_cb=_on_reconnected,
+                    **options,
                 ),
                 timeout=connect_timeout_s * 2,
             )
         except Exception as exc:  # nats raises several unrelated types for "unreachable"
             last_error = exc
-            log.warning("bus connect failed", url=url, attempt=attempt, error=repr(exc))
+            log.warning("bus connect failed", url=shown_url, attempt=attempt, error=repr(exc))
             await asyncio.sleep(min(retry_delay_s * 2 ** (attempt - 1), 5.0))
             continue
         try:
-            check_server_version(str(nc.connected_server_version), url)
+            check_server_version(str(nc.connected_server_version), shown_url)
         except BusConnectError:
             await nc.close()
             raise
         return Bus(nc=nc, js=nc.jetstream())
     raise BusConnectError(
-        f"could not connect to NATS at {url} after {max_attempts} attempts ({last_error}); "
+        f"could not connect to NATS at {shown_url} after {max_attempts} attempts ({last_error}); "
         "is nats-server running there with JetStream (-js)? Set RLPIPE_NATS_URL to its URL"
     )
+
+
+def redact_url(url: str) -> str:
+    """`nats://user:secret@host:4222` -> `nats://user:***@host:4222`, for logs and errors."""
+    return re.sub(r"//([^:/@]+):[^@]*@", r"//\1:***@", url)
 
 
 async def _on_error(exc: Exception) -> None:

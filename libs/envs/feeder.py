@@ -40,8 +40,6 @@ from proto.subjects import task_subject
 log = structlog.get_logger(__name__)
 
 FeederMode = Literal["async", "sync", "off"]
-POLICY_VERSION_KEY = "policy_version"
-GROUPS_TAKEN_KEY = "trainer_groups_taken"
 MAX_FAILED_ROUNDS = 50
 
 TASKS_PUBLISHED = Counter("rlpipe_feeder_tasks_published_total", "Tasks published", ["env"])
@@ -61,7 +59,7 @@ def feeder_state_key(env: str) -> str:
 
 async def read_policy_version(kv: KeyValue) -> int:
     """The trainer's current policy version; 0 before it has written one."""
-    return await read_counter(kv, POLICY_VERSION_KEY)
+    return await read_counter(kv, streams.POLICY_VERSION_KEY)
 
 
 async def read_counter(kv: KeyValue, key: str) -> int:
@@ -166,7 +164,7 @@ class TaskFeeder:
         if self.max_ahead_versions is None:
             return self.queue_depth_tasks
         assert self._kv is not None, "call start() first"
-        taken = await read_counter(self._kv, GROUPS_TAKEN_KEY)
+        taken = await read_counter(self._kv, streams.GROUPS_TAKEN_KEY)
         if self._start is None:
             self._start = (taken, self.num_published)
         taken_since_start = max(0, taken - self._start[0])

@@ -8,14 +8,7 @@ prefix the server config allows.
 
 from __future__ import annotations
 
-import asyncio
-
-import nats
-import structlog
-
-from libs.bus.connection import Bus, BusConnectError, check_server_version
-
-log = structlog.get_logger(__name__)
+from libs.bus.connection import Bus, BusConnectError, connect_bus
 
 DEFAULT_INBOX_PREFIX = "_INBOX_feedback_api"
 
@@ -29,31 +22,15 @@ async def connect_restricted_bus(
     """Connect with credentials in `url` (nats://user:password@host:port); one attempt, then
     nats-py reconnects on its own."""
     try:
-        nc = await asyncio.wait_for(
-            nats.connect(
-                url,
-                name=name,
-                inbox_prefix=inbox_prefix,
-                connect_timeout=connect_timeout_s,
-                allow_reconnect=True,
-                max_reconnect_attempts=-1,
-                reconnect_time_wait=0.5,
-                error_cb=_on_error,
-            ),
-            timeout=connect_timeout_s * 2,
+        return await connect_bus(
+            url,
+            name,
+            max_attempts=1,
+            connect_timeout_s=connect_timeout_s,
+            inbox_prefix=inbox_prefix,
         )
-    except Exception as exc:  # nats raises several unrelated types for "unreachable"
+    except BusConnectError as exc:
         raise BusConnectError(
-            f"feedback publisher could not connect to NATS ({exc!r}); check "
-            "RLPIPE_FEEDBACK_INGESTER_API_NATS_URL (user, password, host)"
+            f"feedback publisher: {exc}; check RLPIPE_FEEDBACK_INGESTER_API_NATS_URL "
+            "(user, password, host)"
         ) from exc
-    try:
-        check_server_version(str(nc.connected_server_version), "the feedback publisher's URL")
-    except BusConnectError:
-        await nc.close()
-        raise
-    return Bus(nc=nc, js=nc.jetstream())
-
-
-async def _on_error(exc: Exception) -> None:
-    log.warning("feedback publisher bus error", error=repr(exc))

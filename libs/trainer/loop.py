@@ -49,11 +49,6 @@ from proto.messages import ScoredRollout
 
 log = structlog.get_logger(__name__)
 
-POLICY_VERSION_KEY = "policy_version"
-# Groups the trainer has taken from the scored stream (trained or dropped as stale): the
-# feeder stays a bounded number of batches ahead of this count.
-GROUPS_TAKEN_KEY = "trainer_groups_taken"
-
 
 @dataclass(frozen=True)
 class TrainerConfig:
@@ -292,13 +287,13 @@ class Trainer:
     async def _record_progress(self) -> None:
         """Publish the version and the groups taken to the KV bucket (the feeder reads them)."""
         kv = await self._bus.js.key_value(streams.STATE.bucket)
-        await kv.put(POLICY_VERSION_KEY, str(self.state.version).encode())
-        await kv.put(GROUPS_TAKEN_KEY, str(self.state.groups_taken).encode())
+        await kv.put(streams.POLICY_VERSION_KEY, str(self.state.version).encode())
+        await kv.put(streams.GROUPS_TAKEN_KEY, str(self.state.groups_taken).encode())
 
     async def _announced_version(self) -> int | None:
         kv = await self._bus.js.key_value(streams.STATE.bucket)
         try:
-            entry = await kv.get(POLICY_VERSION_KEY)
+            entry = await kv.get(streams.POLICY_VERSION_KEY)
         except KeyNotFoundError:
             return None
         return int((entry.value or b"0").decode())
