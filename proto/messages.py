@@ -59,6 +59,9 @@ class Turn(msgspec.Struct, kw_only=True):
     policy_version: int | None = None
     # Routed expert ids per token and layer for MoE router replay; empty for dense models.
     routed_experts: list[list[int]] = msgspec.field(default_factory=list)
+    # Context segment of the episode: a self-summarizing episode restarts its context from the
+    # task and a summary; each segment is its own training sequence (sharing the reward).
+    segment: int = 0
 
 
 class Rollout(Message, kw_only=True):
@@ -77,6 +80,25 @@ class Rollout(Message, kw_only=True):
     # The task as the worker received it, so reward needs no second lookup.
     task: Task | None = None
     created_at: float = 0.0
+    # What the environment reported when the episode ended (e.g. hidden-test results), for
+    # reward; written by the environment, never by the policy.
+    env_info: dict[str, Any] = msgspec.field(default_factory=dict)
+    # The error that ended the episode (`finish_reason == "env_error"`): ENV_ERROR_* kind and text.
+    env_error: str = ""
+    env_error_message: str = ""
+    # Harness counts, for reward and logs: see EPISODE_STAT_* below.
+    stats: dict[str, float] = msgspec.field(default_factory=dict)
+
+
+# Keys of Rollout.stats written by the multi-turn harness.
+EPISODE_STAT_TURNS = "num_turns"  # assistant turns generated
+EPISODE_STAT_TOOL_CALLS = "num_tool_calls"  # well-formed tool calls sent to the environment
+EPISODE_STAT_INVALID_TOOL_CALLS = (
+    "num_invalid_tool_calls"  # unparsable calls, answered with an error
+)
+EPISODE_STAT_TOOL_ERRORS = "num_tool_errors"  # tool results the environment marked as errors
+EPISODE_STAT_SEGMENTS = "num_segments"  # context segments (1 + summaries taken)
+EPISODE_STAT_GENERATED_TOKENS = "num_generated_tokens"
 
 
 class CriterionScore(msgspec.Struct, kw_only=True):
@@ -327,6 +349,47 @@ ENV_ERROR_KINDS: tuple[str, ...] = (
 )
 
 
+class ToolSpec(msgspec.Struct, kw_only=True):
+    """A tool the policy may call: its name, what it does, and its arguments as JSON Schema."""
+
+    name: str
+    description: str = ""
+    parameters: dict[str, Any] = msgspec.field(default_factory=dict)
+
+
+class ChatMessage(msgspec.Struct, kw_only=True):
+    """One message of an episode's opening conversation."""
+
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str
+
+
+class ToolCall(msgspec.Struct, kw_only=True):
+    """A well-formed call the policy made, parsed by the harness from its generated text."""
+
+    call_id: str
+    name: str
+    arguments: dict[str, Any] = msgspec.field(default_factory=dict)
+
+
+# ToolResult.error kinds: the call ran and failed in a way the agent can see and react to.
+TOOL_ERROR_UNKNOWN_TOOL = "unknown_tool"
+TOOL_ERROR_BAD_ARGUMENTS = "bad_arguments"
+TOOL_ERROR_FAILED = "failed"  # the tool ran and reported failure (e.g. file not found)
+TOOL_ERROR_LIMIT = "limit_exceeded"  # a sandbox limit stopped it (CPU, memory, processes, size)
+TOOL_ERROR_TIMEOUT = "timeout"  # it ran past its wall-clock limit and was killed
+TOOL_ERROR_DENIED = "denied"  # the sandbox refused it (network, a path outside the workdir)
+
+
+class ToolResult(msgspec.Struct, kw_only=True):
+    """What one tool call returned; `error` is one of TOOL_ERROR_* or "" on success."""
+
+    call_id: str
+    name: str
+    content: str
+    error: str = ""
+
+
 class EnvResetRequest(Message, kw_only=True):
     """Open episode `episode_id` (chosen by the caller, unique) on `task`.
 
@@ -345,7 +408,13 @@ class EnvResetReply(Message, kw_only=True):
     SCHEMA: ClassVar[str] = "env_reset_reply"
 
     episode_id: str
+    # Single-turn text environments answer with `observation` (the prompt); tool-calling
+    # environments with `messages` (the opening conversation) and the `tools` it may call.
     observation: str = ""
+    messages: list[ChatMessage] = msgspec.field(default_factory=list)
+    tools: list[ToolSpec] = msgspec.field(default_factory=list)
+    # Most assistant turns the episode allows (0: the harness's own limit).
+    max_turns: int = 0
     # Most tokens the policy may generate for its next action, and texts that end it.
     max_tokens: int = 0
     stop: list[str] = msgspec.field(default_factory=list)
@@ -364,7 +433,10 @@ class EnvStepRequest(Message, kw_only=True):
     SCHEMA: ClassVar[str] = "env_step_request"
 
     episode_id: str
+    # The policy's generated text for this turn, decoded.
     action: str
+    # The well-formed tool calls parsed from `action` (none: the policy gave its final answer).
+    tool_calls: list[ToolCall] = msgspec.field(default_factory=list)
 
 
 class EnvStepReply(Message, kw_only=True):
@@ -374,8 +446,11 @@ class EnvStepReply(Message, kw_only=True):
 
     episode_id: str
     observation: str = ""
+    # One result per tool call of the request, in order.
+    tool_results: list[ToolResult] = msgspec.field(default_factory=list)
     done: bool = False
-    # Environment-specific facts about the step, for logs and reward (never a reward itself).
+    # Environment-specific facts about the step, for logs and reward (never a reward itself);
+    # the info of the step that ends the episode is kept in Rollout.env_info.
     info: dict[str, Any] = msgspec.field(default_factory=dict)
     # For the next action when not done: 0 and [] mean "as in the reset reply".
     max_tokens: int = 0

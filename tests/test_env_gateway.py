@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import ClassVar
 
 import pytest
@@ -19,7 +19,7 @@ from libs.envs.base import Environment, Episode, Opening, StepResult
 from libs.envs.client import EnvClient, EnvError
 from proto import messages as m
 from proto import streams
-from proto.messages import Task
+from proto.messages import Task, ToolCall
 from services.env_gateway.service import EnvGatewayService
 from services.env_gateway.settings import EnvGatewaySettings
 from tests.conftest import wait_for
@@ -36,7 +36,7 @@ class ToolEpisode(Episode):
         self.task_id = task_id
         self.turns = 0
 
-    async def step(self, action: str) -> StepResult:
+    async def step(self, action: str, tool_calls: Sequence[ToolCall] = ()) -> StepResult:
         self.turns += 1
         if action == "boom":
             raise RuntimeError("the tool crashed")

@@ -9,11 +9,11 @@ env-gateway serves every registered environment over the bus; register your own 
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from proto.messages import Task
+from proto.messages import ChatMessage, Task, ToolCall, ToolResult, ToolSpec
 
 DEFAULT_MAX_TOKENS = 256
 
@@ -27,28 +27,42 @@ class UnknownEnvError(KeyError):
 
 @dataclass(frozen=True)
 class Opening:
-    """What the policy sees first, and how long its first action may be."""
+    """What the policy sees first, and how long its first action may be.
 
-    observation: str
+    A single-turn text environment sets `observation` (the prompt); a tool-calling one sets
+    `messages` (the opening conversation), the `tools` it offers and `max_turns`.
+    """
+
+    observation: str = ""
     max_tokens: int = DEFAULT_MAX_TOKENS
     stop: tuple[str, ...] = ()
+    messages: tuple[ChatMessage, ...] = ()
+    tools: tuple[ToolSpec, ...] = ()
+    max_turns: int = 0
 
 
 @dataclass(frozen=True)
 class StepResult:
-    """What an action led to; `done` ends the episode."""
+    """What an action led to; `done` ends the episode.
+
+    `tool_results` holds one result per tool call of the step, in order; `observation` is a
+    further message to the policy (e.g. "your answer is not final yet"), usually empty when
+    there are tool results. The `info` of the step that ends the episode reaches reward.
+    """
 
     observation: str = ""
     done: bool = False
     info: dict[str, Any] = field(default_factory=dict)
+    tool_results: tuple[ToolResult, ...] = ()
 
 
 class Episode(abc.ABC):
     """One running episode: its state lives here, between steps."""
 
     @abc.abstractmethod
-    async def step(self, action: str) -> StepResult:
-        """Apply the policy's `action` (its generated text)."""
+    async def step(self, action: str, tool_calls: Sequence[ToolCall] = ()) -> StepResult:
+        """Apply the policy's `action` (its generated text) and the well-formed `tool_calls`
+        parsed from it (none: the action is the policy's final answer)."""
 
     async def close(self) -> None:  # noqa: B027  # optional hook: most episodes hold nothing
         """Release what the episode holds (sandbox, files). Called once, also after errors."""

@@ -64,11 +64,19 @@ class EnvClient:
         return reply
 
     async def step(
-        self, episode_id: str, env: str, action: str, timeout_s: float = 30.0
+        self,
+        episode_id: str,
+        env: str,
+        action: str,
+        timeout_s: float = 30.0,
+        tool_calls: list[m.ToolCall] | None = None,
     ) -> m.EnvStepReply:
-        """Send the policy's `action`; a reply with `done` ends the episode."""
+        """Send the policy's `action` (and the tool calls parsed from it); a reply with
+        `done` ends the episode."""
         subject = self._routes.get(episode_id, (env_op_subject(env, "step"), ""))[0]
-        request = m.EnvStepRequest(episode_id=episode_id, action=action)
+        request = m.EnvStepRequest(
+            episode_id=episode_id, action=action, tool_calls=tool_calls or []
+        )
         try:
             reply = await self._request(subject, request, m.EnvStepReply, timeout_s, episode_id)
         except EnvError:

@@ -173,6 +173,9 @@ class EnvServer:
         return m.EnvResetReply(
             episode_id=episode_id,
             observation=opening.observation,
+            messages=list(opening.messages),
+            tools=list(opening.tools),
+            max_turns=opening.max_turns,
             max_tokens=opening.max_tokens,
             stop=list(opening.stop),
             step_subject=self.own_subject(env, "step"),
@@ -224,7 +227,7 @@ class EnvServer:
                     error_message="a step of this episode is still running; send one at a time",
                 )
             async with open_episode.busy:
-                result = await self._step(open_episode, request.action)
+                result = await self._step(open_episode, request)
         except RequestError as exc:
             await self._forget(episode_id)
             return m.EnvStepReply(episode_id=episode_id, error=exc.kind, error_message=str(exc))
@@ -233,6 +236,7 @@ class EnvServer:
         return m.EnvStepReply(
             episode_id=episode_id,
             observation=result.observation,
+            tool_results=list(result.tool_results),
             done=result.done,
             info=result.info,
         )
@@ -247,10 +251,11 @@ class EnvServer:
             )
         return open_episode
 
-    async def _step(self, open_episode: OpenEpisode, action: str) -> StepResult:
+    async def _step(self, open_episode: OpenEpisode, request: m.EnvStepRequest) -> StepResult:
         timeout_s = min(self.limits.step_timeout_s, max(0.0, open_episode.deadline - time.time()))
+        step = open_episode.episode.step(request.action, request.tool_calls)
         try:
-            return await asyncio.wait_for(open_episode.episode.step(action), timeout=timeout_s)
+            return await asyncio.wait_for(step, timeout=timeout_s)
         except TimeoutError:
             raise RequestError(
                 m.ENV_ERROR_TIMEOUT, f"step ran past {timeout_s:.1f} s (step or episode deadline)"

@@ -1,0 +1,106 @@
+"""The tool-call format the policy writes, and its parser.
+
+A tool call is a JSON object with a `name` and an `arguments` object, between tags, anywhere
+in an assistant turn; a turn may hold several:
+
+    Let me look at the file first.
+    <tool_call>{"name": "read_file", "arguments": {"path": "solution.py"}}</tool_call>
+
+An assistant turn with no `<tool_call>` at all is the policy's final answer. A call that is
+not closed, not JSON, not an object with a string `name` and an object `arguments`, or that
+names a tool the episode does not offer, is invalid: the harness answers it with an error
+observation and counts it (Rollout.stats), so reward can penalise it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Collection
+from dataclasses import dataclass, field
+
+from proto.messages import ToolCall, ToolSpec
+
+CALL_OPEN = "<tool_call>"
+CALL_CLOSE = "</tool_call>"
+
+
+@dataclass(frozen=True)
+class InvalidToolCall:
+    """A call the parser refused, with the text it saw and why."""
+
+    text: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class ParsedTurn:
+    """The calls of one assistant turn, in order of appearance."""
+
+    calls: list[ToolCall] = field(default_factory=list)
+    invalid: list[InvalidToolCall] = field(default_factory=list)
+
+    @property
+    def is_final_answer(self) -> bool:
+        """True when the turn attempted no tool call at all."""
+        return not self.calls and not self.invalid
+
+
+def parse_tool_calls(text: str, tool_names: Collection[str], call_id_prefix: str) -> ParsedTurn:
+    """The tool calls in `text`; ids are `<call_id_prefix>-<n>` in order of appearance."""
+    parsed = ParsedTurn()
+    position = 0
+    while (start := text.find(CALL_OPEN, position)) != -1:
+        body_start = start + len(CALL_OPEN)
+        end = text.find(CALL_CLOSE, body_start)
+        if end == -1:
+            parsed.invalid.append(InvalidToolCall(text[start:], f"no closing {CALL_CLOSE}"))
+            break
+        body = text[body_start:end]
+        position = end + len(CALL_CLOSE)
+        call_id = f"{call_id_prefix}-{len(parsed.calls) + len(parsed.invalid)}"
+        result = _parse_one(body, tool_names, call_id)
+        if isinstance(result, ToolCall):
+            parsed.calls.append(result)
+        else:
+            parsed.invalid.append(InvalidToolCall(body, result))
+    return parsed
+
+
+def _parse_one(body: str, tool_names: Collection[str], call_id: str) -> ToolCall | str:
+    """The call in `body`, or the reason it is invalid."""
+    try:
+        value = json.loads(body)
+    except (json.JSONDecodeError, RecursionError) as exc:
+        return f"not valid JSON: {exc}"
+    if not isinstance(value, dict):
+        return 'a call must be a JSON object {"name": ..., "arguments": {...}}'
+    name, arguments = value.get("name"), value.get("arguments", {})
+    if not isinstance(name, str) or not name:
+        return 'a call needs a string "name"'
+    if not isinstance(arguments, dict):
+        return '"arguments" must be a JSON object'
+    if name not in tool_names:
+        offered = ", ".join(sorted(tool_names)) or "none"
+        return f"unknown tool {name!r}; tools offered: {offered}"
+    return ToolCall(call_id=call_id, name=name, arguments=arguments)
+
+
+def format_tool_call(name: str, arguments: dict[str, object]) -> str:
+    """The text of one call in the documented format (for prompts, tests and examples)."""
+    return f"{CALL_OPEN}{json.dumps({'name': name, 'arguments': arguments})}{CALL_CLOSE}"
+
+
+def describe_tools(tools: list[ToolSpec]) -> str:
+    """The system-prompt section that lists the tools and the call format."""
+    if not tools:
+        return ""
+    lines = [
+        "You can call tools. To call one, write exactly:",
+        f'{CALL_OPEN}{{"name": "<tool>", "arguments": {{...}}}}{CALL_CLOSE}',
+        "Results come back in <tool_result> blocks. When you are done, answer without a call.",
+        "Tools:",
+    ]
+    for tool in tools:
+        params = json.dumps(tool.parameters, separators=(",", ":")) if tool.parameters else "{}"
+        lines.append(f"- {tool.name}: {tool.description} Arguments: {params}")
+    return "\n".join(lines)
