@@ -5,8 +5,10 @@ snapshot, its chunks stored on RL_WEIGHT_CHUNKS (pipelined publish) and fetched 
 direct gets in flight, each chunk decoded and its payload hash verified (what a receiver
 does before applying). The same bytes go through Object Store put/get in the same run;
 Object Store get is quadratic in nats-py (issue #703), so it gets a smaller object
-(--object-mb, 64 by default) and our transport is measured at that size too. A local
-nats-server (max_payload 8 MiB) is started in a temporary folder and stopped at the end.
+(--object-mb, 64 by default) and our transport is measured at that size too; Object Store
+is also measured with the same full-size bytes (--skip-object-full skips it: it takes
+minutes). A local nats-server (max_payload 8 MiB) is started in a temporary folder and
+stopped at the end.
 
     .venv/bin/python bench/weights_transport_bench.py [--mb 256] [--object-mb 64]
 
@@ -162,6 +164,13 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             )
             raw = b"".join(t.data.tobytes() for t in small.values())
             object_store = await measure_object_store(bus, raw, args.object_repeats)
+            print(f"measured Object Store at {args.object_mb} MB", flush=True)
+            object_store_full = None
+            if not args.skip_object_full:
+                # The same bytes our transport moved (slow: its get is quadratic in size).
+                raw = b"".join(t.data.tobytes() for t in big.values())
+                object_store_full = await measure_object_store(bus, raw, 1)
+                print(f"measured Object Store at {args.mb} MB", flush=True)
             await bus.close()
         finally:
             server.stop()
@@ -179,11 +188,16 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         },
         "ours": ours,
         "object_store": object_store,
+        "object_store_full_size": object_store_full,
         "get_speedup_vs_object_store_same_size": best_same / object_store["get_mb_per_s"],
         "get_speedup_vs_object_store_ours_full_size": best_big / object_store["get_mb_per_s"],
+        "get_speedup_same_bytes_full_size": (
+            best_big / object_store_full["get_mb_per_s"] if object_store_full else None
+        ),
         "note": (
-            f"Object Store measured with {args.object_mb} MB (its get is quadratic); ours at "
-            f"{args.mb} MB and at the same {args.object_mb} MB. Fetch = batch direct gets (or one "
+            f"Object Store measured with {args.object_mb} MB and with the same {args.mb} MB our "
+            f"transport moved (its get is quadratic in size); ours at {args.mb} MB and at "
+            f"{args.object_mb} MB. Fetch = batch direct gets (or one "
             "get per chunk) + msgpack decode + payload hash check; fetch_and_decode adds "
             "decoding into a new state. The 2 cores are shared with the server and other work."
         ),
@@ -212,6 +226,14 @@ def print_table(result: dict[str, Any]) -> None:
     )
     speedup = result["get_speedup_vs_object_store_same_size"]
     print(f"get speedup over Object Store (same size): {speedup:.0f}x")
+    full = result["object_store_full_size"]
+    if full is not None:
+        print(
+            f"{'nats-py Object Store':<34} {full['mb']:>6.0f} {full['put_mb_per_s']:>11.1f}   "
+            f"get: {full['get_mb_per_s']:.1f}"
+        )
+        same = result["get_speedup_same_bytes_full_size"]
+        print(f"get speedup over Object Store (the same {full['mb']:.0f} MB): {same:.0f}x")
 
 
 def main() -> None:
@@ -221,6 +243,11 @@ def main() -> None:
     parser.add_argument("--parallel", default="1,2,4,8,16", help="N values, comma-separated")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--object-repeats", type=int, default=1)
+    parser.add_argument(
+        "--skip-object-full",
+        action="store_true",
+        help="skip Object Store at the full size (minutes: its get is quadratic)",
+    )
     args = parser.parse_args()
     result = asyncio.run(run(args))
     RESULTS.parent.mkdir(parents=True, exist_ok=True)

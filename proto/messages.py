@@ -126,10 +126,11 @@ class ScoredRollout(Message, kw_only=True):
 
 # --- Weights -------------------------------------------------------------------------------
 # The delta codec (libs/weights) uses these structs as its manifest: one definition, here.
-# Hashes are sha256 truncated to 16 bytes, as lowercase hex ("sha256-128").
+# Hashes are XXH3-128 (16 bytes), as lowercase hex ("xxh3-128"): integrity against
+# corruption, not against forgery. Format 1 used sha256 truncated to 16 bytes.
 
-WEIGHT_FORMAT_VERSION = 1
-WEIGHT_HASH_NAME = "sha256-128"
+WEIGHT_FORMAT_VERSION = 2
+WEIGHT_HASH_NAME = "xxh3-128"
 
 # same: identical to the base (costs this entry only); delta: patched from the base;
 # whole: sent in full (new, reshaped, retyped, or the version is a snapshot).

@@ -1,12 +1,13 @@
 """Apply a delta (or snapshot) to a model: in place chunk by chunk, or into a new state.
 
-`DeltaApplier(state, manifest, current)` first refuses a manifest whose base is not the
-version the receiver holds (BaseMismatchError), then `apply(chunk)` checks the chunk
-belongs to this manifest, checks its payload hash, decodes it, checks its output hash and
-only then writes the changed elements; a chunk that fails a check writes nothing and raises
-CorruptDeltaError. `finish()` raises MissingChunkError unless every chunk was applied,
-drops removed tensors and, with `verify_full=True`, rehashes the whole result against the
-manifest's target hash. Chunks touch disjoint elements, so `apply` may run concurrently.
+`DeltaApplier(state, manifest, current)` first refuses a manifest of another format version
+or hash (CorruptDeltaError) and one whose base is not the version the receiver holds
+(BaseMismatchError), then `apply(chunk)` checks the chunk belongs to this manifest, checks
+its payload hash, decodes it, checks its output hash and only then writes the changed
+elements; a chunk that fails a check writes nothing and raises CorruptDeltaError.
+`finish()` raises MissingChunkError unless every chunk was applied, drops removed tensors
+and, with `verify_full=True`, rehashes the whole result against the manifest's target hash.
+Chunks touch disjoint elements, so `apply` may run concurrently.
 
 `apply` is `commit(prepare(chunk))`: `prepare` only reads the state (decode, verify), so a
 live model can keep serving while it runs; `commit` writes the changed elements. Tensors the
@@ -29,8 +30,8 @@ import numpy as np
 
 from libs.weights.encodings import decode_piece, decompress, hash_written
 from libs.weights.errors import BaseMismatchError, CorruptDeltaError, MissingChunkError
-from libs.weights.format import Chunk, Manifest, TensorEntry, VersionInfo
-from libs.weights.hashing import DIGEST_BYTES, digest, new_hasher, state_hash
+from libs.weights.format import Chunk, Manifest, TensorEntry, VersionInfo, check_format
+from libs.weights.hashing import digest, new_hasher, state_hash
 from libs.weights.targets import CpuRange
 from libs.weights.tensors import RawTensor, State, as_raw, empty_raw, kind_of, like_kind, raw_state
 
@@ -62,6 +63,7 @@ class DeltaApplier:
     ) -> None:
         """Check the base and prepare new tensors. `current` is what the receiver holds (None:
         hash the state now); `kind` is the type of new tensors ('auto' follows the state)."""
+        check_format(manifest)
         self.state = state
         self.manifest = manifest
         if not manifest.is_snapshot:
@@ -127,7 +129,7 @@ class DeltaApplier:
                 ) from exc
             hash_written(hasher, piece.name, piece.start, written)
             writes.append((target, written))
-        if hasher.digest()[:DIGEST_BYTES].hex() != header.output_hash:
+        if hasher.digest().hex() != header.output_hash:
             raise CorruptDeltaError(
                 f"chunk {header.index}: decoded bytes do not match its output hash"
             )
@@ -148,6 +150,11 @@ class DeltaApplier:
     def _check_header(self, chunk: Chunk, check_payload: bool = True) -> Any:
         header = chunk.header
         manifest = self.manifest
+        if header.format_version != manifest.format_version:
+            raise CorruptDeltaError(
+                f"chunk {header.index} has format {header.format_version}, "
+                f"manifest {manifest.format_version}"
+            )
         if header.target_hash != manifest.target_hash or header.version != manifest.version:
             raise CorruptDeltaError(
                 f"chunk {header.index} belongs to version {header.version} "

@@ -2,8 +2,8 @@
 
 Layout (all integers little-endian):
 
-    b"RLPWD\\x00\\x01\\n"                 8-byte magic, format 1
-    u64 manifest length, 16-byte checksum (truncated sha256) of the manifest, manifest (msgpack)
+    b"RLPWD\\x00\\x02\\n"                 8-byte magic, format 2 (1 used sha256 checksums)
+    u64 manifest length, 16-byte checksum (XXH3-128) of the manifest, manifest (msgpack)
     for each chunk listed in the manifest, in order: u64 length, chunk (msgpack)
 
 Nothing may follow the last chunk. Truncation, trailing bytes, a bad magic or an altered
@@ -23,7 +23,7 @@ from libs.weights.errors import CorruptDeltaError
 from libs.weights.format import Chunk, Manifest, encode_chunk, encode_manifest
 from libs.weights.hashing import DIGEST_BYTES, digest
 
-MAGIC = b"RLPWD\x00\x01\n"
+MAGIC = b"RLPWD\x00\x02\n"
 _U64 = struct.Struct("<Q")
 _Record = TypeVar("_Record", Manifest, Chunk)
 
@@ -41,7 +41,12 @@ def pack_delta(manifest: Manifest, chunks: Sequence[Chunk]) -> bytes:
 def unpack_delta(data: bytes | memoryview) -> tuple[Manifest, list[Chunk]]:
     """Manifest and chunks from delta file bytes, or CorruptDeltaError saying what is wrong."""
     view = memoryview(data)
-    if bytes(view[: len(MAGIC)]) != MAGIC:
+    magic = bytes(view[: len(MAGIC)])
+    if magic != MAGIC and magic[:6] == MAGIC[:6] and magic[7:] == MAGIC[7:]:
+        raise CorruptDeltaError(
+            f"delta file format {magic[6]}; this build reads format {MAGIC[6]}: re-encode it"
+        )
+    if magic != MAGIC:
         raise CorruptDeltaError("not an rlpipe delta file (bad magic)")
     at = len(MAGIC)
     body, at = _take(view, at, "manifest", checked=True)

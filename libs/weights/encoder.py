@@ -6,9 +6,9 @@ manifest entry, tensors whose dtype and shape are unchanged travel as deltas, th
 each chunk's pieces are encoded with the smallest measured encoding (encodings.py), and
 chunks are encoded on `threads` threads. `encode_snapshot(new, ...)` sends every tensor whole.
 
-A chunk's output hash is the 16-byte sha256 over, for each piece in order, its name, start
-and count, the uint32 LE positions it writes (sparse encodings only) and the bytes it
-writes; the manifest's target hash covers every byte of the target version (hashing.py).
+A chunk's output hash is the XXH3-128 over, for each piece in order, its name, start and
+count, the int64 LE positions it writes (sparse encodings only) and the bytes it writes;
+the manifest's target hash covers every byte of the target version (hashing.py).
 """
 
 from __future__ import annotations
@@ -232,13 +232,16 @@ def _encode_body(
                 raw_sizes=encoded.raw_sizes,
             )
         )
-    return _Body(headers, b"".join(streams), hasher.digest()[:DIGEST_BYTES].hex())
+    return _Body(headers, b"".join(streams), hasher.digest().hex())
 
 
 def _relative(changes: Changes, start: int, stop: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Positions (relative to start), old and new values of the changes in [start, stop)."""
     left, right = np.searchsorted(changes.positions, [start, stop])
-    return changes.positions[left:right] - start, changes.old[left:right], changes.new[left:right]
+    positions = changes.positions[left:right]
+    if start:
+        positions = positions - start  # a piece that starts at 0 needs no copy
+    return positions, changes.old[left:right], changes.new[left:right]
 
 
 def _assemble(

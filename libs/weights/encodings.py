@@ -33,7 +33,11 @@ from libs.weights.tensors import unsigned_dtype
 
 DENSE_TRY_FRACTION = 1 / 8
 SAMPLE_CHANGES = 1 << 16
-_SHIFTS = np.array([0, 2, 4, 6], dtype=np.uint8)
+# A packed byte -> its four 2-bit symbols as the bytes of a little-endian uint32.
+_UNPACK_2BIT = np.array(
+    [sum(((byte >> (2 * k)) & 3) << (8 * k) for k in range(4)) for byte in range(256)], dtype="<u4"
+)
+_PACK_2BIT = (1 << 24) | (1 << 18) | (1 << 12) | (1 << 6)
 
 
 @dataclass(frozen=True)
@@ -103,10 +107,14 @@ def from_planes(planes: np.ndarray, width: int) -> np.ndarray:
 
 def encode_positions(positions: np.ndarray) -> list[np.ndarray]:
     """Gap bytes and the uint32 escape planes for sorted relative positions."""
-    gaps = np.diff(positions, prepend=-1) - 1
-    escaped = gaps >= 255
-    excess = (gaps[escaped] - 255).astype("<u4")
-    return [np.minimum(gaps, 255).astype(np.uint8), to_planes(excess)]
+    gaps = np.empty(positions.size, dtype=np.int64)
+    gaps[:1] = positions[:1]
+    np.subtract(positions[1:], positions[:-1], out=gaps[1:])
+    gaps[1:] -= 1
+    gap_bytes = np.empty(positions.size, dtype=np.uint8)
+    np.minimum(gaps, 255, out=gap_bytes, casting="unsafe")
+    excess = gaps[gap_bytes == 255] - 255
+    return [gap_bytes, to_planes(excess.astype("<u4"))]
 
 
 def decode_positions(gap_bytes: np.ndarray, excess_planes: np.ndarray, length: int) -> np.ndarray:
@@ -141,13 +149,14 @@ def unzigzag(codes: np.ndarray) -> np.ndarray:
 def encode_add_values(old: np.ndarray, new: np.ndarray) -> list[np.ndarray]:
     """2-bit symbols (packed 4 per byte) and escape planes for zigzag(new - old)."""
     codes = zigzag(new - old)
-    symbols = np.minimum(codes - 1, 3).astype(np.uint8)
-    escapes = codes[symbols == 3] - 4
-    padded = np.zeros((symbols.size + 3) // 4 * 4, dtype=np.uint8)
-    padded[: symbols.size] = symbols
-    quads = padded.reshape(-1, 4)
-    packed = quads[:, 0] | (quads[:, 1] << 2) | (quads[:, 2] << 4) | (quads[:, 3] << 6)
-    return [packed.astype(np.uint8), to_planes(escapes)]
+    symbols = np.zeros((codes.size + 3) // 4 * 4, dtype=np.uint8)
+    np.minimum(codes - 1, 3, out=symbols[: codes.size], casting="unsafe")
+    escapes = codes[symbols[: codes.size] == 3] - 4
+    # Symbols s0..s3 (< 4) as one little-endian uint32: the product's top byte is
+    # s0 | s1 << 2 | s2 << 4 | s3 << 6, and the lower partial products stay below 2^24.
+    quads = symbols.view("<u4") * np.uint32(_PACK_2BIT)
+    quads >>= 24
+    return [quads.astype(np.uint8), to_planes(escapes)]
 
 
 def decode_add_values(old: np.ndarray, packed: np.ndarray, escape_planes: np.ndarray) -> np.ndarray:
@@ -155,11 +164,12 @@ def decode_add_values(old: np.ndarray, packed: np.ndarray, escape_planes: np.nda
     count = old.size
     if packed.size != (count + 3) // 4:
         raise CorruptDeltaError("symbol stream size does not match the change count")
-    symbols = ((packed[:, None] >> _SHIFTS) & 3).reshape(-1)[:count]
-    codes = symbols.astype(old.dtype) + old.dtype.type(1)
-    escaped = symbols == 3
+    symbols = _UNPACK_2BIT.take(packed).view(np.uint8)[:count]
+    codes = symbols.astype(old.dtype)
+    codes += old.dtype.type(1)
+    escaped = (symbols == 3).nonzero()[0]
     escapes = from_planes(escape_planes, old.dtype.itemsize)
-    if escapes.size != int(escaped.sum()):
+    if escapes.size != escaped.size:
         raise CorruptDeltaError("value escape count does not match the escape stream")
     codes[escaped] = escapes + old.dtype.type(4)
     return old + unzigzag(codes)
@@ -264,10 +274,10 @@ def written_by(
 def hash_written(hasher: Any, name: str, start: int, written: Written) -> None:
     """Feed what a piece writes into the chunk's output hash.
 
-    In order: msgpack [name, start, number of elements written], the uint32 LE positions
+    In order: msgpack [name, start, number of elements written], the int64 LE positions
     relative to start (sparse encodings only), then the bytes written.
     """
     hasher.update(msgspec.msgpack.encode([name, start, int(written.values.size)]))
     if written.positions is not None:
-        hasher.update(written.positions.astype("<u4"))
-    hasher.update(np.ascontiguousarray(written.values).view(np.uint8))
+        hasher.update(np.ascontiguousarray(written.positions, dtype="<i8"))
+    hasher.update(np.ascontiguousarray(written.values))

@@ -5,8 +5,9 @@ chunks. The manifest lists every tensor of the target version with how it travel
 (`same`: identical to the base, costs this entry only; `delta`: patched from the base;
 `whole`: sent in full because it is new, reshaped, retyped, or this is a snapshot), the
 names removed, and a reference to each chunk. A chunk carries one or more pieces (an
-element range of one tensor each) and is decodable on its own. Hashes are sha256 truncated to
-16 bytes, as lowercase hex (hashing.py).
+element range of one tensor each) and is decodable on its own. Hashes are XXH3-128, as
+lowercase hex (hashing.py); a manifest of another format version or hash is refused
+(`check_format`).
 
 The manifest structs are defined once, in proto/ (the weight announcement carries the
 manifest); they are re-exported here under the codec's names.
@@ -18,6 +19,7 @@ from typing import Literal
 
 import msgspec
 
+from libs.weights.errors import CorruptDeltaError
 from proto.messages import WEIGHT_FORMAT_VERSION as FORMAT_VERSION
 from proto.messages import WEIGHT_HASH_NAME as HASH_NAME
 from proto.messages import ChunkRef, TensorEntry
@@ -36,6 +38,7 @@ __all__ = [
     "PieceHeader",
     "TensorEntry",
     "VersionInfo",
+    "check_format",
     "encode_chunk",
     "encode_manifest",
 ]
@@ -93,3 +96,13 @@ def encode_chunk(chunk: Chunk) -> bytes:
 def encode_manifest(manifest: Manifest) -> bytes:
     """The manifest as msgpack bytes."""
     return msgspec.msgpack.encode(manifest)
+
+
+def check_format(manifest: Manifest) -> None:
+    """Raise CorruptDeltaError unless this build reads the manifest's format and hash."""
+    if manifest.format_version != FORMAT_VERSION or manifest.hash_name != HASH_NAME:
+        raise CorruptDeltaError(
+            f"delta has format {manifest.format_version} ({manifest.hash_name}); this build "
+            f"reads format {FORMAT_VERSION} ({HASH_NAME}): re-encode it, or decode with the "
+            "build that wrote it"
+        )

@@ -1,49 +1,51 @@
-"""Hashes that identify tensors and whole model versions.
+"""Hashes that identify tensors and whole model versions, and checksum chunks.
 
-tensor digest: sha256 over the concatenated sha256 digests of the tensor's bytes split into
-128 KiB segments, truncated to 16 bytes (a two-level tree: one big tensor hashes on several
-threads, and sha256 on cache-sized segments runs at about 1.6 GB/s per core here, against
-1.0 for blake2b). version hash: the same 16-byte sha256 over the msgpack encoding of
-`[[name, dtype, shape, tensor digest], ...]` sorted by name. Two states have the same
-version hash exactly when they hold the same names, dtypes, shapes and bytes (up to hash
-collisions).
+Every hash is XXH3-128 (xxhash), as 16 bytes or lowercase hex ("xxh3-128"). It guards
+against corruption (a flipped bit, a truncated or mixed-up buffer, a wrong base), not
+against an adversary who forges weights: whoever can publish chunks controls the trainer
+anyway. It hashes at about 15 GB/s per core here against 1.2 for sha256 (sha_ni), which
+made the target hash a third of the encoder's time.
+
+tensor digest: XXH3-128 over the concatenated XXH3-128 digests of the tensor's bytes split
+into 4 MiB segments (a two-level tree, so one big tensor hashes on several threads).
+version hash: XXH3-128 over the msgpack encoding of `[[name, dtype, shape, tensor digest],
+...]` sorted by name. Two states have the same version hash exactly when they hold the same
+names, dtypes, shapes and bytes (up to hash collisions).
 """
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 import msgspec
 import numpy as np
+import xxhash
 
 from libs.weights.tensors import RawTensor
 
-SEGMENT_BYTES = 128 << 10
+SEGMENT_BYTES = 4 << 20
 DIGEST_BYTES = 16
 
+Hasher = xxhash.xxh3_128
 
-def new_hasher() -> Any:
-    """An incremental hasher whose digest()[:DIGEST_BYTES] is our checksum."""
-    return hashlib.sha256()
+
+def new_hasher() -> Hasher:
+    """An incremental hasher (`update(buffer)`, `digest()`) whose 16-byte digest is ours."""
+    return xxhash.xxh3_128()
 
 
 def digest(data: bytes | memoryview | np.ndarray) -> bytes:
-    """16-byte sha256 checksum of a buffer (hashlib releases the GIL on large buffers)."""
-    buffer = data.data if isinstance(data, np.ndarray) else data
-    return hashlib.sha256(buffer).digest()[:DIGEST_BYTES]
+    """16-byte checksum of a C-contiguous buffer (xxhash releases the GIL on large ones)."""
+    return xxhash.xxh3_128_digest(data.data if isinstance(data, np.ndarray) else data)
 
 
 def _leaves(data: np.ndarray) -> bytes:
-    """Concatenated full sha256 digests of the 128 KiB segments of a buffer."""
+    """Concatenated digests of the 4 MiB segments of a buffer (one digest when empty)."""
     if data.size == 0:
-        return hashlib.sha256(b"").digest()
+        return digest(b"")
     step = SEGMENT_BYTES
-    return b"".join(
-        hashlib.sha256(data[i : i + step].data).digest() for i in range(0, data.size, step)
-    )
+    return b"".join(digest(data[i : i + step]) for i in range(0, data.size, step))
 
 
 def _groups(data: np.ndarray, count: int) -> list[np.ndarray]:
@@ -76,7 +78,7 @@ def version_hash(entries: Iterable[tuple[str, str, list[int], str]]) -> str:
 
 
 def state_hash(state: Mapping[str, RawTensor], threads: int = 1) -> str:
-    """Version hash of a whole state (hashes every byte: about 1.6 GB/s per thread)."""
+    """Version hash of a whole state (hashes every byte: about 15 GB/s per thread)."""
     digests = tensor_digests(state.values(), threads)
     rows = [
         (n, t.dtype, list(t.shape), d) for (n, t), d in zip(state.items(), digests, strict=True)
