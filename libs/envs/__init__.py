@@ -1,4 +1,5 @@
-"""Environments: the plug-in interface, the registry, the built-in task, and the bus client.
+"""Environments: the plug-in interface, the registry, the built-in environments (arith,
+calc, coding), and the bus client.
 
 Importing this package registers the built-in environments.
 """
@@ -15,11 +16,17 @@ from libs.envs.base import (
     make_env,
     register_env,
 )
+from libs.envs.calc import CalcEnv
+from libs.envs.coding import CodingEnv
 
 register_env(ArithmeticEnv.name, ArithmeticEnv)
+register_env(CalcEnv.name, CalcEnv)
+register_env(CodingEnv.name, CodingEnv)
 
 __all__ = [
     "ArithmeticEnv",
+    "CalcEnv",
+    "CodingEnv",
     "Environment",
     "Episode",
     "Opening",

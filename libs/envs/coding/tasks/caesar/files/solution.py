@@ -1,0 +1,6 @@
+def encode(text, shift):
+    raise NotImplementedError
+
+
+def decode(text, shift):
+    raise NotImplementedError

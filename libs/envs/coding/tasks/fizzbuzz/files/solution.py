@@ -1,0 +1,3 @@
+def fizzbuzz(n):
+    """Return the FizzBuzz word for n (n >= 1)."""
+    raise NotImplementedError

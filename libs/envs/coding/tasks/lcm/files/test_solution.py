@@ -1,0 +1,5 @@
+from solution import gcd
+
+
+def test_gcd():
+    assert gcd(12, 18) == 6

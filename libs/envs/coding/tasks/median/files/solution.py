@@ -1,0 +1,3 @@
+def median(numbers):
+    numbers.sort()
+    return numbers[len(numbers) // 2]

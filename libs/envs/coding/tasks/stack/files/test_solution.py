@@ -1,0 +1,7 @@
+from solution import Stack
+
+
+def test_push_pop():
+    s = Stack()
+    s.push(1)
+    assert s.pop() == 1
