@@ -64,17 +64,17 @@ def rollout(text: str, finish: str = "stop", rollout_id: str = "r1", env: str = 
         ("", "length", 0.0, 0.0, 0.0),
     ],
 )
-def test_arith_rubric_scores_by_hand_computed_numbers(
+async def test_arith_rubric_scores_by_hand_computed_numbers(
     text: str, finish: str, exact: float, form: float, reward: float
 ) -> None:
-    result = rubric_for("arith").score(rollout(text, finish), TASK)
+    result = await rubric_for("arith").score(rollout(text, finish), TASK)
     breakdown = {c.name: (c.weight, c.score) for c in result.criteria}
     assert breakdown == {"exact_match": (0.8, exact), "format": (0.2, form)}
     assert result.reward == pytest.approx(reward)
     assert all(c.reason for c in result.criteria)
 
 
-def test_rubric_reward_is_the_weighted_mean_of_its_criteria() -> None:
+async def test_rubric_reward_is_the_weighted_mean_of_its_criteria() -> None:
     rubric = Rubric(
         [
             Criterion("half", 1.0, lambda r, t: (0.5, "half")),
@@ -82,7 +82,7 @@ def test_rubric_reward_is_the_weighted_mean_of_its_criteria() -> None:
             Criterion("ignored", 0.0, lambda r, t: (0.0, "weight 0")),
         ]
     )
-    result = rubric.score(rollout("7"), TASK)
+    result = await rubric.score(rollout("7"), TASK)
     assert result.reward == pytest.approx((1.0 * 0.5 + 3.0 * 1.0) / 4.0)  # 0.875
     assert [(c.name, c.weight, c.score, c.reason) for c in result.criteria] == [
         ("half", 1.0, 0.5, "half"),
@@ -101,16 +101,16 @@ def test_bad_rubrics_are_refused() -> None:
         rubric_for("chess")
 
 
-def test_a_failing_criterion_marks_the_rollout_unscored_never_a_silent_zero() -> None:
+async def test_a_failing_criterion_marks_the_rollout_unscored_never_a_silent_zero() -> None:
     def broken(r: Rollout, t: Task) -> tuple[float, str]:
         raise RuntimeError("judge unreachable")
 
     rubric = Rubric([Criterion("judge", 1.0, broken)])
-    scored = score_rollout(rubric, rollout("7"), TASK, now=1.0)
+    scored = await score_rollout(rubric, rollout("7"), TASK, now=1.0)
     assert not scored.scored and "judge" in scored.unscored_reason
     out_of_range = Rubric([Criterion("bad", 1.0, lambda r, t: (1.5, ""))])
     with pytest.raises(CriterionError, match="outside"):
-        out_of_range.score(rollout("7"), TASK)
+        await out_of_range.score(rollout("7"), TASK)
 
 
 @pytest.fixture

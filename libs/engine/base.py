@@ -78,6 +78,17 @@ class Completion:
     """Version of the weights that produced every token of this completion."""
 
 
+@dataclass(frozen=True)
+class ContinuationScores:
+    """Logprobs of given continuations of given prompts (nothing sampled)."""
+
+    logprobs: list[list[float]]
+    """Per continuation, per token: logprob under the model's plain softmax (temperature 1,
+    no top-p) given its prompt and the continuation's tokens before it."""
+    policy_version: int
+    """Version of the weights that scored every continuation."""
+
+
 class InferenceEngine(abc.ABC):
     """A backend that samples completions and hot-swaps its weights."""
 
@@ -113,3 +124,8 @@ class InferenceEngine(abc.ABC):
         then report `version`; returns what `write` returned and the pause in seconds. If
         `write` raises, the version stays as it was (and the weights are whatever it left)."""
         raise NotImplementedError(f"{type(self).__name__} cannot be written in place")
+
+    def score(self, prompts: list[list[int]], continuations: list[list[int]]) -> ContinuationScores:
+        """Logprobs of `continuations[i]` after `prompts[i]`, token by token (optional: serve
+        mode's constrained choice needs it). Never interleaves with a weight update."""
+        raise NotImplementedError(f"{type(self).__name__} cannot score continuations")

@@ -27,9 +27,16 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import DynamicCache, PreTrainedModel
 
-from libs.engine.base import Completion, FinishReason, InferenceEngine, SamplingParams, T
+from libs.engine.base import (
+    Completion,
+    ContinuationScores,
+    FinishReason,
+    InferenceEngine,
+    SamplingParams,
+    T,
+)
 from libs.engine.sampling import SampledTokens, make_generator, sample_next_tokens
-from libs.policy import position_ids_from_mask
+from libs.policy import position_ids_from_mask, sequence_logprobs
 from libs.tokenizer import Tokenizer
 
 # Extra tokens decoded before a stop string's own length when looking for it, so tokenizers
@@ -136,6 +143,16 @@ class HFEngine(InferenceEngine):
             self._version = version
             return time.perf_counter() - start_s
 
+    def score(self, prompts: list[list[int]], continuations: list[list[int]]) -> ContinuationScores:
+        self._check_scoring(prompts, continuations)
+        pairs = list(zip(prompts, continuations, strict=True))
+        scored: list[list[float]] = []
+        with self._lock, torch.inference_mode():
+            version = self._version
+            for start in range(0, len(pairs), self.max_batch_rows):
+                scored.extend(self._score_batch(pairs[start : start + self.max_batch_rows]))
+        return ContinuationScores(logprobs=scored, policy_version=version)
+
     def live_tensors(self) -> dict[str, torch.Tensor] | None:
         return {name: tensor.detach() for name, tensor in self._tensors.items()}
 
@@ -186,6 +203,43 @@ class HFEngine(InferenceEngine):
                 f"longest prompt ({longest}) + max_tokens ({params.max_tokens}) exceeds the "
                 f"model's {max_positions} positions; lower max_tokens or shorten the prompt"
             )
+
+    def _check_scoring(self, prompts: list[list[int]], continuations: list[list[int]]) -> None:
+        """Raise ValueError naming the problem if these continuations cannot be scored."""
+        if len(prompts) != len(continuations):
+            raise ValueError(
+                f"{len(prompts)} prompts but {len(continuations)} continuations: pass one each"
+            )
+        if any(not continuation for continuation in continuations):
+            raise ValueError("continuations must be non-empty token-id lists")
+        self._check_request(prompts, SamplingParams(max_tokens=1), 1)
+        vocab_size = self.model.config.vocab_size
+        if any(not 0 <= token < vocab_size for c in continuations for token in c):
+            raise ValueError(f"continuation token ids must lie in [0, {vocab_size})")
+        max_positions = self.model.config.max_position_embeddings
+        lengths = [len(p) + len(c) for p, c in zip(prompts, continuations, strict=True)]
+        if max(lengths) > max_positions:
+            raise ValueError(
+                f"a prompt + continuation of {max(lengths)} tokens exceeds the model's "
+                f"{max_positions} positions; shorten the prompt or the choices"
+            )
+
+    def _score_batch(self, pairs: list[tuple[list[int], list[int]]]) -> list[list[float]]:
+        """Per pair, the continuation's token logprobs; one right-padded forward pass."""
+        width = max(len(prompt) + len(continuation) for prompt, continuation in pairs)
+        input_ids = torch.full((len(pairs), width), self.tokenizer.pad_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(pairs), width), dtype=torch.long)
+        for row, (prompt, continuation) in enumerate(pairs):
+            sequence = torch.tensor([*prompt, *continuation], dtype=torch.long)
+            input_ids[row, : len(sequence)] = sequence
+            attention_mask[row, : len(sequence)] = 1
+        logprobs = sequence_logprobs(
+            self.model, input_ids.to(self.device), attention_mask.to(self.device)
+        )  # [B, width - 1], entry t scores token t + 1
+        return [
+            logprobs[row, len(prompt) - 1 : len(prompt) + len(continuation) - 1].tolist()
+            for row, (prompt, continuation) in enumerate(pairs)
+        ]
 
     def _generate_batch(
         self, prompts: list[list[int]], params: SamplingParams, generator: torch.Generator

@@ -1,12 +1,37 @@
-"""Rewards: rubrics of weighted criteria, and the rubric of each environment by name."""
+"""Rewards: rubrics of weighted criteria, and the rubric of each environment by name.
+
+- `rubric`: composition (per-sample criteria, criterion sets, group criteria), scoring;
+- `criteria`: verifiable checks; `group_criteria`: checks comparing the samples of a group;
+- `judge`: LLM judges behind an OpenAI-compatible endpoint;
+- `group_gate`: holding a group's rollouts until the whole group can be scored;
+- `arith`, `calc`, `coding`: the rubric of each built-in environment.
+"""
 
 from collections.abc import Callable
 
 from libs.envs.arithmetic import ENV_NAME as ARITH
 from libs.reward.arith import arith_rubric
-from libs.reward.rubric import Criterion, CriterionError, Rubric, RubricScore, score_rollout
+from libs.reward.calc import ENV_NAME as CALC
+from libs.reward.calc import calc_rubric
+from libs.reward.coding import ENV_NAME as CODING
+from libs.reward.coding import coding_rubric
+from libs.reward.rubric import (
+    Criterion,
+    CriterionError,
+    CriterionSet,
+    GroupCriterion,
+    GroupSample,
+    Rubric,
+    RubricScore,
+    score_group,
+    score_rollout,
+)
 
-_RUBRICS: dict[str, Callable[[], Rubric]] = {ARITH: arith_rubric}
+_RUBRICS: dict[str, Callable[[], Rubric]] = {
+    ARITH: arith_rubric,
+    CALC: calc_rubric,
+    CODING: coding_rubric,
+}
 
 
 class UnknownRubricError(KeyError):
@@ -34,10 +59,14 @@ def rubric_for(env: str) -> Rubric:
 __all__ = [
     "Criterion",
     "CriterionError",
+    "CriterionSet",
+    "GroupCriterion",
+    "GroupSample",
     "Rubric",
     "RubricScore",
     "UnknownRubricError",
     "register_rubric",
     "rubric_for",
+    "score_group",
     "score_rollout",
 ]

@@ -42,5 +42,6 @@ def arith_rubric() -> Rubric:
         [
             Criterion("exact_match", EXACT_MATCH_WEIGHT, exact_match),
             Criterion("format", FORMAT_WEIGHT, answer_format),
-        ]
+        ],
+        correct_criterion="exact_match",
     )

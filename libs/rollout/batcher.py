@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import structlog
 from prometheus_client import Counter, Gauge, Histogram
 
-from libs.engine.base import Completion, InferenceEngine, SamplingParams
+from libs.engine.base import Completion, ContinuationScores, InferenceEngine, SamplingParams
 
 log = structlog.get_logger(__name__)
 
@@ -134,6 +134,25 @@ class GenerationBatcher:
         self._pending.append(_Request(prompts, params, future))
         self._arrived.set()
         return await future
+
+    async def score(
+        self, prompts: list[list[int]], continuations: list[list[int]]
+    ) -> ContinuationScores:
+        """`engine.score` run off the event loop under the gate, as a generate call is: it
+        waits for `open`, and no weight swap starts while it runs (not batched with others).
+        NotImplementedError when the engine cannot score."""
+        await self._acquire_open_gate()
+        try:
+            call = asyncio.ensure_future(
+                asyncio.to_thread(self.engine.score, prompts, continuations)
+            )
+            try:
+                return await asyncio.shield(call)
+            except asyncio.CancelledError:
+                await asyncio.wait({call})  # the gate covers the whole engine call
+                raise
+        finally:
+            self.gate.release()
 
     async def run(self) -> None:
         """Serve requests until cancelled."""

@@ -1,9 +1,15 @@
 """The reward service object: raw rollouts in, scored rollouts (with breakdown) out.
 
-Each raw rollout is scored by its environment's rubric (libs.reward) and published to
-ROLLOUTS_SCORED with msg id = rollout_id, then acked: a redelivered rollout is scored again
-but stored once. A rollout of an environment without a rubric, or without its task, is
-dead-lettered.
+Each raw rollout is scored by its environment's rubric (libs.reward), extended with the
+configured judge criteria and group criteria, and published to ROLLOUTS_SCORED with msg id =
+rollout_id, then acked: a redelivered rollout is scored again but stored once. A rollout of an
+environment without a rubric, or without its task, is dead-lettered.
+
+When the rubric has group criteria, a rollout's handler waits (libs.reward.group_gate) until
+its whole group arrived, or `group_timeout_s` passed (the partial group is scored and its
+reasons say so); the group is scored and published, and only then do the handlers return and
+their messages get acked. A crash before that leaves them unacked: the whole group is
+redelivered and rescored, and the scored stream keeps the first copy of each.
 """
 
 from __future__ import annotations
@@ -12,16 +18,29 @@ import time
 from collections import deque
 from typing import Any
 
+import structlog
 from prometheus_client import Counter, Gauge
 
 from libs.bus.connection import Bus
 from libs.bus.consumer import Delivery, PermanentError, PullConsumer
 from libs.bus.publisher import Publisher
-from libs.reward import Rubric, UnknownRubricError, rubric_for, score_rollout
+from libs.reward import (
+    GroupCriterion,
+    Rubric,
+    UnknownRubricError,
+    rubric_for,
+    score_group,
+    score_rollout,
+)
+from libs.reward.group_criteria import shortest_correct
+from libs.reward.group_gate import GroupGate
+from libs.reward.judge import Judge, build_judge, judge_criteria_sets
 from libs.service import Service
 from proto import streams, subjects
 from proto.messages import Rollout, ScoredRollout
 from services.reward.settings import RewardSettings
+
+log = structlog.get_logger(__name__)
 
 SCORED = Counter("rlpipe_reward_rollouts_scored_total", "Rollouts scored", ["env"])
 UNSCORED = Counter(
@@ -74,9 +93,14 @@ class RewardService(Service):
         self.num_unscored = 0
         self.windows: dict[str, RewardWindow] = {}
         self._rubrics: dict[str, Rubric] = {}
+        self.judge: Judge | None = None
+        self.groups = GroupGate(self.on_group, timeout_s=settings.group_timeout_s)
 
     async def start(self, bus: Bus) -> None:
         await super().start(bus)
+        judge_config = self.settings.judge_config()
+        if judge_config is not None:
+            self.judge = build_judge(judge_config)
         self.publisher = Publisher(bus.js)
         self.consumer = PullConsumer(
             bus.js,
@@ -99,15 +123,33 @@ class RewardService(Service):
         await super().stop()
         if self.consumer is not None:
             await self.consumer.stop(grace_s=self.settings.drain_timeout_s)
+        await self.groups.stop()
+        if self.judge is not None:
+            await self.judge.aclose()
 
     async def on_rollout(self, rollout: Rollout, delivery: Delivery) -> None:
-        """Score, publish, and only then (on return) let the consumer ack."""
-        assert self.publisher is not None
+        """Score (with its group, when the rubric has group criteria), publish, and only then
+        (on return) let the consumer ack."""
         if rollout.task is None:
             raise PermanentError(f"rollout {rollout.rollout_id} carries no task to score against")
-        scored = score_rollout(self._rubric(rollout.env), rollout, rollout.task, time.time())
+        rubric = self._rubric(rollout.env)
+        if rubric.needs_group:
+            await self.groups.add(rollout)
+            return
+        await self._publish(await score_rollout(rubric, rollout, rollout.task, time.time()))
+
+    async def on_group(self, rollouts: list[Rollout], note: str) -> None:
+        """Score the rollouts of one group together and publish each."""
+        task = rollouts[0].task
+        assert task is not None, "on_rollout refuses rollouts without a task"
+        rubric = self._rubric(rollouts[0].env)
+        for scored in await score_group(rubric, rollouts, task, time.time(), note):
+            await self._publish(scored)
+
+    async def _publish(self, scored: ScoredRollout) -> None:
+        assert self.publisher is not None, "start() first"
         ack = await self.publisher.publish(
-            subjects.ROLLOUTS_SCORED, scored, msg_id=rollout.rollout_id
+            subjects.ROLLOUTS_SCORED, scored, msg_id=scored.rollout.rollout_id
         )
         if not ack.duplicate:
             self._record(scored)
@@ -115,10 +157,32 @@ class RewardService(Service):
     def _rubric(self, env: str) -> Rubric:
         if env not in self._rubrics:
             try:
-                self._rubrics[env] = rubric_for(env)
+                self._rubrics[env] = self._extended(rubric_for(env), env)
             except UnknownRubricError as exc:
                 raise PermanentError(str(exc)) from exc
         return self._rubrics[env]
+
+    def _extended(self, rubric: Rubric, env: str) -> Rubric:
+        """The env's rubric with the configured judge criteria and group criteria."""
+        sets = []
+        if self.judge is not None:
+            s = self.settings
+            sets = judge_criteria_sets(self.judge, s.judge_criteria, env, s.judge_max_episode_chars)
+        group = []
+        if self.settings.shortest_correct_weight > 0 and rubric.correct_criterion is not None:
+            bonus = shortest_correct(rubric.correct_criterion)
+            group.append(
+                GroupCriterion("shortest_correct", self.settings.shortest_correct_weight, bonus)
+            )
+        extended = rubric.extended(sets=sets, group=group)
+        log.info(
+            "rubric",
+            env=env,
+            criteria={c.name: c.weight for c in extended.criteria},
+            judged={name: w for js in extended.sets for name, w in js.weights.items()},
+            group={c.name: c.weight for c in extended.group},
+        )
+        return extended
 
     def _record(self, scored: ScoredRollout) -> None:
         env = scored.rollout.env
@@ -139,5 +203,7 @@ class RewardService(Service):
             **super().health(),
             "rollouts_scored": self.num_scored,
             "rollouts_unscored": self.num_unscored,
+            "groups_waiting": self.groups.num_open,
+            "groups_partial": self.groups.num_partial,
             "mean_reward": {env: round(w.mean_reward, 4) for env, w in self.windows.items()},
         }
