@@ -38,6 +38,7 @@ bench: $(INSTALLED)
 	$(BIN)/python bench/weights_codec_bench.py
 	$(BIN)/python bench/weights_transport_bench.py
 	$(BIN)/python bench/sandbox_bench.py
+	$(BIN)/python bench/agentic_bench.py
 	$(BIN)/python bench/feedback_bench.py
 	$(BIN)/python bench/pipeline_bench.py
 

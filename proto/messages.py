@@ -91,7 +91,7 @@ class Rollout(Message, kw_only=True):
 
 
 # Keys of Rollout.stats written by the multi-turn harness.
-EPISODE_STAT_TURNS = "num_turns"  # assistant turns generated
+EPISODE_STAT_TURNS = "num_turns"  # assistant turns generated (summaries not counted)
 EPISODE_STAT_TOOL_CALLS = "num_tool_calls"  # well-formed tool calls sent to the environment
 EPISODE_STAT_INVALID_TOOL_CALLS = (
     "num_invalid_tool_calls"  # unparsable calls, answered with an error
@@ -304,6 +304,40 @@ class OnlineSample(Message, kw_only=True):
     joined_at: float = 0.0
 
 
+class PromotionDecision(Message, kw_only=True):
+    """The trainer's eval gate decided whether a policy version may serve product users.
+
+    A candidate is promoted when `candidate_score >= baseline_score - margin` (scores are the
+    mean reward on `num_tasks` held-out tasks, greedy decoding); the first version evaluated,
+    with nothing promoted before it, is promoted with no baseline. After this decision the
+    version serving is `version` if `promoted`, else `baseline_version`: the last decision on
+    the stream alone says what serves and with what score.
+    """
+
+    SCHEMA: ClassVar[str] = "promotion_decision"
+
+    version: int
+    promoted: bool
+    candidate_score: float
+    # The promoted version compared with, and its score; None for the first decision.
+    baseline_version: int | None = None
+    baseline_score: float | None = None
+    margin: float
+    num_tasks: int
+    reason: str
+    decided_at: float = 0.0
+
+    @property
+    def serving_version(self) -> int | None:
+        """The promoted version after this decision."""
+        return self.version if self.promoted else self.baseline_version
+
+    @property
+    def serving_score(self) -> float | None:
+        """The held-out score of `serving_version`."""
+        return self.candidate_score if self.promoted else self.baseline_score
+
+
 class DeadLetter(Message, kw_only=True):
     """A message that could not be handled, with why and where it came from.
 
@@ -374,6 +408,7 @@ class ToolCall(msgspec.Struct, kw_only=True):
 
 
 # ToolResult.error kinds: the call ran and failed in a way the agent can see and react to.
+TOOL_ERROR_INVALID_CALL = "invalid_call"  # unparsable: answered by the harness, never sent
 TOOL_ERROR_UNKNOWN_TOOL = "unknown_tool"
 TOOL_ERROR_BAD_ARGUMENTS = "bad_arguments"
 TOOL_ERROR_FAILED = "failed"  # the tool ran and reported failure (e.g. file not found)
@@ -488,6 +523,7 @@ ALL_MESSAGES: tuple[type[Message], ...] = (
     ServedGeneration,
     FeedbackEvent,
     OnlineSample,
+    PromotionDecision,
     DeadLetter,
     EnvResetRequest,
     EnvResetReply,

@@ -113,6 +113,13 @@ ROLLOUTS_ONLINE = StreamSpec(
     subjects=(subjects.ROLLOUTS_ONLINE,),
     description="Served generations joined with feedback: online training samples.",
 )
+# Decisions are few and small, and the last one says what serves: no age limit.
+PROMOTIONS = StreamSpec(
+    name="RL_PROMOTIONS",
+    subjects=(subjects.PROMOTIONS,),
+    description="The trainer's eval-gate decisions: versions promoted to serving or rejected.",
+    max_age_s=0.0,
+)
 DEAD_LETTERS = StreamSpec(
     name="RL_DEAD_LETTERS",
     subjects=(subjects.DEAD_ALL,),
@@ -130,6 +137,7 @@ ALL_STREAMS: tuple[StreamSpec, ...] = (
     SERVING_GENERATIONS,
     FEEDBACK_EVENTS,
     ROLLOUTS_ONLINE,
+    PROMOTIONS,
     DEAD_LETTERS,
 )
 
@@ -187,5 +195,7 @@ STATE = KeyValueSpec(
 POLICY_VERSION_KEY = "policy_version"
 # Groups the trainer has taken from the scored stream, trained or dropped as stale.
 GROUPS_TAKEN_KEY = "trainer_groups_taken"
+# The version the trainer's eval gate last promoted to serving (serving replicas follow it).
+PROMOTED_VERSION_KEY = "promoted_policy_version"
 
 ALL_KV: tuple[KeyValueSpec, ...] = (STATE,)

@@ -26,6 +26,9 @@ SERVING_GENERATIONS = "rl.serving.generations"
 FEEDBACK_EVENTS = "rl.feedback.events"
 ROLLOUTS_ONLINE = "rl.rollouts.online"
 
+# The trainer's eval gate: one PromotionDecision per evaluated version.
+PROMOTIONS = "rl.promotions"
+
 # Dead letters: `rl.dead.<origin stream>`.
 DEAD_ALL = "rl.dead.>"
 

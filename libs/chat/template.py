@@ -67,16 +67,21 @@ class ChatTemplate(abc.ABC):
             ids.extend(self.generation_prompt())
         return ids
 
-    def render_continuation(
+    def render_continuation_body(
         self, generated_ids: Sequence[int], messages: Sequence[ChatMessage]
     ) -> list[int]:
         """Ids that follow an assistant turn of `generated_ids`: its end marker if the engine
-        did not produce one, `messages`, then the next generation prompt."""
+        did not produce one, then `messages` (no generation prompt)."""
         ids = self.end_of_assistant(generated_ids)
         for message in messages:
             ids.extend(self.render_message(message))
-        ids.extend(self.generation_prompt())
         return ids
+
+    def render_continuation(
+        self, generated_ids: Sequence[int], messages: Sequence[ChatMessage]
+    ) -> list[int]:
+        """`render_continuation_body`, then the next generation prompt."""
+        return [*self.render_continuation_body(generated_ids, messages), *self.generation_prompt()]
 
 
 class ByteChatTemplate(ChatTemplate):

@@ -18,7 +18,13 @@ import json
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
-from proto.messages import ToolCall, ToolSpec
+from proto.messages import (
+    TOOL_ERROR_BAD_ARGUMENTS,
+    TOOL_ERROR_INVALID_CALL,
+    TOOL_ERROR_UNKNOWN_TOOL,
+    ToolCall,
+    ToolSpec,
+)
 
 CALL_OPEN = "<tool_call>"
 CALL_CLOSE = "</tool_call>"
@@ -26,10 +32,12 @@ CALL_CLOSE = "</tool_call>"
 
 @dataclass(frozen=True)
 class InvalidToolCall:
-    """A call the parser refused, with the text it saw and why."""
+    """A call the parser refused: its id, the text it saw, why, and the TOOL_ERROR_* kind."""
 
+    call_id: str
     text: str
     reason: str
+    kind: str = TOOL_ERROR_INVALID_CALL
 
 
 @dataclass(frozen=True)
@@ -52,36 +60,40 @@ def parse_tool_calls(text: str, tool_names: Collection[str], call_id_prefix: str
     while (start := text.find(CALL_OPEN, position)) != -1:
         body_start = start + len(CALL_OPEN)
         end = text.find(CALL_CLOSE, body_start)
+        call_id = f"{call_id_prefix}-{len(parsed.calls) + len(parsed.invalid)}"
         if end == -1:
-            parsed.invalid.append(InvalidToolCall(text[start:], f"no closing {CALL_CLOSE}"))
+            reason = f"no closing {CALL_CLOSE}"
+            parsed.invalid.append(InvalidToolCall(call_id, text[start:], reason))
             break
         body = text[body_start:end]
         position = end + len(CALL_CLOSE)
-        call_id = f"{call_id_prefix}-{len(parsed.calls) + len(parsed.invalid)}"
         result = _parse_one(body, tool_names, call_id)
         if isinstance(result, ToolCall):
             parsed.calls.append(result)
         else:
-            parsed.invalid.append(InvalidToolCall(body, result))
+            parsed.invalid.append(InvalidToolCall(call_id, body, *result))
     return parsed
 
 
-def _parse_one(body: str, tool_names: Collection[str], call_id: str) -> ToolCall | str:
-    """The call in `body`, or the reason it is invalid."""
+def _parse_one(body: str, tool_names: Collection[str], call_id: str) -> ToolCall | tuple[str, str]:
+    """The call in `body`, or why it is invalid and the TOOL_ERROR_* kind."""
     try:
         value = json.loads(body)
     except (json.JSONDecodeError, RecursionError) as exc:
-        return f"not valid JSON: {exc}"
+        return f"not valid JSON: {exc}", TOOL_ERROR_INVALID_CALL
     if not isinstance(value, dict):
-        return 'a call must be a JSON object {"name": ..., "arguments": {...}}'
+        return (
+            'a call must be a JSON object {"name": ..., "arguments": {...}}',
+            TOOL_ERROR_INVALID_CALL,
+        )
     name, arguments = value.get("name"), value.get("arguments", {})
     if not isinstance(name, str) or not name:
-        return 'a call needs a string "name"'
+        return 'a call needs a string "name"', TOOL_ERROR_INVALID_CALL
     if not isinstance(arguments, dict):
-        return '"arguments" must be a JSON object'
+        return '"arguments" must be a JSON object', TOOL_ERROR_BAD_ARGUMENTS
     if name not in tool_names:
         offered = ", ".join(sorted(tool_names)) or "none"
-        return f"unknown tool {name!r}; tools offered: {offered}"
+        return f"unknown tool {name!r}; tools offered: {offered}", TOOL_ERROR_UNKNOWN_TOOL
     return ToolCall(call_id=call_id, name=name, arguments=arguments)
 
 

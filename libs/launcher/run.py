@@ -99,15 +99,25 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
         default=",".join(ALL_SERVICES),
         help="comma-separated services to start (default: all six)",
     )
+    parser.add_argument(
+        "--env",
+        default=None,
+        help="environment whose tasks the feeder publishes: arith (default, learns in minutes "
+        "on a CPU), calc (multi-turn calculator tools) or coding (Python tasks in sandboxes)",
+    )
 
 
 def options_from_args(args: argparse.Namespace) -> LaunchOptions:
     services = tuple(name.strip() for name in args.services.split(",") if name.strip())
+    extra_env: dict[str, dict[str, str]] = {}
+    if args.env:
+        extra_env["env-gateway"] = {"RLPIPE_ENV_GATEWAY_ENV": args.env}
     return LaunchOptions(
         run_dir=args.run_dir,
         duration_s=args.duration_s,
         max_trainer_steps=args.max_trainer_steps,
         services=services,
+        extra_env=extra_env,
     )
 
 

@@ -72,19 +72,22 @@ class SingleTurnRunner:
 
     async def run(self, task: Task) -> list[Rollout]:
         """`task.group_size` finished rollouts of `task`, in sample order."""
-        if task.group_size < 1:
-            raise ValueError(f"task {task.task_id}: group_size must be >= 1, got {task.group_size}")
-        openings = await self._reset_all(task)
+        return await self.run_opened(task, await self.reset_all(task))
+
+    async def run_opened(self, task: Task, openings: list[EnvResetReply]) -> list[Rollout]:
+        """Roll out episodes already opened by `reset_all`, one per sample."""
         try:
             completions = await self._sample(openings)
         except BaseException:
-            await self._close_all(task, openings)
+            await self.close_all(task, openings)
             raise
         pairs = enumerate(zip(openings, completions, strict=True))
         return list(await asyncio.gather(*(self._finish(task, i, o, c) for i, (o, c) in pairs)))
 
-    async def _reset_all(self, task: Task) -> list[EnvResetReply]:
+    async def reset_all(self, task: Task) -> list[EnvResetReply]:
         """One open episode per sample; on any failure, close the rest and raise."""
+        if task.group_size < 1:
+            raise ValueError(f"task {task.task_id}: group_size must be >= 1, got {task.group_size}")
         # Fresh episode ids: a redelivered task must not resume a half-done earlier episode.
         nonce = uuid.uuid4().hex[:8]
         ids = [f"{rollout_id(task.task_id, i)}-{nonce}" for i in range(task.group_size)]
@@ -96,7 +99,7 @@ class SingleTurnRunner:
         opened = [r for r in replies if isinstance(r, EnvResetReply)]
         failed = [r for r in replies if not isinstance(r, EnvResetReply)]
         if failed:
-            await self._close_all(task, opened)
+            await self.close_all(task, opened)
             raise failed[0]
         return opened
 
@@ -169,7 +172,7 @@ class SingleTurnRunner:
             created_at=time.time(),
         )
 
-    async def _close_all(self, task: Task, openings: list[EnvResetReply]) -> None:
+    async def close_all(self, task: Task, openings: list[EnvResetReply]) -> None:
         """Close episodes best-effort (the gateway expires what this misses)."""
         for opening in openings:
             with contextlib.suppress(EnvError):

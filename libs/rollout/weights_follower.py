@@ -22,6 +22,15 @@ the receiver moves on (to the next snapshot), after a growing delay so a bad sna
 refetched in a tight loop. Should the whole-state check fail after a write (the weights were
 changed outside the receiver), generation stops (`batcher.open` cleared, status "waiting for
 weights") until a snapshot has been applied.
+
+Promoted versions only (`promoted_only=True`, for replicas serving product users): the
+engine takes a version only once the trainer's eval gate promoted it (KV key
+PROMOTED_VERSION_KEY of the state bucket, polled every `promoted_poll_s`). The chain is
+followed into a CPU shadow copy up to the promoted version (deltas apply in order, so the
+versions between promotions are applied to the shadow, never served), then the tensors
+changed since the last push go to the engine through `engine.update_weights` in one pause.
+A shadow that skipped past the promoted version (a gap repaired from a newer snapshot)
+waits for the next promotion. Costs one CPU copy of the weights; needs the trainer's gate on.
 """
 
 from __future__ import annotations
@@ -33,6 +42,7 @@ from typing import Any
 import structlog
 import torch
 from nats.js import JetStreamContext
+from nats.js.errors import KeyNotFoundError
 from prometheus_client import Counter, Gauge
 
 from libs.engine.base import InferenceEngine
@@ -69,6 +79,16 @@ async def latest_announced_version(
     return max(versions, default=None)
 
 
+async def read_promoted_version(js: JetStreamContext) -> int | None:
+    """The version the trainer's eval gate last promoted, or None before any promotion."""
+    kv = await js.key_value(streams.STATE.bucket)
+    try:
+        entry = await kv.get(streams.PROMOTED_VERSION_KEY)
+    except KeyNotFoundError:
+        return None
+    return int(entry.value.decode()) if entry.value else None
+
+
 class WeightsFollower:
     """Applies every version the receiver delivers to `engine`, between generate calls."""
 
@@ -79,13 +99,21 @@ class WeightsFollower:
         batcher: GenerationBatcher,
         *,
         retry_delays_s: tuple[float, ...] = DEFAULT_RETRY_DELAYS_S,
+        promoted_only: bool = False,
+        promoted_poll_s: float = 1.0,
     ) -> None:
         self.engine = engine
         self.receiver = receiver
         self.batcher = batcher
         self.retry_delays_s = retry_delays_s
+        self.promoted_only = promoted_only
+        self.promoted_poll_s = promoted_poll_s
         live = engine.live_tensors()
-        self._host: dict[str, torch.Tensor] | None = live if _writable_on_host(live) else None
+        # Promoted-only needs the shadow: versions between promotions must not reach the model.
+        in_place = _writable_on_host(live) and not promoted_only
+        self._host: dict[str, torch.Tensor] | None = live if in_place else None
+        self._js: JetStreamContext | None = None
+        self._unpushed: set[str] = set()  # shadow tensors changed since the last push
         # What the receiver writes into: a subset of the host tensors, or a CPU shadow.
         self._state: dict[str, Any] = {}
         self.usable = False  # the engine holds a complete, verified version
@@ -106,15 +134,27 @@ class WeightsFollower:
         return self.engine.policy_version if self.usable else None
 
     async def start(self, js: JetStreamContext) -> None:
-        """Note the newest version announced now: `wait_caught_up` waits for it."""
-        self.target_version = await latest_announced_version(js)
-        log.info("following weights", target_version=self.target_version, in_place=self.in_place)
+        """Note the newest version announced (or promoted) now: `wait_caught_up` waits for it."""
+        self._js = js
+        if self.promoted_only:
+            self.target_version = await read_promoted_version(js)
+        else:
+            self.target_version = await latest_announced_version(js)
+        log.info(
+            "following weights",
+            target_version=self.target_version,
+            in_place=self.in_place,
+            promoted_only=self.promoted_only,
+        )
 
     async def run(self) -> None:
-        """Fetch and apply versions until cancelled."""
+        """Fetch and apply versions (or only promoted ones) until cancelled."""
         failures = 0
         while True:
             try:
+                if self.promoted_only:
+                    await self._serve_next_promotion()
+                    continue
                 update = await self.receiver.next_update()
                 await self.apply(update)
             except (WeightsError, ValueError) as exc:
@@ -134,22 +174,73 @@ class WeightsFollower:
                 self._set_unusable()
                 raise
         self._state = state
+        self._swapped(update.version, update.kind, pause_s)
+        return pause_s
+
+    def _swapped(self, version: int, kind: str, pause_s: float) -> None:
+        """The engine now generates with `version`: open the gate, export, tell waiters."""
         self.usable = True
         self.batcher.open.set()
         self.last_pause_s = pause_s
         self.num_applied += 1
-        POLICY_VERSION.set(update.version)
+        POLICY_VERSION.set(version)
         SWAP_PAUSE_SECONDS.set(pause_s)
         SWAPS.inc()
         log.info(
             "weights swapped",
-            version=update.version,
-            kind=update.kind,
+            version=version,
+            kind=kind,
             pause_s=round(pause_s, 6),
             in_place=self.in_place,
         )
         self._notify()
-        return pause_s
+
+    # ---- promoted versions only -------------------------------------------------------------
+
+    async def _serve_next_promotion(self) -> None:
+        """Wait for a promotion, follow the chain up to it in the shadow, then swap it in."""
+        promoted = await self._next_promotion()
+        while self._shadow_version() < promoted:
+            await self._apply_to_shadow(await self.receiver.next_update())
+        if self._shadow_version() == promoted:
+            await self._push_shadow(promoted)
+
+    def _shadow_version(self) -> int:
+        current = self.receiver.current
+        return -1 if current is None or current.version is None else current.version
+
+    async def _next_promotion(self) -> int:
+        """A promoted version the engine lacks and the shadow has not passed (polls the KV)."""
+        assert self._js is not None, "start() first"
+        while True:
+            promoted = await read_promoted_version(self._js)
+            if promoted is not None and self._wants(promoted):
+                return promoted
+            await asyncio.sleep(self.promoted_poll_s)
+
+    def _wants(self, promoted: int) -> bool:
+        newer = not self.usable or promoted > self.engine.policy_version
+        return newer and promoted >= self._shadow_version()
+
+    async def _apply_to_shadow(self, update: PreparedUpdate) -> None:
+        state = self._state_for(update)
+        await asyncio.to_thread(self.receiver.apply, update, state)
+        self._unpushed |= set(_changed_tensors(update, state))
+        self._state = state
+
+    async def _push_shadow(self, version: int) -> None:
+        """Hand the shadow's changed tensors to the engine as `version` (the gate held)."""
+        changed = {name: self._state[name] for name in sorted(self._unpushed)}
+        async with self.batcher.gate:
+            try:
+                pause_s = await asyncio.to_thread(self.engine.update_weights, changed, version)
+            except ValueError:
+                self.receiver.reset(None)  # start over from a snapshot
+                self._state.clear()
+                self._unpushed.clear()
+                raise
+        self._unpushed.clear()
+        self._swapped(version, "promoted", pause_s)
 
     def _state_for(self, update: PreparedUpdate) -> dict[str, Any]:
         """The mapping this update is written into (a snapshot re-picks the tensors)."""

@@ -1,9 +1,10 @@
 """Trainer checkpoints: model, optimizer, and how far each input stream was consumed.
 
 Layout: `<dir>/step-<N>/` with `config.json` + `model.safetensors` (loadable as a policy
-folder), `optimizer.pt`, and `state.json` (step, version, cursors). A checkpoint is written
-to a temporary folder and renamed into place, so a crash mid-write leaves the previous one
-intact; `latest_checkpoint` only ever sees complete folders. The newest `keep` are kept.
+folder), `optimizer.pt`, and `state.json` (step, version, cursors, online baselines). A
+checkpoint is written to a temporary folder and renamed into place, so a crash mid-write
+leaves the previous one intact; `latest_checkpoint` only ever sees complete folders. The
+newest `keep` are kept.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 from transformers import PreTrainedModel
 
 from libs.policy import save_policy
+from libs.rl.online import OnlineBaselines
 from libs.trainer.cursor import ConsumedCursor
 
 STATE_FILE = "state.json"
@@ -33,6 +35,10 @@ class TrainerState(msgspec.Struct, kw_only=True):
     segment: int = 0
     groups_taken: int = 0
     scored_cursor: ConsumedCursor = msgspec.field(default_factory=ConsumedCursor)
+    # The online stream's cursor and the running reward baselines of online samples
+    # (defaults: checkpoints written before online training load as "nothing consumed").
+    online_cursor: ConsumedCursor = msgspec.field(default_factory=ConsumedCursor)
+    online_baselines: OnlineBaselines = msgspec.field(default_factory=OnlineBaselines)
 
 
 @dataclass(frozen=True)

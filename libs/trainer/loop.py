@@ -1,15 +1,19 @@
-"""The trainer's loop: collect groups, drop stale samples, step, publish the new version.
+"""The trainer's loop: collect samples, drop stale ones, step, publish, gate the new version.
 
-    setup   resume from the latest checkpoint (or build the policy), announce its weights
-    run     repeat: batch <- complete groups from the scored stream
-                    kept, dropped <- staleness split against the trainer's version
-                    stats <- train_step(kept)               (in a worker thread)
+    setup   resume from the latest checkpoint (or build the policy), announce its weights;
+            the eval gate resumes from its last decision (or decides on these weights)
+    run     repeat: stream <- offline or online, by the step schedule (libs.trainer.mix)
+                    offline: batch <- complete groups from the scored stream
+                             kept, dropped <- staleness split against the trainer's version
+                             stats <- train_step(kept)             (in a worker thread)
+                    online:  taken <- fresh online samples (stale, invalid ones dropped)
+                             stats <- train_online_step(taken)     (in a worker thread)
                     version += 1; stage the new weights for the broadcaster
-                    record the step; checkpoint every N steps
+                    record the step; eval gate every N versions; checkpoint every N steps
     stop    finish the current step, checkpoint, return
 
-Exactly-once: the scored stream is read from the checkpoint's cursor; a sample is marked
-consumed when its step (or its drop) is recorded, and the cursor is saved with the model.
+Exactly-once: the scored and online streams are read from the checkpoint's cursors; a sample
+is marked consumed when its step (or its drop) is recorded, and the cursor is saved with the model.
 After a crash, everything the last checkpoint had not consumed is read again, and nothing
 it had is. Versions never repeat: a resumed trainer publishes its checkpoint's weights as a
 version above every version announced before (read from the KV bucket), so workers roll
@@ -34,18 +38,24 @@ from libs.bus.stream_reader import StreamReader
 from libs.logs import bind_context
 from libs.policy import PolicyConfig, build_policy
 from libs.rl import split_by_staleness, staleness_histogram
+from libs.rl.online import DEFAULT_SIGNAL_REWARDS
+from libs.tokenizer import ByteTokenizer
 from libs.trainer.checkpoint import (
     TrainerState,
     latest_checkpoint,
     load_optimizer_state,
     save_checkpoint,
 )
+from libs.trainer.eval_gate import EvalGate, EvalGateConfig
 from libs.trainer.groups import Group, GroupBuffer
 from libs.trainer.metrics import StepLog, StepRecord
+from libs.trainer.mix import Stream, choose_stream, scheduled_stream
+from libs.trainer.online_source import OnlineSource, OnlineTake
+from libs.trainer.online_step import OnlineConfig, OnlineStepStats, train_online_step
 from libs.trainer.step import StepConfig, StepStats, train_step
 from libs.weights.handoff import default_staging_dir, stage_weights
 from proto import streams, subjects
-from proto.messages import ScoredRollout
+from proto.messages import OnlineSample, ScoredRollout
 
 log = structlog.get_logger(__name__)
 
@@ -74,6 +84,12 @@ class TrainerConfig:
     max_steps: int | None = None
     incomplete_group_timeout_s: float = 120.0
     read_batch: int = 256
+    # Share of steps that train on online samples (libs.trainer.mix: 0 offline only, 1 online
+    # only), and how long a step waits for its scheduled stream before taking the other.
+    online_fraction: float = 0.0
+    stream_wait_s: float = 5.0
+    online: OnlineConfig = field(default_factory=lambda: OnlineConfig(DEFAULT_SIGNAL_REWARDS))
+    eval_gate: EvalGateConfig = field(default_factory=EvalGateConfig)
 
     @property
     def checkpoint_dir(self) -> Path:
@@ -138,6 +154,9 @@ class Trainer:
             self.model.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay
         )
         self._reader: StreamReader[ScoredRollout] | None = None
+        self._online: OnlineSource | None = None
+        # The trainer's policy is byte-level today (the service pads with ByteTokenizer's id).
+        self._gate = EvalGate(config.eval_gate, ByteTokenizer())
         self.status = "starting"
         self.detail = ""
 
@@ -162,7 +181,30 @@ class Trainer:
             start_sequence=self.state.scored_cursor.floor + 1,
             reader_name="trainer",
         )
+        if self.config.online_fraction > 0:
+            self._online = self._setup_online_source()
+        await self._setup_gate()
         self.status = "ok"
+
+    def _setup_online_source(self) -> OnlineSource:
+        reader = StreamReader(
+            self._bus.js,
+            streams.ROLLOUTS_ONLINE.name,
+            subjects.ROLLOUTS_ONLINE,
+            OnlineSample,
+            self._publisher,
+            start_sequence=self.state.online_cursor.floor + 1,
+            reader_name="trainer-online",
+        )
+        return OnlineSource(reader, self.state.online_cursor)
+
+    async def _setup_gate(self) -> None:
+        """Resume the gate; with nothing promoted yet, the weights we start from are judged."""
+        await self._gate.setup(self._bus.js)
+        if self._gate.config.enabled and self._gate.last is None:
+            await self._gate.decide_on(
+                self.model, self.state.version, self._publisher, self._bus.js
+            )
 
     def _load(self, path: Path, state: TrainerState) -> None:
         self.model = build_policy(self.config.policy.model_copy(update={"path": str(path)}))
@@ -180,7 +222,11 @@ class Trainer:
         self._timers = Timers()
         try:
             while not self._stopping.is_set() and not self._reached_max_steps():
-                batch = await self._next_batch()
+                stream = await self._choose_stream()
+                if stream == "online":
+                    await self._train_online(self._take_online())
+                    continue
+                batch = await self._next_batch() if stream == "offline" else None
                 if batch is None:
                     break
                 await self._train(batch)
@@ -189,6 +235,8 @@ class Trainer:
                 await asyncio.to_thread(self._checkpoint)
             if self._reader is not None:
                 await self._reader.close()
+            if self._online is not None:
+                await self._online.close()
 
     async def stop(self) -> None:
         self._stopping.set()
@@ -238,34 +286,105 @@ class Trainer:
 
     async def _fill_buffer(self) -> bool:
         """Read until at least one group is ready; False when stopping first."""
-        assert self._reader is not None, "setup() first"
         while self._buffer.num_ready == 0:
             if self._stopping.is_set():
                 return False
-            for record in await self._reader.read(self.config.read_batch, timeout_s=0.5):
-                if not self.state.scored_cursor.is_done(record.sequence):
-                    self._buffer.add(record.sequence, record.message)
-            self._buffer.expire()
+            await self._poll_scored(timeout_s=0.5)
         return True
 
+    async def _poll_scored(self, timeout_s: float) -> None:
+        """Buffer what the scored stream has (waits up to `timeout_s` when it has nothing)."""
+        assert self._reader is not None, "setup() first"
+        for record in await self._reader.read(self.config.read_batch, timeout_s=timeout_s):
+            if not self.state.scored_cursor.is_done(record.sequence):
+                self._buffer.add(record.sequence, record.message)
+        self._buffer.expire()
+
+    async def _choose_stream(self) -> Stream | None:
+        """The stream this step trains on (libs.trainer.mix); None when stopping first."""
+        fraction = self.config.online_fraction
+        if self._online is None:
+            return "offline"  # online training off: _next_batch waits for groups itself
+        scheduled = scheduled_stream(self.state.step, fraction)
+        started_s = time.monotonic()
+        while not self._stopping.is_set():
+            choice = choose_stream(
+                scheduled,
+                offline_ready=self._buffer.num_ready > 0,
+                online_fresh=self._online.num_fresh(
+                    self.state.version, self.config.online.max_staleness
+                ),
+                online_batch_samples=self.config.online.batch_samples,
+                online_fraction=fraction,
+                waited_s=time.monotonic() - started_s,
+                stream_wait_s=self.config.stream_wait_s,
+            )
+            if choice is not None:
+                return choice
+            if fraction < 1.0:
+                await self._poll_scored(timeout_s=0.25)
+            await self._online.poll(self.config.read_batch, timeout_s=0.25)
+        return None
+
+    def _take_online(self) -> OnlineTake:
+        assert self._online is not None, "online training is off"
+        online = self.config.online
+        return self._online.take(online.batch_samples, self.state.version, online.max_staleness)
+
     async def _train(self, batch: Batch) -> None:
-        for group in self.optimizer.param_groups:
-            group["lr"] = learning_rate_at(self.config, self.state.step)
+        self._set_learning_rate()
         started_s = time.monotonic()
         stats = await asyncio.to_thread(
             train_step, self.model, self.optimizer, batch.kept, self.state.version, self.config.step
         )
+        step_s = self._advance(started_s)
+        self.state.scored_cursor.mark_done(batch.sequences)
+        self._steps.write(self._record(batch, stats, step_s))
+        await self._after_step()
+
+    async def _train_online(self, taken: OnlineTake) -> None:
+        assert taken.kept, "an online step is chosen only with fresh samples"
+        self._set_learning_rate()
+        started_s = time.monotonic()
+        stats = await asyncio.to_thread(
+            train_online_step,
+            self.model,
+            self.optimizer,
+            taken.kept,
+            self.state.online_baselines,
+            self.state.version,
+            self.config.step,
+            self.config.online,
+        )
+        step_s = self._advance(started_s)
+        self.state.online_cursor.mark_done(taken.sequences)
+        self._steps.write(self._online_record(taken, stats, step_s))
+        await self._after_step()
+
+    def _set_learning_rate(self) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = learning_rate_at(self.config, self.state.step)
+
+    def _advance(self, started_s: float) -> float:
+        """Count the step and the new version; returns the step's seconds."""
         step_s = time.monotonic() - started_s
         self._timers.busy_s += step_s
         self.state.step += 1
         self.state.version += 1
         bind_context(step=self.state.step, policy_version=self.state.version)
-        self.state.scored_cursor.mark_done(batch.sequences)
-        self._steps.write(self._record(batch, stats, step_s))
-        if self.state.step % self.config.publish_every_steps == 0:
+        return step_s
+
+    async def _after_step(self) -> None:
+        """Publish (or record progress), gate a published version when due, checkpoint."""
+        published = self.state.step % self.config.publish_every_steps == 0
+        if published:
             await self._publish_weights()
         else:
             await self._record_progress()
+        if published and self._gate.due(self.state.version):
+            await self._gate.decide_on(
+                self.model, self.state.version, self._publisher, self._bus.js
+            )
         if self.state.step % self.config.checkpoint_every_steps == 0:
             await asyncio.to_thread(self._checkpoint)
 
@@ -312,6 +431,7 @@ class Trainer:
             time=time.time(),
             mean_reward=sum(rewards) / len(rewards) if rewards else 0.0,
             num_samples=len(batch.kept),
+            num_rows=stats.num_rows,
             num_groups=len(batch.groups),
             num_zero_variance_groups=stats.num_zero_variance_groups,
             num_loss_tokens=tokens,
@@ -335,6 +455,44 @@ class Trainer:
             dropped_ids=[s.rollout.rollout_id for s in batch.dropped],
         )
 
+    def _online_record(
+        self, taken: OnlineTake, stats: OnlineStepStats, step_s: float
+    ) -> StepRecord:
+        return StepRecord(
+            step=self.state.step,
+            version=self.state.version,
+            segment=self.state.segment,
+            time=time.time(),
+            mean_reward=stats.mean_reward,
+            num_samples=len(taken.kept),
+            num_rows=len(taken.kept),
+            num_groups=0,
+            num_zero_variance_groups=0,
+            num_loss_tokens=stats.num_loss_tokens,
+            loss=stats.loss,
+            grad_norm=stats.grad_norm,
+            staleness=taken.staleness,
+            num_dropped=len(taken.stale),
+            mismatch_tokens=stats.mismatch.num_tokens,
+            mismatch_mean_abs=stats.mismatch.mean_abs_diff,
+            mismatch_kl=stats.mismatch.kl,
+            clip_fraction=stats.policy.clip_fraction,
+            is_weight_mean=stats.policy.is_weight_mean,
+            is_weight_max=stats.policy.is_weight_max,
+            is_truncated_fraction=stats.policy.is_truncated_fraction,
+            step_s=step_s,
+            wait_s=0.0,
+            tokens_per_s=stats.num_loss_tokens / max(step_s, 1e-9),
+            samples_per_s=len(taken.kept) / max(step_s, 1e-9),
+            busy_fraction=self._timers.busy_fraction,
+            sample_ids=[s.sample_id for s in taken.kept],
+            dropped_ids=[s.sample_id for s in taken.stale + taken.invalid],
+            stream="online",
+            num_online_invalid=len(taken.invalid),
+            online_mean_advantage=stats.mean_advantage,
+            online_baselines=stats.baselines,
+        )
+
     def health(self) -> dict[str, Any]:
         return {
             "status": self.status,
@@ -344,5 +502,7 @@ class Trainer:
             "groups_open": self._buffer.num_open,
             "groups_ready": self._buffer.num_ready,
             "busy_fraction": round(self._timers.busy_fraction, 3),
+            "online_pending": self._online.num_pending if self._online is not None else 0,
+            "promoted_version": self._gate.last.serving_version if self._gate.last else None,
             **self._steps.reward_summary(),
         }

@@ -30,6 +30,16 @@ IS_WEIGHT = Gauge("rlpipe_trainer_importance_weight_mean", "Mean truncated impor
 TOKENS_PER_S = Gauge("rlpipe_trainer_tokens_per_second", "Trained tokens per second of step time")
 BUSY = Gauge("rlpipe_trainer_busy_fraction", "Fraction of wall time spent in optimizer steps")
 STEP_SECONDS = Histogram("rlpipe_trainer_step_seconds", "Time of one optimizer step")
+ONLINE_REWARD = Gauge(
+    "rlpipe_trainer_online_mean_reward", "Mean mapped reward of the last online step's samples"
+)
+ONLINE_SAMPLES = Counter("rlpipe_trainer_online_samples_total", "Online samples trained on")
+ONLINE_DROPPED = Counter(
+    "rlpipe_trainer_online_dropped_samples_total", "Online samples dropped", ["reason"]
+)
+ONLINE_BASELINE = Gauge(
+    "rlpipe_trainer_online_baseline", "Running reward baseline per context kind", ["kind"]
+)
 
 
 class StepRecord(msgspec.Struct, kw_only=True):
@@ -41,6 +51,8 @@ class StepRecord(msgspec.Struct, kw_only=True):
     time: float
     mean_reward: float
     num_samples: int
+    # Training rows: one per sample, one per context segment of a self-summarizing episode.
+    num_rows: int = 0
     num_groups: int
     num_zero_variance_groups: int
     num_loss_tokens: int
@@ -62,6 +74,14 @@ class StepRecord(msgspec.Struct, kw_only=True):
     busy_fraction: float
     sample_ids: list[str]
     dropped_ids: list[str]
+    # Which stream the step trained on: "offline" (scored GRPO groups) or "online" (product
+    # feedback). For an online step the fields above describe its online samples
+    # (mean_reward: the mean mapped reward; num_groups 0), and these add the rest.
+    stream: str = "offline"
+    num_online_invalid: int = 0
+    online_mean_advantage: float = 0.0
+    # Running baseline of each context kind in the step, after the step's updates.
+    online_baselines: dict[str, float] = msgspec.field(default_factory=dict)
 
 
 class StepLog:
@@ -75,7 +95,8 @@ class StepLog:
     def write(self, record: StepRecord) -> None:
         with self.path.open("ab") as file:
             file.write(msgspec.json.encode(record) + b"\n")
-        self.rewards.append(record.mean_reward)
+        if record.stream == "offline":  # the learning curve is the offline task's
+            self.rewards.append(record.mean_reward)
         export(record)
 
     def reward_summary(self, window: int = 10) -> dict[str, float | None]:
@@ -93,7 +114,10 @@ def export(record: StepRecord) -> None:
     """Set the Prometheus series from one record."""
     STEP.set(record.step)
     VERSION.set(record.version)
-    REWARD.set(record.mean_reward)
+    if record.stream == "online":
+        export_online(record)
+    else:
+        REWARD.set(record.mean_reward)
     for staleness, count in record.staleness.items():
         for _ in range(count):
             STALENESS.observe(staleness)
@@ -105,3 +129,13 @@ def export(record: StepRecord) -> None:
     TOKENS_PER_S.set(record.tokens_per_s)
     BUSY.set(record.busy_fraction)
     STEP_SECONDS.observe(record.step_s)
+
+
+def export_online(record: StepRecord) -> None:
+    """The online series of an online step's record."""
+    ONLINE_REWARD.set(record.mean_reward)
+    ONLINE_SAMPLES.inc(record.num_samples)
+    ONLINE_DROPPED.labels("stale").inc(record.num_dropped)
+    ONLINE_DROPPED.labels("invalid").inc(record.num_online_invalid)
+    for kind, value in record.online_baselines.items():
+        ONLINE_BASELINE.labels(kind).set(value)

@@ -51,6 +51,7 @@ class StepStats:
 
     loss: float
     num_samples: int
+    num_rows: int
     num_loss_tokens: int
     num_groups: int
     num_zero_variance_groups: int
@@ -82,7 +83,7 @@ def train_step(
         proximal = sequence_logprobs(model, batch.input_ids, batch.attention_mask)
     same_version = same_version_mask(batch.token_versions, trainer_version, batch.loss_mask)
     losses, stats, grad_norms = [], [], []
-    for rows in _minibatch_rows(len(samples), config.minibatches, device):
+    for rows in _minibatch_rows(batch.num_rows, config.minibatches, device):
         optimizer.zero_grad(set_to_none=True)
         new = sequence_logprobs(model, batch.input_ids[rows], batch.attention_mask[rows])
         loss, loss_stats = ppo_clip_loss(
@@ -105,6 +106,7 @@ def train_step(
     return StepStats(
         loss=sum(losses) / len(losses),
         num_samples=len(samples),
+        num_rows=batch.num_rows,
         num_loss_tokens=batch.num_loss_tokens,
         num_groups=groups.num_groups,
         num_zero_variance_groups=groups.num_zero_variance_groups,

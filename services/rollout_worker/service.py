@@ -8,6 +8,13 @@ rollouts are published to `rl.rollouts.raw.<env>` with msg id = rollout id befor
 is acked, so a redelivered task stores nothing twice. A task tagged `min_policy_version`
 (the synchronous baseline) waits in its handler for that version. `stop` stops pulling,
 lets in-flight tasks finish (drain_timeout_s), then ends the background loops.
+
+Serve mode (`serve_port` set): the same engine also answers an OpenAI-compatible API
+(libs.serve) on uvicorn in this loop; its requests go through the same batcher (batched with
+rollouts, never across a weight swap) and every served choice is recorded on
+`rl.serving.generations` before the answer. `consume_tasks=false` makes a replica that only
+serves. The API answers 503 until the first weight version is applied; `stop` lets open
+requests finish before the batcher ends.
 """
 
 from __future__ import annotations
@@ -22,14 +29,21 @@ from prometheus_client import Counter, Gauge
 from libs.bus.connection import Bus
 from libs.bus.consumer import Delivery, PermanentError, PullConsumer
 from libs.bus.publisher import Outgoing, Publisher
+from libs.chat.template import chat_template_for
 from libs.engine.base import InferenceEngine
 from libs.engine.factory import build_engine
 from libs.envs.client import EnvClient, EnvError
+from libs.rollout.agent import AgentRunner
 from libs.rollout.batcher import GenerationBatcher, ThroughputMeter
-from libs.rollout.episode import RunnerSettings, SingleTurnRunner
+from libs.rollout.episode import RunnerSettings
 from libs.rollout.weights_follower import WeightsFollower
+from libs.serve.app import OpenAIApi, ServeConfig, create_app
+from libs.serve.generation import ServedPolicy
+from libs.serve.records import GenerationRecorder
+from libs.serve.server import TASK_NAME as SERVE_TASK_NAME
+from libs.serve.server import ServeServer
 from libs.service import Service
-from libs.tokenizer import load_tokenizer
+from libs.tokenizer import Tokenizer, load_tokenizer
 from libs.weights.receiver import WeightReceiver
 from proto import messages as m
 from proto.messages import Task
@@ -63,12 +77,14 @@ class RolloutWorkerService(Service):
         self.batcher: GenerationBatcher | None = None
         self.follower: WeightsFollower | None = None
         self.receiver: WeightReceiver | None = None
-        self.runner: SingleTurnRunner | None = None
+        self.runner: AgentRunner | None = None
         self.consumer: PullConsumer[Task] | None = None
         self.publisher: Publisher | None = None
         self.num_in_progress = 0
         self.num_waiting_for_version = 0
         self.num_published = 0
+        self.served: ServedPolicy | None = None
+        self.serve_api: ServeServer | None = None
         self._stopping = asyncio.Event()
 
     async def start(self, bus: Bus) -> None:
@@ -89,7 +105,9 @@ class RolloutWorkerService(Service):
             fetch_timeout_s=s.weights_fetch_timeout_s,
             verify_full=s.weights_verify_full,
         )
-        self.follower = WeightsFollower(self.engine, self.receiver, self.batcher)
+        self.follower = WeightsFollower(
+            self.engine, self.receiver, self.batcher, promoted_only=s.weights_promoted_only
+        )
         await self.follower.start(bus.js)
         runner_settings = RunnerSettings(
             worker_id=s.worker_id,
@@ -98,8 +116,12 @@ class RolloutWorkerService(Service):
             reset_timeout_s=s.env_reset_timeout_s,
             step_timeout_s=s.env_step_timeout_s,
         )
-        self.runner = SingleTurnRunner(
-            EnvClient(bus.nc), tokenizer, self.batcher.generate, runner_settings
+        self.runner = AgentRunner(
+            EnvClient(bus.nc),
+            tokenizer,
+            self.batcher.generate,
+            runner_settings,
+            s.agent_settings(),
         )
         self.publisher = Publisher(bus.js)
         self.consumer = PullConsumer(
@@ -112,6 +134,8 @@ class RolloutWorkerService(Service):
             concurrency=s.max_batch_tasks,
             fetch_timeout_s=s.fetch_timeout_s,
         )
+        if s.serve_port:
+            await self._start_serving(bus, tokenizer)
         self.status = "waiting for weights"
         self.detail = f"worker {s.worker_id}: following weight announcements"
 
@@ -121,17 +145,25 @@ class RolloutWorkerService(Service):
         background = [
             asyncio.create_task(self.follower.run(), name="weights-follower"),
             asyncio.create_task(self.batcher.run(), name="generation-batcher"),
+            *self._serving_tasks(),
         ]
+        # The API server ends cleanly in `stop`, before _stopping is set.
+        finished_ok = {SERVE_TASK_NAME}
         try:
-            await self._until(self.follower.wait_caught_up(), background)
+            await self._until(self.follower.wait_caught_up(), background, finished_ok)
             if self._stopping.is_set():
                 return
             self.status = "ok"
+            if not self.settings.consume_tasks:
+                self.detail = f"worker {self.settings.worker_id}: serving only"
+                log.info("caught up with weights; serving", version=self.engine_version)
+                await self._until(self._stopping.wait(), background, finished_ok)
+                return
             self.detail = f"worker {self.settings.worker_id}: rolling out tasks"
             log.info("caught up with weights; pulling tasks", version=self.engine_version)
             background.append(asyncio.create_task(self.consumer.run(), name="task-consumer"))
             # The consumer returns once stopped; `stop` sets _stopping after the drain.
-            await self._until(self._stopping.wait(), background, finished_ok={"task-consumer"})
+            await self._until(self._stopping.wait(), background, finished_ok | {"task-consumer"})
         finally:
             for task in background:
                 task.cancel()
@@ -165,9 +197,65 @@ class RolloutWorkerService(Service):
 
     async def stop(self) -> None:
         await super().stop()
+        # Both drain while the batcher still runs; run() ends it once _stopping is set.
+        await asyncio.gather(self._stop_serving(), self._stop_consuming())
+        self._stopping.set()
+
+    async def _stop_consuming(self) -> None:
         if self.consumer is not None:
             await self.consumer.stop(grace_s=self.settings.drain_timeout_s)
-        self._stopping.set()
+
+    # --- serve mode ------------------------------------------------------------------------
+
+    async def _start_serving(self, bus: Bus, tokenizer: Tokenizer) -> None:
+        """The OpenAI-compatible API over the batcher, recording to the generations stream."""
+        assert self.batcher is not None and self.follower is not None
+        s = self.settings
+        recorder = None
+        if s.record_generations:
+            publisher = Publisher(
+                bus.js, ack_timeout_s=s.record_timeout_s, max_attempts=s.record_attempts
+            )
+            recorder = GenerationRecorder(publisher)
+        self.served = ServedPolicy(
+            self.batcher.generate, tokenizer, score=self.batcher.score, recorder=recorder
+        )
+        config = ServeConfig(
+            served_model_name=s.served_model_name,
+            api_key=s.serve_api_key,
+            max_choices=s.serve_max_choices,
+            default_max_tokens=s.serve_default_max_tokens,
+        )
+        follower = self.follower
+        api = OpenAIApi(
+            self.served, chat_template_for(tokenizer), lambda: follower.policy_version, config
+        )
+        self.serve_api = ServeServer(
+            create_app(api), s.serve_host, s.serve_port, graceful_s=s.drain_timeout_s
+        )
+        await self.serve_api.start()
+        if not s.record_generations:
+            log.warning("serve mode records no generations: feedback on them cannot train")
+
+    def _serving_tasks(self) -> list[asyncio.Task[None]]:
+        """The API server's task, watched by run() like the other background loops."""
+        task = self.serve_api.task if self.serve_api is not None else None
+        return [task] if task is not None else []
+
+    async def _stop_serving(self) -> None:
+        """Stop accepting; open requests finish (their generations and records) first."""
+        if self.serve_api is not None:
+            await self.serve_api.stop()
+
+    def _serve_health(self) -> dict[str, Any]:
+        if self.serve_api is None or self.served is None:
+            return {}
+        recorder = self.served.recorder
+        return {
+            "serve_port": self.serve_api.port,
+            "generations_recorded": recorder.num_recorded if recorder else 0,
+            "generation_records_lost": recorder.num_lost if recorder else 0,
+        }
 
     async def on_task(self, task: Task, delivery: Delivery) -> None:
         """Roll `task` out and store its rollouts; returning lets the consumer ack it."""
@@ -241,4 +329,5 @@ class RolloutWorkerService(Service):
             "last_swap_pause_s": None if pause is None else round(pause, 6),
             "weight_swaps": self.follower.num_applied if self.follower else 0,
             "weight_swap_failures": self.follower.num_failed if self.follower else 0,
+            **self._serve_health(),
         }

@@ -2,13 +2,14 @@
 
 import os
 import socket
-from typing import ClassVar
+from typing import ClassVar, Self
 
-from pydantic import Field
+from pydantic import Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from libs.engine.factory import EngineConfig, EngineType
 from libs.policy import DTypeName, PolicyConfig
+from libs.rollout.agent import AgentSettings
 from libs.settings import ServiceSettings, env_prefix
 
 
@@ -62,6 +63,67 @@ class RolloutWorkerSettings(ServiceSettings):
     weights_verify_full: bool = Field(
         True, description="Rehash the whole model after each swap (inside the pause)"
     )
+    # Multi-turn episodes (libs.rollout.agent).
+    max_turns: int = Field(16, ge=1, description="Most assistant turns per episode")
+    context_budget_tokens: int = Field(
+        4096, ge=2, description="Tokens of one context segment before the policy summarizes"
+    )
+    summarize: bool = Field(True, description="Self-summarize past the budget (else end)")
+    summary_max_tokens: int = Field(256, ge=1, description="Longest summary")
+    max_summaries: int = Field(4, ge=0, description="Most summaries per episode")
+    episode_timeout_s: float = Field(600.0, gt=0, description="Wall clock of one episode")
+    weights_promoted_only: bool = Field(
+        False, description="Apply only versions the trainer's eval gate promoted (serving)"
+    )
+
+    # What this replica does: roll out tasks, serve an OpenAI-compatible API, or both.
+    consume_tasks: bool = Field(
+        True, description="Pull and roll out tasks; false: a serving replica only serves"
+    )
+    # Serve mode (libs.serve): the engine behind /v1/chat/completions and /v1/completions.
+    serve_port: int = Field(
+        0, ge=0, le=65535, description="Port of the OpenAI-compatible API; 0: serve mode off"
+    )
+    serve_host: str = Field("127.0.0.1", description="Address the OpenAI-compatible API binds")
+    served_model_name: str = Field(
+        "rlpipe-policy", min_length=1, description="Model name the API serves (`model` field)"
+    )
+    serve_api_key: str | None = Field(
+        None, description="Secret required as `Authorization: Bearer <key>`; unset: open"
+    )
+    serve_max_choices: int = Field(16, ge=1, description="Largest `n` of one request")
+    serve_default_max_tokens: int = Field(
+        256, ge=1, description="Chat completion tokens when a request sets no max"
+    )
+    record_generations: bool = Field(
+        True, description="Store every served choice on rl.serving.generations before answering"
+    )
+    record_timeout_s: float = Field(
+        2.0, gt=0, description="Longest wait for the stream to ack one record attempt"
+    )
+    record_attempts: int = Field(
+        2, ge=1, description="Attempts at storing records before the answer goes out without"
+    )
+
+    @model_validator(mode="after")
+    def _has_work(self) -> Self:
+        if not self.consume_tasks and not self.serve_port:
+            raise ValueError(
+                "consume_tasks is false and serve_port is 0: the worker would do nothing; "
+                "set RLPIPE_ROLLOUT_WORKER_SERVE_PORT or consume tasks"
+            )
+        return self
+
+    def agent_settings(self) -> AgentSettings:
+        """The harness limits these settings describe."""
+        return AgentSettings(
+            max_turns=self.max_turns,
+            context_budget_tokens=self.context_budget_tokens,
+            summarize=self.summarize,
+            summary_max_tokens=self.summary_max_tokens,
+            max_summaries=self.max_summaries,
+            episode_timeout_s=self.episode_timeout_s,
+        )
 
     def engine_config(self) -> EngineConfig:
         """The engine these settings describe."""

@@ -9,7 +9,9 @@ from libs.bus.publisher import Publisher
 from libs.policy import PolicyConfig
 from libs.service import Service
 from libs.tokenizer import ByteTokenizer
+from libs.trainer.eval_gate import EvalGateConfig
 from libs.trainer.loop import Trainer, TrainerConfig
+from libs.trainer.online_step import OnlineConfig
 from libs.trainer.step import StepConfig
 from services.trainer.settings import TrainerSettings
 
@@ -45,6 +47,22 @@ def trainer_config(settings: TrainerSettings) -> TrainerConfig:
         publish_every_steps=settings.publish_every_steps,
         max_steps=settings.max_steps,
         incomplete_group_timeout_s=settings.incomplete_group_timeout_s,
+        online_fraction=settings.online_fraction,
+        stream_wait_s=settings.online_stream_wait_s,
+        online=OnlineConfig(
+            signal_rewards=settings.online_signal_rewards,
+            baseline_decay=settings.online_baseline_decay,
+            context_key=settings.online_context_key,
+            max_staleness=settings.max_online_staleness,
+            batch_samples=settings.online_batch_samples,
+        ),
+        eval_gate=EvalGateConfig(
+            every_versions=settings.eval_every_versions,
+            num_tasks=settings.eval_num_tasks,
+            margin=settings.eval_margin,
+            difficulty=settings.eval_difficulty,
+            task_seed=settings.eval_task_seed,
+        ),
     )
 
 

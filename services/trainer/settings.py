@@ -2,11 +2,13 @@
 
 from typing import ClassVar
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import SettingsConfigDict
 
 from libs.policy import DTypeName
+from libs.rl.online import DEFAULT_CONTEXT_KEY, DEFAULT_SIGNAL_REWARDS, check_signal_rewards
 from libs.settings import ServiceSettings, env_prefix
+from libs.trainer.eval_gate import DEFAULT_EVAL_SEED
 
 
 class TrainerSettings(ServiceSettings):
@@ -52,3 +54,41 @@ class TrainerSettings(ServiceSettings):
     incomplete_group_timeout_s: float = Field(
         120.0, gt=0, description="Train a group with missing samples after this long"
     )
+    # Online training from product feedback (libs.rl.online, libs.trainer.mix).
+    online_fraction: float = Field(
+        0.0, ge=0, le=1, description="Share of steps on online samples (0: off, 1: online only)"
+    )
+    online_stream_wait_s: float = Field(
+        5.0, ge=0, description="Wait for a step's scheduled stream before taking the other"
+    )
+    online_batch_samples: int = Field(32, ge=1, description="Most online samples per step")
+    online_signal_rewards: dict[str, float] = Field(
+        default_factory=lambda: dict(DEFAULT_SIGNAL_REWARDS),
+        description="Reward of each feedback signal (JSON object; every signal must be named)",
+    )
+    max_online_staleness: int = Field(
+        8, ge=0, description="Online samples served more than this many versions ago are dropped"
+    )
+    online_baseline_decay: float = Field(
+        0.9, ge=0, lt=1, description="EMA decay of the per-context-kind reward baseline"
+    )
+    online_context_key: str = Field(
+        DEFAULT_CONTEXT_KEY, description="Generation metadata key that names the context kind"
+    )
+    # The eval gate (libs.trainer.eval_gate): promotion of versions to serving.
+    eval_every_versions: int = Field(
+        10, ge=0, description="Gate a published version every N versions (0: no gate)"
+    )
+    eval_num_tasks: int = Field(32, ge=1, description="Held-out arithmetic tasks per evaluation")
+    eval_margin: float = Field(
+        0.02, description="Allowed held-out score drop vs the promoted version (<0: must improve)"
+    )
+    eval_difficulty: int = Field(0, ge=0, description="Difficulty of the held-out tasks")
+    eval_task_seed: int = Field(
+        DEFAULT_EVAL_SEED, description="Seed of the held-out tasks; never the feeder's seed"
+    )
+
+    @field_validator("online_signal_rewards")
+    @classmethod
+    def _every_signal_has_a_reward(cls, value: dict[str, float]) -> dict[str, float]:
+        return check_signal_rewards(value)

@@ -1,0 +1,113 @@
+"""One optimizer step on online samples (product feedback): tensors in, statistics out.
+
+    advantages  <- reward (signal mapping) - running baseline of the sample's context kind
+    batch       <- prompt + completion ids, completion tokens trained, served logprobs
+    proximal    <- the trainer's logprobs before the update (no grad)
+    loss        <- libs.rl.loss PPO-clip with truncated importance weights, per minibatch
+    step        <- AdamW on each minibatch
+
+The objective is critic-free policy gradient for single samples: with one minibatch the
+ratio to the proximal policy is 1 and the gradient is w * (reward - baseline) * grad log p,
+w = min(exp(trainer - served), cap) correcting for the served version being behind.
+`baselines` is updated in place (it belongs to the trainer's checkpointed state).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedModel
+
+from libs.policy import sequence_logprobs
+from libs.rl import MismatchStats, PolicyLossStats, mismatch_stats, ppo_clip_loss, same_version_mask
+from libs.rl.online import OnlineBaselines, build_online_batch, online_advantages
+from libs.trainer.step import StepConfig, merge_loss_stats
+from proto.messages import OnlineSample
+
+
+@dataclass(frozen=True)
+class OnlineConfig:
+    """How online samples become a training signal."""
+
+    signal_rewards: Mapping[str, float]
+    baseline_decay: float = 0.9
+    context_key: str = "context_kind"
+    max_staleness: int = 8
+    batch_samples: int = 32
+
+
+@dataclass(frozen=True)
+class OnlineStepStats:
+    """What one online step did, for metrics."""
+
+    loss: float
+    num_samples: int
+    num_loss_tokens: int
+    grad_norm: float
+    mean_reward: float
+    mean_advantage: float
+    baselines: dict[str, float]  # per context kind in the batch, after the step's updates
+    policy: PolicyLossStats
+    mismatch: MismatchStats
+
+
+def train_online_step(
+    model: PreTrainedModel,
+    optimizer: torch.optim.Optimizer,
+    samples: list[OnlineSample],
+    baselines: OnlineBaselines,
+    trainer_version: int,
+    step: StepConfig,
+    online: OnlineConfig,
+) -> OnlineStepStats:
+    """Update `model` in place on `samples` (fresh enough, trainable); returns statistics."""
+    device = next(model.parameters()).device
+    scored = online_advantages(
+        samples,
+        online.signal_rewards,
+        baselines,
+        decay=online.baseline_decay,
+        context_key=online.context_key,
+    )
+    batch = build_online_batch(
+        samples, scored.advantages, pad_id=step.pad_id, max_length=step.max_length
+    ).to(device)
+    model.eval()  # no dropout: proximal and new logprobs must come from the same function
+    with torch.no_grad():
+        proximal = sequence_logprobs(model, batch.input_ids, batch.attention_mask)
+    same_version = same_version_mask(batch.token_versions, trainer_version, batch.loss_mask)
+    losses, stats, grad_norms = [], [], []
+    num_rows = batch.input_ids.shape[0]
+    for rows in torch.arange(num_rows, device=device).tensor_split(min(step.minibatches, num_rows)):
+        optimizer.zero_grad(set_to_none=True)
+        new = sequence_logprobs(model, batch.input_ids[rows], batch.attention_mask[rows])
+        loss, loss_stats = ppo_clip_loss(
+            new,
+            proximal[rows],
+            batch.behavior_logprobs[rows],
+            batch.advantages[rows],
+            batch.loss_mask[rows],
+            clip_eps_low=step.clip_eps_low,
+            clip_eps_high=step.clip_eps_high,
+            is_cap=step.is_cap,
+        )
+        loss.backward()
+        grad_norms.append(
+            float(torch.nn.utils.clip_grad_norm_(model.parameters(), step.max_grad_norm))
+        )
+        optimizer.step()
+        losses.append(float(loss.detach()))
+        stats.append(loss_stats)
+    return OnlineStepStats(
+        loss=sum(losses) / len(losses),
+        num_samples=len(samples),
+        num_loss_tokens=batch.num_loss_tokens,
+        grad_norm=max(grad_norms),
+        mean_reward=scored.mean_reward,
+        mean_advantage=float(scored.advantages.mean()),
+        baselines={kind: baselines.value(kind) for kind in sorted(set(scored.kinds))},
+        policy=merge_loss_stats(stats),
+        mismatch=mismatch_stats(proximal, batch.behavior_logprobs, same_version),
+    )
