@@ -44,6 +44,8 @@ ALL_SERVICES = (
 )
 EXIT_OK, EXIT_NATS_FAILED, EXIT_UNHEALTHY, EXIT_PROVISION_FAILED = 0, 2, 3, 4
 EXIT_FORCED = 130
+# Services stopped (and waited for) before the others.
+STOP_FIRST = ("rollout-worker",)
 TICK_S = 0.25
 
 
@@ -62,7 +64,7 @@ class LaunchOptions:
     healthy_timeout_s: float = 180.0
     # A service that crashed this many times without ever answering healthy ends the run.
     max_restarts_unhealthy: int = 5
-    stop_grace_s: float = 15.0
+    stop_grace_s: float = 30.0
     backoff: Backoff = field(default_factory=Backoff)
 
     def __post_init__(self) -> None:
@@ -112,6 +114,14 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
     extra_env: dict[str, dict[str, str]] = {}
     if args.env:
         extra_env["env-gateway"] = {"RLPIPE_ENV_GATEWAY_ENV": args.env}
+    if args.env and args.env != "arith":
+        # Tool episodes are ~1-2K tokens: 16 groups of 16 make a CPU step of minutes and
+        # GBs of attention; 2 groups of 4 keep a step to seconds on the embedded default.
+        # (Variables set in the environment still win.)
+        group_size = os.environ.get("RLPIPE_ENV_GATEWAY_GROUP_SIZE", "4")
+        extra_env["env-gateway"]["RLPIPE_ENV_GATEWAY_GROUP_SIZE"] = group_size
+        batch_groups = os.environ.get("RLPIPE_TRAINER_BATCH_GROUPS", "2")
+        extra_env["trainer"] = {"RLPIPE_TRAINER_BATCH_GROUPS": batch_groups}
     return LaunchOptions(
         run_dir=args.run_dir,
         duration_s=args.duration_s,
@@ -238,7 +248,9 @@ class LocalRun:
             try:
                 await self._watch(view)
             finally:
-                await self._with_view(view, supervisor.stop(self.options.stop_grace_s))
+                # The worker first: its in-flight episodes finish while env-gateway answers.
+                stopping = supervisor.stop(self.options.stop_grace_s, first=STOP_FIRST)
+                await self._with_view(view, stopping)
                 health_task.cancel()
 
     async def _watch(self, view: StatusView) -> None:
@@ -261,7 +273,7 @@ class LocalRun:
 
     async def _stop_everything(self) -> None:
         if self.supervisor:
-            await self.supervisor.stop(self.options.stop_grace_s)
+            await self.supervisor.stop(self.options.stop_grace_s, first=STOP_FIRST)
         if self.nats:
             await asyncio.to_thread(self.nats.stop)
 

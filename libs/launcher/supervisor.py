@@ -17,7 +17,7 @@ import ctypes
 import os
 import signal
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -128,21 +128,35 @@ class Supervisor:
         self._on_event = on_event
         self._stopping = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
+        self._task_of: dict[str, asyncio.Task[None]] = {}
 
     async def start(self) -> None:
         """Spawn every child once and keep them running in background tasks."""
         for child in self.children.values():
             await self._spawn(child)
-            self._tasks.append(asyncio.create_task(self._keep_running(child)))
+            task = asyncio.create_task(self._keep_running(child))
+            self._tasks.append(task)
+            self._task_of[child.spec.name] = task
 
-    async def stop(self, grace_s: float = 15.0) -> None:
-        """SIGTERM every child's group, SIGKILL what is left after `grace_s`."""
+    async def stop(self, grace_s: float = 15.0, first: Sequence[str] = ()) -> None:
+        """SIGTERM the `first` children and wait for them, then every other child's group;
+        SIGKILL what is left `grace_s` after the start. Stopping the producers of work first
+        (the rollout-worker) lets their in-flight work finish against services still up."""
         self._stopping.set()
-        for child in self.children.values():
-            self._terminate(child)
+        deadline = asyncio.get_running_loop().time() + grace_s
+        early = [name for name in first if name in self.children]
+        for name in early:
+            self._terminate(self.children[name])
+        early_tasks = [self._task_of[name] for name in early if name in self._task_of]
+        if early_tasks:
+            await asyncio.wait(early_tasks, timeout=grace_s)
+        for name, child in self.children.items():
+            if name not in early:
+                self._terminate(child)
         if not self._tasks:
             return
-        _, pending = await asyncio.wait(self._tasks, timeout=grace_s)
+        remaining_s = max(0.0, deadline - asyncio.get_running_loop().time())
+        _, pending = await asyncio.wait(self._tasks, timeout=remaining_s)
         if pending:
             self.kill_all()
         await asyncio.gather(*self._tasks)
