@@ -344,7 +344,7 @@ class Trainer:
 
     async def _train_online(self, taken: OnlineTake) -> None:
         assert taken.kept, "an online step is chosen only with fresh samples"
-        self._set_learning_rate()
+        self._set_learning_rate(scale=self.config.online.learning_rate_scale)
         started_s = time.monotonic()
         stats = await asyncio.to_thread(
             train_online_step,
@@ -361,9 +361,9 @@ class Trainer:
         self._steps.write(self._online_record(taken, stats, step_s))
         await self._after_step()
 
-    def _set_learning_rate(self) -> None:
+    def _set_learning_rate(self, scale: float = 1.0) -> None:
         for group in self.optimizer.param_groups:
-            group["lr"] = learning_rate_at(self.config, self.state.step)
+            group["lr"] = scale * learning_rate_at(self.config, self.state.step)
 
     def _advance(self, started_s: float) -> float:
         """Count the step and the new version; returns the step's seconds."""

@@ -55,6 +55,7 @@ def trainer_config(settings: TrainerSettings) -> TrainerConfig:
             context_key=settings.online_context_key,
             max_staleness=settings.max_online_staleness,
             batch_samples=settings.online_batch_samples,
+            learning_rate_scale=settings.online_learning_rate_scale,
         ),
         eval_gate=EvalGateConfig(
             every_versions=settings.eval_every_versions,

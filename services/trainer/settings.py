@@ -62,6 +62,9 @@ class TrainerSettings(ServiceSettings):
         5.0, ge=0, description="Wait for a step's scheduled stream before taking the other"
     )
     online_batch_samples: int = Field(32, ge=1, description="Most online samples per step")
+    online_learning_rate_scale: float = Field(
+        0.1, gt=0, le=1, description="Online steps' learning rate as a fraction of the trainer's"
+    )
     online_signal_rewards: dict[str, float] = Field(
         default_factory=lambda: dict(DEFAULT_SIGNAL_REWARDS),
         description="Reward of each feedback signal (JSON object; every signal must be named)",
