@@ -78,6 +78,12 @@ class NatsServer:
     # NATS after the services have drained through it.
     start_new_session: bool = False
     process: subprocess.Popen[bytes] | None = None
+    # Multi-region setups (libs/weights/relay.py): this server's JetStream domain, a port on
+    # which it accepts leaf nodes (None: it accepts none), and the leafnode URLs it connects
+    # to as a leaf (`nats-leaf://host:port`).
+    jetstream_domain: str | None = None
+    leafnode_port: int | None = None
+    leaf_remotes: tuple[str, ...] = ()
 
     @property
     def url(self) -> str:
@@ -87,15 +93,32 @@ class NatsServer:
     def pid(self) -> int | None:
         return self.process.pid if self.process else None
 
+    @property
+    def leafnode_url(self) -> str:
+        """Where a leaf node connects to this server (needs `leafnode_port`)."""
+        if self.leafnode_port is None:
+            raise ValueError("this server accepts no leaf nodes: give it a leafnode_port")
+        return f"nats-leaf://{self.host}:{self.leafnode_port}"
+
     def write_config(self) -> Path:
-        """The server's config file: JetStream in store_dir, payloads sized for weight chunks."""
+        """The server's config file: JetStream in store_dir, payloads sized for weight chunks,
+        and the domain and leaf node blocks when set."""
         self.store_dir.mkdir(parents=True, exist_ok=True)
         config = self.store_dir / "nats.conf"
-        config.write_text(
+        domain = f'  domain: "{self.jetstream_domain}"\n' if self.jetstream_domain else ""
+        text = (
             f'host: "{self.host}"\nport: {self.port}\nhttp_port: {self.monitor_port}\n'
             f"max_payload: {MAX_PAYLOAD_BYTES}\n"
-            f'jetstream {{\n  store_dir: "{self.store_dir / "jetstream"}"\n}}\n'
+            f'jetstream {{\n  store_dir: "{self.store_dir / "jetstream"}"\n{domain}}}\n'
         )
+        if self.leafnode_port is not None or self.leaf_remotes:
+            listen = f'  host: "{self.host}"\n  port: {self.leafnode_port}\n'
+            remotes = "".join(f'    {{ url: "{url}" }}\n' for url in self.leaf_remotes)
+            text += "leafnodes {\n"
+            text += listen if self.leafnode_port is not None else ""
+            text += f"  remotes: [\n{remotes}  ]\n" if remotes else ""
+            text += "}\n"
+        config.write_text(text)
         return config
 
     def start(self, timeout_s: float = 15.0) -> None:

@@ -7,6 +7,8 @@ rlpipe provision [--nats-url URL] create or update streams, consumers, KV bucket
 rlpipe schema [--check]           write (or check) the JSON Schema in proto/schema/
 rlpipe weights diff|apply|verify|snapshot ...
                                   lossless weight deltas of safetensors files
+rlpipe weights relay-setup --hub-domain HUB [--nats-url URL]
+                                  mirror the hub's weight streams into a region
 """
 
 from __future__ import annotations

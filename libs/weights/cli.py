@@ -4,6 +4,8 @@
     rlpipe weights snapshot NEW.safetensors -o DELTA [--version M]
     rlpipe weights apply BASE.safetensors DELTA -o OUT.safetensors   (BASE is '-' for a snapshot)
     rlpipe weights verify OUT.safetensors NEW.safetensors
+    rlpipe weights relay-setup --hub-domain HUB [--nats-url URL] [--max-bytes N] [--max-age-s S]
+    rlpipe weights relay-prune [--nats-url URL] [--every-s S]   (regional server; relay.py)
 
 Standalone: `python -m libs.weights.cli weights diff ...`.
 
@@ -18,9 +20,12 @@ Exit codes:
 from __future__ import annotations
 
 import argparse
+import asyncio
+import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -30,6 +35,9 @@ from libs.weights.encoder import DEFAULT_MAX_CHUNK_BYTES, EncodeOptions, encode,
 from libs.weights.errors import BaseMismatchError, CorruptDeltaError
 from libs.weights.safetensors_io import read_safetensors, write_safetensors
 from libs.weights.tensors import RawTensor
+
+if TYPE_CHECKING:
+    from libs.bus.connection import Bus
 
 EXIT_OK, EXIT_MISMATCH, EXIT_USAGE, EXIT_WRONG_BASE, EXIT_CORRUPT = 0, 1, 2, 3, 4
 MAX_REPORTED = 10
@@ -58,6 +66,26 @@ def add_weights_parser(subparsers: argparse._SubParsersAction) -> None:
     verify.add_argument("actual", type=Path)
     verify.add_argument("expected", type=Path)
     verify.set_defaults(handler=_on_verify)
+    _add_relay_parsers(commands)
+
+
+def _add_relay_parsers(commands: argparse._SubParsersAction) -> None:
+    """`relay-setup` and `relay-prune`: weights mirrored into a region (libs/weights/relay.py)."""
+    default_url = os.environ.get("RLPIPE_NATS_URL", "nats://127.0.0.1:4222")
+    setup = commands.add_parser(
+        "relay-setup", help="mirror the hub's weight streams into this region's server"
+    )
+    setup.add_argument("--hub-domain", required=True, help="the hub server's JetStream domain")
+    setup.add_argument("--nats-url", default=default_url, help="the REGIONAL server")
+    setup.add_argument("--max-bytes", type=int, default=-1, help="cap per mirror (-1: none)")
+    setup.add_argument("--max-age-s", type=float, default=0.0, help="age cap (0: none)")
+    setup.set_defaults(handler=_on_relay_setup)
+    prune = commands.add_parser(
+        "relay-prune", help="drop regional copies of versions before the latest snapshot"
+    )
+    prune.add_argument("--nats-url", default=default_url, help="the REGIONAL server")
+    prune.add_argument("--every-s", type=float, default=0.0, help="repeat every S s (0: once)")
+    prune.set_defaults(handler=_on_relay_prune)
 
 
 def _add_encode_options(parser: argparse.ArgumentParser) -> None:
@@ -122,6 +150,62 @@ def _on_verify(args: argparse.Namespace) -> int:
         return EXIT_MISMATCH
     print(f"OK: {len(actual)} tensors identical")
     return EXIT_OK
+
+
+def _on_relay_setup(args: argparse.Namespace) -> int:
+    from libs.weights.relay import MirrorLimits, setup_relay
+
+    limits = MirrorLimits(max_bytes=args.max_bytes, max_age_s=args.max_age_s)
+
+    async def main() -> int:
+        bus = await _connect(args.nats_url, "rlpipe-relay-setup")
+        try:
+            report = await setup_relay(bus.js, args.hub_domain, limits=limits)
+        finally:
+            await bus.close()
+        for name, outcome in report.outcomes.items():
+            print(f"{outcome:>9}  {name}")
+        return EXIT_OK
+
+    return _run_bus_command(main())
+
+
+def _on_relay_prune(args: argparse.Namespace) -> int:
+    from libs.weights.relay import mirror_status, prune_region
+
+    async def main() -> int:
+        bus = await _connect(args.nats_url, "rlpipe-relay-prune")
+        try:
+            while True:
+                kept = await prune_region(bus.js)
+                print(f"kept from snapshot {kept.snapshot_version}" if kept else "nothing to prune")
+                print(f"mirrors: {await mirror_status(bus.js)}", flush=True)
+                if args.every_s <= 0:
+                    return EXIT_OK
+                await asyncio.sleep(args.every_s)
+        finally:
+            await bus.close()
+
+    return _run_bus_command(main())
+
+
+async def _connect(url: str, name: str) -> Bus:
+    from libs.bus.connection import connect_bus
+
+    return await connect_bus(url, name=name, max_attempts=3)
+
+
+def _run_bus_command(work: Coroutine[Any, Any, int]) -> int:
+    """Run a command that talks to the bus; a bus or provisioning problem exits 2."""
+    from libs.bus.connection import BusConnectError
+    from libs.bus.provision import ProvisionError
+
+    try:
+        return asyncio.run(work)
+    except (BusConnectError, ProvisionError) as exc:
+        return _fail(str(exc), EXIT_USAGE)
+    except KeyboardInterrupt:
+        return EXIT_OK
 
 
 def differences(actual: dict[str, RawTensor], expected: dict[str, RawTensor]) -> list[str]:
