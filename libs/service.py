@@ -1,7 +1,8 @@
 """The lifecycle every service shares: start, run, stop; and the main that drives it.
 
 `run_service` configures logging, logs the resolved settings, connects the bus, provisions
-it, serves /healthz and /metrics, runs the service until SIGTERM/SIGINT or until its `run`
+it (unless `provision` is off: a service whose NATS user may not touch the JetStream API),
+serves /healthz and /metrics, runs the service until SIGTERM/SIGINT or until its `run`
 returns, then stops it (draining in-flight work) and closes the bus. A `run` that raises
 takes the process down with a non-zero exit, loudly, never silently.
 """
@@ -16,10 +17,11 @@ from abc import ABC, abstractmethod
 from typing import Any
 
 import structlog
+from nats.errors import TimeoutError as NatsTimeoutError
 from prometheus_client import Gauge, Info
 
-from libs.bus.connection import Bus, BusConnectError, connect_bus
-from libs.bus.provision import ProvisionError, provision
+from libs.bus.connection import Bus, BusConnectError, connect_bus, redact_url
+from libs.bus.provision import ProvisionError, ProvisionReport, provision
 from libs.health_server import HealthServer
 from libs.logs import configure_logging
 from libs.settings import ServiceSettings
@@ -44,7 +46,8 @@ class Service(ABC):
         self.detail = ""
 
     async def start(self, bus: Bus) -> None:
-        """Set up consumers, models, files. The bus is connected and provisioned."""
+        """Set up consumers, models, files. The bus is connected and, unless the settings
+        turn it off, provisioned."""
         self.bus = bus
 
     @abstractmethod
@@ -70,8 +73,11 @@ async def serve(service: Service, settings: ServiceSettings) -> None:
         settings.nats_url, name=service.name, max_attempts=settings.connect_attempts
     )
     try:
-        report = await provision(bus.js)
-        log.info("bus ready", server=bus.server_version, provisioned=report.summary())
+        if settings.provision:
+            report = await _provision(bus, settings)
+            log.info("bus ready", server=bus.server_version, provisioned=report.summary())
+        else:
+            log.info("bus ready", server=bus.server_version, provisioned="skipped (provision off)")
         await service.start(bus)
         SERVICE_UP.labels(service.name).set(1)
         await _run_until_signal(service, settings.drain_timeout_s)
@@ -80,6 +86,21 @@ async def serve(service: Service, settings: ServiceSettings) -> None:
         await bus.close()
         await health.stop()
         log.info("service stopped")
+
+
+async def _provision(bus: Bus, settings: ServiceSettings) -> ProvisionReport:
+    """Provision, turning the timeout a user without JetStream API rights gets (the server
+    refuses the request and nothing answers) into an error that names the switch."""
+    try:
+        return await provision(bus.js)
+    except NatsTimeoutError as exc:
+        variable = f"{settings.model_config.get('env_prefix', 'RLPIPE_')}PROVISION"
+        raise ProvisionError(
+            f"provisioning the bus at {redact_url(settings.nats_url)} timed out: the JetStream "
+            "API did not answer. If this service's NATS user may not provision "
+            f"(deploy/nats/SECURITY.md), set {variable}=false and let a service with the full "
+            "user, or `rlpipe provision`, do it; else check that the server runs JetStream"
+        ) from exc
 
 
 async def _run_until_signal(service: Service, drain_timeout_s: float) -> None:

@@ -2,9 +2,9 @@
 
 A service reads `RLPIPE_<SERVICE>_<FIELD>` (e.g. `RLPIPE_TRAINER_HTTP_PORT`). Fields that are
 the same for a whole deployment also fall back to a shared variable: `RLPIPE_NATS_URL`,
-`RLPIPE_RUN_DIR`, `RLPIPE_LOG_LEVEL`, `RLPIPE_LOG_FORMAT`. Optional TOML: point
-`RLPIPE_CONFIG` at a file; the table named after the service (`[trainer]`) is read, and
-environment variables win over it.
+`RLPIPE_PROVISION`, `RLPIPE_RUN_DIR`, `RLPIPE_LOG_LEVEL`, `RLPIPE_LOG_FORMAT`. Optional
+TOML: point `RLPIPE_CONFIG` at a file; the table named after the service (`[trainer]`) is
+read, and environment variables win over it.
 """
 
 from __future__ import annotations
@@ -13,12 +13,14 @@ import os
 import tomllib
 from pathlib import Path
 from typing import Any, ClassVar, Literal
+from urllib.parse import urlsplit, urlunsplit
 
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 SHARED_FALLBACKS = {
     "nats_url": "RLPIPE_NATS_URL",
+    "provision": "RLPIPE_PROVISION",
     "run_dir": "RLPIPE_RUN_DIR",
     "log_level": "RLPIPE_LOG_LEVEL",
     "log_format": "RLPIPE_LOG_FORMAT",
@@ -35,7 +37,17 @@ class ServiceSettings(BaseSettings):
     SERVICE: ClassVar[str] = "service"
     model_config = SettingsConfigDict(extra="ignore")
 
-    nats_url: str = Field("nats://127.0.0.1:4222", description="URL of the NATS server")
+    nats_url: str = Field(
+        "nats://127.0.0.1:4222",
+        description="URL of the NATS server, with credentials where it has users "
+        "(nats://user:password@host:4222; the password is masked in logs)",
+    )
+    provision: bool = Field(
+        True,
+        description="Create or update the bus definitions at start; off for a service whose "
+        "user may not (deploy/nats/SECURITY.md), while another service or "
+        "`rlpipe provision` does it",
+    )
     http_host: str = Field("127.0.0.1", description="Address of the health and metrics server")
     http_port: int = Field(9100, ge=0, le=65535, description="Port of /healthz and /metrics")
     log_level: Literal["debug", "info", "warning", "error"] = Field(
@@ -73,11 +85,13 @@ class ServiceSettings(BaseSettings):
         return (init_settings, env_settings, TomlTableSource(settings_cls), file_secret_settings)
 
     def redacted(self) -> dict[str, Any]:
-        """The resolved settings for the start-up log, secrets masked."""
+        """The resolved settings for the start-up log, secrets and passwords in URLs masked."""
         values = self.model_dump(mode="json")
-        for name in values:
+        for name, value in values.items():
             if SECRET_WORDS & set(name.split("_")):
-                values[name] = "***" if values[name] else values[name]
+                values[name] = "***" if value else value
+            elif isinstance(value, str) and "://" in value:
+                values[name] = mask_url_password(value)
         return values
 
 
@@ -98,6 +112,16 @@ class TomlTableSource(PydanticBaseSettingsSource):
 
     def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:
         return None, field_name, False
+
+
+def mask_url_password(url: str) -> str:
+    """`nats://user:secret@host:4222` -> `nats://user:***@host:4222`; a bare token -> `***`."""
+    parts = urlsplit(url)
+    if "@" not in parts.netloc:
+        return url
+    _, _, hostport = parts.netloc.rpartition("@")
+    user = f"{parts.username}:***" if parts.password is not None else "***"
+    return urlunsplit(parts._replace(netloc=f"{user}@{hostport}"))
 
 
 def env_prefix(service: str) -> str:

@@ -2,7 +2,8 @@
 
 `docker-compose config` (Debian's docker-compose 1.29; `make test` installs it) resolves
 anchors, merge keys, interpolation and defaults exactly as `up` would, without a Docker
-engine. The tests assert on that resolved file, not on the text we wrote.
+engine. The tests assert on that resolved file, not on the text we wrote. The bus has users
+(deploy/nats/SECURITY.md), so the tests pass the two passwords compose requires.
 
 Run: .venv/bin/python -m pytest tests/test_compose.py -q
 """
@@ -22,29 +23,46 @@ from typing import Any
 import pytest
 import yaml
 
+from libs.nats_server import find_nats_server
+
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE_FILE = ROOT / "compose.yaml"
 DOCKERFILE = ROOT / "Dockerfile"
-NATS_CONF = ROOT / "deploy" / "nats" / "nats.conf"
+NATS_DIR = ROOT / "deploy" / "nats"
+NATS_CONF = NATS_DIR / "nats.conf"
+NATS_SECURE_CONF = NATS_DIR / "nats-secure.conf"
 
-SERVICES = (
-    "trainer",
-    "rollout-worker",
-    "env-gateway",
-    "reward",
-    "weight-broadcaster",
-    "feedback-ingester",
-)
+# Compose service -> the rlpipe service it runs (`rlpipe run <name>`).
+SERVICES = {
+    "trainer": "trainer",
+    "rollout-worker": "rollout-worker",
+    "env-gateway": "env-gateway",
+    "reward": "reward",
+    "weight-broadcaster": "weight-broadcaster",
+    "feedback-join": "feedback-ingester",
+    "feedback-api": "feedback-ingester",
+}
 # GPU variant -> the service it runs.
 GPU_SERVICES = {"trainer-gpu": "trainer", "rollout-worker-gpu": "rollout-worker"}
+RUNS = {**SERVICES, **GPU_SERVICES}
+# The passwords compose requires (letters and digits, as SECURITY.md asks).
+PASSWORDS = {
+    "RLPIPE_NATS_SERVICES_PASSWORD": "servicesPw0test",
+    "RLPIPE_NATS_FEEDBACK_API_PASSWORD": "feedbackPw0test",
+}
+SERVICES_URL = f"nats://rlpipe:{PASSWORDS['RLPIPE_NATS_SERVICES_PASSWORD']}@nats:4222"
+FEEDBACK_API_URL = f"nats://feedback-api:{PASSWORDS['RLPIPE_NATS_FEEDBACK_API_PASSWORD']}@nats:4222"
 MIN_NATS_VERSION = (2, 11)
 MIN_MAX_PAYLOAD_BYTES = 8 * 1024 * 1024
 
 Config = dict[str, Any]
 
 
-def resolve_compose(tmp_dir: Path, *profiles: str) -> Config:
-    """compose.yaml as `docker-compose config` resolves it, with every default left as shipped."""
+def run_compose_config(
+    tmp_dir: Path, *profiles: str, passwords: dict[str, str] = PASSWORDS
+) -> tuple[list[str], subprocess.CompletedProcess[str]]:
+    """`docker-compose config` on compose.yaml with only `passwords` set, every other
+    default left as shipped; the command (for messages) and its result."""
     binary = shutil.which("docker-compose")
     if binary is None:
         pytest.fail(
@@ -56,6 +74,7 @@ def resolve_compose(tmp_dir: Path, *profiles: str) -> Config:
     empty_env_file = tmp_dir / "empty.env"
     empty_env_file.touch()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RLPIPE_", "COMPOSE_"))}
+    env |= passwords
     command = [binary, "--project-directory", str(ROOT), "--env-file", str(empty_env_file)]
     command += ["-f", str(COMPOSE_FILE)]
     for profile in profiles:
@@ -63,6 +82,12 @@ def resolve_compose(tmp_dir: Path, *profiles: str) -> Config:
     result = subprocess.run(
         [*command, "config"], capture_output=True, text=True, env=env, timeout=60, check=False
     )
+    return command, result
+
+
+def resolve_compose(tmp_dir: Path, *profiles: str) -> Config:
+    """compose.yaml as `docker-compose config` resolves it, with every default left as shipped."""
+    command, result = run_compose_config(tmp_dir, *profiles)
     if result.returncode != 0:
         pytest.fail(f"{shlex.join(command)} config failed:\n{result.stderr}", pytrace=False)
     config: Config = yaml.safe_load(result.stdout)
@@ -136,19 +161,27 @@ def healthcheck_command(service: Config) -> str:
 
 def test_the_six_services_start_by_default_from_the_dockerfile(compose: Config) -> None:
     default_services = started_services(compose)
-    for name in SERVICES:
+    assert set(SERVICES.values()) == {
+        "trainer",
+        "rollout-worker",
+        "env-gateway",
+        "reward",
+        "weight-broadcaster",
+        "feedback-ingester",
+    }
+    for name, runs in SERVICES.items():
         assert name in default_services, f"{name} does not start with a plain `docker compose up`"
         service = compose["services"][name]
         assert Path(service["build"]["context"]).resolve() == ROOT, name
         assert service["build"].get("dockerfile", "Dockerfile") == "Dockerfile", name
-        assert service["command"] == ["run", name], f"{name} runs {service['command']}"
+        assert service["command"] == ["run", runs], f"{name} runs {service['command']}"
 
 
 def test_every_service_is_health_checked_on_its_http_port(compose_gpu: Config) -> None:
     for name, service in compose_gpu["services"].items():
         if name == "nats":
             continue
-        runs = GPU_SERVICES.get(name, name)
+        runs = RUNS[name]
         environment = service["environment"]
         port = environment[f"{env_prefix(runs)}_HTTP_PORT"]
         # Loopback would leave /metrics unreachable from a Prometheus in another container.
@@ -163,7 +196,8 @@ def test_every_service_waits_for_a_healthy_nats_and_restarts(compose_gpu: Config
         if name == "nats":
             continue
         assert service["depends_on"]["nats"]["condition"] == "service_healthy", name
-        assert service["environment"]["RLPIPE_NATS_URL"] == "nats://nats:4222", name
+        expected_url = FEEDBACK_API_URL if name == "feedback-api" else SERVICES_URL
+        assert service["environment"]["RLPIPE_NATS_URL"] == expected_url, name
         assert service.get("restart") in {"always", "unless-stopped", "on-failure"}, name
     assert compose_gpu["services"]["nats"].get("restart") in {"always", "unless-stopped"}
 
@@ -194,9 +228,11 @@ def test_nats_is_a_recent_server_with_jetstream_on_a_named_volume(compose: Confi
 
     settings = read_nats_conf()
     assert "jetstream" in settings, "nats.conf does not enable JetStream"
-    config_targets = [t for s, t in mounts(nats) if Path(s).resolve() == NATS_CONF]
-    assert config_targets, "deploy/nats/nats.conf is not mounted into the nats container"
-    assert config_targets[0] in nats["command"], "nats does not start with the mounted config"
+    config_dirs = [t for s, t in mounts(nats) if Path(s).resolve() == NATS_DIR]
+    assert config_dirs, "deploy/nats/ is not mounted into the nats container"
+    assert f"{config_dirs[0]}/{NATS_SECURE_CONF.name}" in nats["command"], (
+        f"nats does not start with the mounted nats-secure.conf: {nats['command']}"
+    )
 
     named = [(s, t) for s, t in mounts(nats) if s in compose.get("volumes", {})]
     assert (settings["store_dir"].rstrip("/") or "/") in [t for _, t in named], (
@@ -246,9 +282,70 @@ def test_no_two_services_publish_the_same_host_port(compose_gpu: Config) -> None
 
 
 def test_the_feedback_api_is_published_on_8080(compose: Config) -> None:
-    ingester = compose["services"]["feedback-ingester"]
-    assert ("0.0.0.0", 8080, 8080) in published_ports(ingester)
-    assert ingester["environment"]["RLPIPE_FEEDBACK_INGESTER_API_PORT"] == "8080"
+    api = compose["services"]["feedback-api"]
+    assert ("0.0.0.0", 8080, 8080) in published_ports(api)
+    assert api["environment"]["RLPIPE_FEEDBACK_INGESTER_API_PORT"] == "8080"
+    assert not published_ports(compose["services"]["feedback-join"]), "the join has no API"
+
+
+def test_nats_runs_the_users_config_with_both_passwords(compose: Config) -> None:
+    nats = compose["services"]["nats"]
+    includes = re.findall(r"^\s*include\s+\.?/?(\S+)", NATS_SECURE_CONF.read_text(), re.M)
+    assert sorted(includes) == ["auth.conf", "nats.conf"], includes
+    assert all((NATS_DIR / name).is_file() for name in includes), "an include is missing"
+    for variable, password in PASSWORDS.items():
+        assert f"${variable}" in (NATS_DIR / "auth.conf").read_text(), variable
+        assert nats["environment"][variable] == password, f"nats does not get {variable}"
+
+
+def test_the_feedback_api_holds_only_the_feedback_user(compose: Config) -> None:
+    """The product-facing container runs role=api without provisioning, and nothing in its
+    definition carries the rlpipe user's password."""
+    api = compose["services"]["feedback-api"]
+    environment = api["environment"]
+    assert environment["RLPIPE_FEEDBACK_INGESTER_ROLE"] == "api"
+    assert str(environment["RLPIPE_FEEDBACK_INGESTER_PROVISION"]).lower() == "false"
+    assert environment["RLPIPE_NATS_URL"] == FEEDBACK_API_URL
+    assert environment["RLPIPE_FEEDBACK_INGESTER_API_NATS_URL"] == FEEDBACK_API_URL
+    services_password = PASSWORDS["RLPIPE_NATS_SERVICES_PASSWORD"]
+    assert services_password not in json.dumps(api), "the API container holds the rlpipe password"
+    assert "rlpipe:" not in json.dumps(environment)
+    # Provisioning is the join's job: the API starts once the feedback stream exists.
+    assert api["depends_on"]["feedback-join"]["condition"] == "service_healthy"
+
+
+def test_the_feedback_join_runs_as_the_services_user(compose: Config) -> None:
+    join = compose["services"]["feedback-join"]
+    environment = join["environment"]
+    assert environment["RLPIPE_FEEDBACK_INGESTER_ROLE"] == "join"
+    assert environment["RLPIPE_NATS_URL"] == SERVICES_URL
+    assert str(environment.get("RLPIPE_FEEDBACK_INGESTER_PROVISION", "true")).lower() == "true"
+    assert "RLPIPE_FEEDBACK_INGESTER_API_NATS_URL" not in environment
+
+
+def test_the_secure_nats_config_is_valid_and_needs_both_passwords() -> None:
+    """`nats-server -t` on the shipped nats-secure.conf, as the nats container gets it."""
+    binary = find_nats_server()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RLPIPE_")}
+    command = [binary, "-t", "-c", str(NATS_SECURE_CONF)]
+    result = subprocess.run(
+        command, env=env | PASSWORDS, capture_output=True, text=True, timeout=30, check=False
+    )
+    assert result.returncode == 0, result.stderr
+    for missing in PASSWORDS:
+        passwords = {k: v for k, v in PASSWORDS.items() if k != missing}
+        result = subprocess.run(
+            command, env=env | passwords, capture_output=True, text=True, timeout=30, check=False
+        )
+        assert result.returncode != 0 and missing in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("missing", sorted(PASSWORDS))
+def test_compose_refuses_to_start_without_a_password(missing: str, tmp_path: Path) -> None:
+    passwords = {k: v for k, v in PASSWORDS.items() if k != missing}
+    _, result = run_compose_config(tmp_path, passwords=passwords)
+    assert result.returncode != 0, f"compose resolves without {missing}"
+    assert f"set {missing}" in result.stderr, result.stderr
 
 
 def test_trainer_checkpoints_survive_the_container(compose_gpu: Config) -> None:

@@ -4,6 +4,12 @@
 feedback stream, optionally through a feedback-only NATS user), `join` (feedback events
 matched with served generations into online samples), or `all`. The logic is in
 libs.feedback; this file wires it to the service lifecycle.
+
+The API touches the bus only to publish feedback events and read their acks; it needs no
+JetStream API call, KV bucket or subscription of the service connection. So `role=api` with
+`provision` off runs with the feedback-only user alone (deploy/nats/SECURITY.md): set
+`api_nats_url` to it (its connection reads acks under the inbox prefix that user may read)
+and the service connection, which then only connects, may carry the same user.
 """
 
 from __future__ import annotations

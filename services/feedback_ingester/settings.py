@@ -5,8 +5,7 @@ API keys: `RLPIPE_FEEDBACK_INGESTER_API_KEYS` (JSON list of {name, sha256, produ
 """
 
 from pathlib import Path
-from typing import Any, ClassVar, Literal
-from urllib.parse import urlsplit, urlunsplit
+from typing import ClassVar, Literal
 
 from pydantic import Field, model_validator
 from pydantic_settings import SettingsConfigDict
@@ -79,21 +78,3 @@ class FeedbackIngesterSettings(ServiceSettings):
     @property
     def resolved_api_host(self) -> str:
         return self.api_host or self.http_host
-
-    def redacted(self) -> dict[str, Any]:
-        """As the base, and passwords in NATS URLs masked."""
-        values = super().redacted()
-        for name in ("nats_url", "api_nats_url"):
-            if values.get(name):
-                values[name] = _mask_password(values[name])
-        return values
-
-
-def _mask_password(url: str) -> str:
-    """`nats://user:secret@host:4222` -> `nats://user:***@host:4222`; a bare token -> `***`."""
-    parts = urlsplit(url)
-    if "@" not in parts.netloc:
-        return url
-    _, _, hostport = parts.netloc.rpartition("@")
-    user = f"{parts.username}:***" if parts.password is not None else "***"
-    return urlunsplit(parts._replace(netloc=f"{user}@{hostport}"))
