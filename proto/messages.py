@@ -234,6 +234,9 @@ class SamplingSettings(msgspec.Struct, kw_only=True):
     temperature: float = 1.0
     top_p: float = 1.0
     max_tokens: int = 256
+    stop: list[str] = msgspec.field(default_factory=list)
+    stop_token_ids: list[int] = msgspec.field(default_factory=list)
+    seed: int | None = None
 
 
 class ServedGeneration(Message, kw_only=True):

@@ -171,7 +171,12 @@ def _record(request: GenerationRequest, choice: ServedChoice, now: float) -> Ser
         completion_token_ids=choice.completion.token_ids,
         logprobs=choice.completion.logprobs,
         sampling=SamplingSettings(
-            temperature=params.temperature, top_p=params.top_p, max_tokens=params.max_tokens
+            temperature=params.temperature,
+            top_p=params.top_p,
+            max_tokens=params.max_tokens,
+            stop=list(params.stop_strings),
+            stop_token_ids=list(params.stop_token_ids),
+            seed=params.seed,
         ),
         metadata=metadata,
         training_eligible=request.training_eligible,
