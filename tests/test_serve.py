@@ -315,6 +315,7 @@ async def test_guided_choice_answers_with_the_most_likely_choice(
     (record,) = await records(serving.bus)
     assert record.completion_token_ids == sequences[best]
     assert record.metadata["rlpipe_constraint"] == "choice"
+    assert not record.training_eligible  # picked among sequences: no behavior logprobs
 
 
 async def test_sampled_choices_are_always_among_the_given_ones(

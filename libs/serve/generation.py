@@ -179,6 +179,8 @@ def _record(request: GenerationRequest, choice: ServedChoice, now: float) -> Ser
             seed=params.seed,
         ),
         metadata=metadata,
-        training_eligible=request.training_eligible,
+        # A constrained choice was picked among whole sequences, not sampled token by token:
+        # its logprobs are no behavior policy to correct against, so it never trains.
+        training_eligible=request.training_eligible and request.choices is None,
         created_at=now,
     )
