@@ -20,3 +20,5 @@ tail -15 "$out/weights_codec.txt"
 python3 bench/weights_transport_bench.py > "$out/weights_transport.txt" 2>&1
 cp bench/results/weights_transport.json "$out/weights_transport_host.json"
 tail -20 "$out/weights_transport.txt"
+python3 bench/gpu_agentic_check.py --out "$out/gpu_agentic.json" > "$out/gpu_agentic.txt" 2>&1
+tail -40 "$out/gpu_agentic.txt"
