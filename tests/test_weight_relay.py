@@ -312,3 +312,43 @@ async def test_a_regional_receiver_waits_for_chunks_announced_before_they_arrive
         await regional.close()
     finally:
         await bus.close()
+
+
+async def test_a_rollout_worker_in_a_region_takes_its_weights_from_the_relay(
+    relay: Relay, tmp_path: Path
+) -> None:
+    """The worker's service connection is the hub (tasks, rollouts, the trainer's state);
+    with `weights_nats_url` its weights come from the region's mirrors."""
+    from libs.policy import PolicyConfig, build_policy
+    from services.rollout_worker.service import RolloutWorkerService
+    from services.rollout_worker.settings import RolloutWorkerSettings
+
+    policy = build_policy(PolicyConfig(device="cpu", seed=5))
+    published = {name: t.detach().clone() for name, t in policy.state_dict().items()}
+    staged = await stage_weights(relay.publisher, relay.staging_dir, published, 1)
+    await relay.broadcaster.on_staged(staged)
+    await relay.wait_mirrored()
+
+    service_bus = await connect_bus(relay.hub.url, name="pytest-region-rollout-worker")
+    await provision(service_bus.js)  # what `rlpipe run` does before the service starts
+    settings = RolloutWorkerSettings(
+        worker_id="region-worker", device="cpu", seed=9, weights_nats_url=relay.region.url,
+        fetch_timeout_s=0.2, drain_timeout_s=2.0, http_port=0,
+    )  # fmt: skip
+    worker = RolloutWorkerService(settings)
+    await worker.start(service_bus)
+    running = asyncio.create_task(worker.run())
+    link_before = link_bytes_in(relay.region)
+    try:
+        await wait_for(lambda: worker.engine_version == 1, 30, "the worker applied version 1")
+        assert worker.regional_bus is not None
+        live = worker.engine.live_tensors() if worker.engine is not None else None
+        assert live is not None
+        for name, tensor in published.items():
+            assert torch.equal(live[name].cpu(), tensor), name
+        # The chunks came from the region's mirror, not over the link again.
+        assert link_bytes_in(relay.region) - link_before < 0.05 * staged.num_bytes
+    finally:
+        await worker.stop()
+        await asyncio.wait_for(running, timeout=15)
+        await service_bus.close()

@@ -133,11 +133,14 @@ class WeightsFollower:
         """Version the engine generates with; None until one was applied."""
         return self.engine.policy_version if self.usable else None
 
-    async def start(self, js: JetStreamContext) -> None:
-        """Note the newest version announced (or promoted) now: `wait_caught_up` waits for it."""
-        self._js = js
+    async def start(self, js: JetStreamContext, state_js: JetStreamContext | None = None) -> None:
+        """Note the newest version announced (or promoted) now: `wait_caught_up` waits for it.
+
+        `js` holds the announcements (a region's relay server, docs/weights-relay.md);
+        `state_js` the trainer's KV state with the promoted version (default: `js`)."""
+        self._js = state_js or js
         if self.promoted_only:
-            self.target_version = await read_promoted_version(js)
+            self.target_version = await read_promoted_version(self._js)
         else:
             self.target_version = await latest_announced_version(js)
         log.info(

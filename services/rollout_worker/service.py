@@ -26,7 +26,7 @@ from typing import Any
 import structlog
 from prometheus_client import Counter, Gauge
 
-from libs.bus.connection import Bus
+from libs.bus.connection import Bus, connect_bus, redact_url
 from libs.bus.consumer import Delivery, PermanentError, PullConsumer
 from libs.bus.publisher import Outgoing, Publisher
 from libs.chat.template import chat_template_for
@@ -45,6 +45,7 @@ from libs.serve.server import ServeServer
 from libs.service import Service
 from libs.tokenizer import Tokenizer, load_tokenizer
 from libs.weights.receiver import WeightReceiver
+from libs.weights.relay import RegionalWeightReceiver
 from proto import messages as m
 from proto.messages import Task
 from proto.streams import ROLLOUT_WORKER_TASKS
@@ -77,6 +78,8 @@ class RolloutWorkerService(Service):
         self.batcher: GenerationBatcher | None = None
         self.follower: WeightsFollower | None = None
         self.receiver: WeightReceiver | None = None
+        # The region's relay server when weights come from there (weights_nats_url).
+        self.regional_bus: Bus | None = None
         self.runner: AgentRunner | None = None
         self.consumer: PullConsumer[Task] | None = None
         self.publisher: Publisher | None = None
@@ -99,16 +102,14 @@ class RolloutWorkerService(Service):
             batch_window_s=s.batch_window_s,
             meter=ThroughputMeter(s.throughput_window_s),
         )
-        self.receiver = WeightReceiver(
-            bus,
-            parallel=s.weights_fetch_parallel,
-            fetch_timeout_s=s.weights_fetch_timeout_s,
-            verify_full=s.weights_verify_full,
-        )
+        weights_bus = await self._weights_bus(bus)
+        self.receiver = self._receiver(weights_bus)
         self.follower = WeightsFollower(
             self.engine, self.receiver, self.batcher, promoted_only=s.weights_promoted_only
         )
-        await self.follower.start(bus.js)
+        # Announcements from where the weights come from; the promoted version from the
+        # trainer's KV state on the service connection.
+        await self.follower.start(weights_bus.js, state_js=bus.js)
         runner_settings = RunnerSettings(
             worker_id=s.worker_id,
             temperature=s.temperature,
@@ -170,6 +171,8 @@ class RolloutWorkerService(Service):
             await asyncio.gather(*background, return_exceptions=True)
             if self.receiver is not None:
                 await self.receiver.close()
+            if self.regional_bus is not None:
+                await self.regional_bus.close()
 
     async def _until(
         self,
@@ -200,6 +203,28 @@ class RolloutWorkerService(Service):
         # Both drain while the batcher still runs; run() ends it once _stopping is set.
         await asyncio.gather(self._stop_serving(), self._stop_consuming())
         self._stopping.set()
+
+    async def _weights_bus(self, bus: Bus) -> Bus:
+        """The connection weights come over: the service's, or the region's relay server."""
+        url = self.settings.weights_nats_url
+        if not url:
+            return bus
+        name = f"{self.settings.worker_id}-weights"
+        self.regional_bus = await connect_bus(url, name=name)
+        log.info("fetching weights from the regional relay", nats_url=redact_url(url))
+        return self.regional_bus
+
+    def _receiver(self, weights_bus: Bus) -> WeightReceiver:
+        s = self.settings
+        options: dict[str, Any] = {
+            "parallel": s.weights_fetch_parallel,
+            "fetch_timeout_s": s.weights_fetch_timeout_s,
+            "verify_full": s.weights_verify_full,
+        }
+        if self.regional_bus is None:
+            return WeightReceiver(weights_bus, **options)
+        # A mirror's announcement can arrive before its chunks: wait for them.
+        return RegionalWeightReceiver(weights_bus, chunk_wait_s=s.weights_chunk_wait_s, **options)
 
     async def _stop_consuming(self) -> None:
         if self.consumer is not None:

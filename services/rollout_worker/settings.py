@@ -72,6 +72,17 @@ class RolloutWorkerSettings(ServiceSettings):
     summary_max_tokens: int = Field(256, ge=1, description="Longest summary")
     max_summaries: int = Field(4, ge=0, description="Most summaries per episode")
     episode_timeout_s: float = Field(600.0, gt=0, description="Wall clock of one episode")
+    weights_nats_url: str | None = Field(
+        None,
+        description="NATS to fetch weights from: a region's relay server (docs/weights-relay.md); "
+        "unset: the service connection",
+    )
+    weights_chunk_wait_s: float = Field(
+        600.0,
+        gt=0,
+        description="With weights_nats_url: longest wait for a version's chunks "
+        "to reach the regional mirror",
+    )
     weights_promoted_only: bool = Field(
         False, description="Apply only versions the trainer's eval gate promoted (serving)"
     )
