@@ -477,3 +477,50 @@ async def test_rollout_worker_serves_and_records(bus: Bus, tmp_path: Path) -> No
 def test_a_worker_that_neither_consumes_nor_serves_is_refused() -> None:
     with pytest.raises(ValueError, match="SERVE_PORT"):
         RolloutWorkerSettings(consume_tasks=False, serve_port=0)
+
+
+async def test_a_fixed_weights_replica_serves_at_once_and_ignores_new_versions(
+    bus: Bus, tmp_path: Path
+) -> None:
+    """follow_weights=false: a judge or baseline replica serves its loaded weights."""
+    await provision(bus.js)
+    port = free_port()
+    worker = RolloutWorkerService(
+        RolloutWorkerSettings(
+            worker_id="fixed-judge", device="cpu", seed=3, consume_tasks=False,
+            follow_weights=False, serve_port=port, served_model_name=MODEL, drain_timeout_s=5.0,
+        )
+    )  # fmt: skip
+    await worker.start(bus)
+    running = asyncio.create_task(worker.run())
+    try:
+        await wait_for(lambda: worker.health()["status"] == "ok", 20, "serving")
+        assert worker.engine is not None
+        live = worker.engine.live_tensors()
+        assert live is not None
+        before = {n: t.clone() for n, t in live.items()}
+        # A new version on the bus: a fixed replica must not take it.
+        broadcaster = WeightBroadcasterService(
+            WeightBroadcasterSettings(staging_dir=tmp_path / "staging", encode_threads=1)
+        )
+        await broadcaster.start(bus)
+        broadcasting = asyncio.create_task(broadcaster.run())
+        state = build_policy(PolicyConfig(seed=11)).state_dict()
+        await stage_weights(Publisher(bus.js), tmp_path / "staging", state, 1)
+        await wait_for(lambda: announced(bus), 20, "version 1 announced")
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) as http:
+            body = {"messages": MESSAGES, "max_tokens": 4}
+            response = await http.post("/v1/chat/completions", json=body)
+        assert response.status_code == 200, response.text
+        assert response.json()["choices"][0]["policy_version"] == 0
+        assert all(torch.equal(before[n], live[n]) for n in before)
+        await broadcaster.stop()
+        await asyncio.wait_for(broadcasting, timeout=10)
+    finally:
+        await worker.stop()
+        await asyncio.wait_for(running, timeout=10)
+
+
+async def announced(bus: Bus) -> bool:
+    info = await bus.js.stream_info(streams.WEIGHTS_ANNOUNCE.name)
+    return info.state.messages > 0

@@ -292,6 +292,15 @@ class WeightsFollower:
             state.clear()
             raise
 
+    def use_loaded_weights(self) -> None:
+        """Generate with the weights the engine was built with and follow nothing (a fixed
+        judge or baseline replica): version `engine.policy_version` from now on."""
+        self.usable = True
+        self.batcher.open.set()
+        POLICY_VERSION.set(self.engine.policy_version)
+        log.info("serving the loaded weights; not following", version=self.engine.policy_version)
+        self._notify()
+
     def _set_unusable(self) -> None:
         self.usable = False
         self.batcher.open.clear()

@@ -144,14 +144,18 @@ class RolloutWorkerService(Service):
         assert self.follower is not None and self.batcher is not None, "start() first"
         assert self.consumer is not None
         background = [
-            asyncio.create_task(self.follower.run(), name="weights-follower"),
             asyncio.create_task(self.batcher.run(), name="generation-batcher"),
             *self._serving_tasks(),
         ]
+        if self.settings.follow_weights:
+            background.append(asyncio.create_task(self.follower.run(), name="weights-follower"))
+        else:
+            self.follower.use_loaded_weights()
         # The API server ends cleanly in `stop`, before _stopping is set.
         finished_ok = {SERVE_TASK_NAME}
         try:
-            await self._until(self.follower.wait_caught_up(), background, finished_ok)
+            if self.settings.follow_weights:
+                await self._until(self.follower.wait_caught_up(), background, finished_ok)
             if self._stopping.is_set():
                 return
             self.status = "ok"

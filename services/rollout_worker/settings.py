@@ -72,6 +72,11 @@ class RolloutWorkerSettings(ServiceSettings):
     summary_max_tokens: int = Field(256, ge=1, description="Longest summary")
     max_summaries: int = Field(4, ge=0, description="Most summaries per episode")
     episode_timeout_s: float = Field(600.0, gt=0, description="Wall clock of one episode")
+    follow_weights: bool = Field(
+        True,
+        description="Follow the trainer's versions; false: keep the loaded weights (policy_path "
+        "or seed), e.g. a fixed judge in serve mode",
+    )
     weights_nats_url: str | None = Field(
         None,
         description="NATS to fetch weights from: a region's relay server (docs/weights-relay.md); "
