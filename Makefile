@@ -37,6 +37,7 @@ bench: $(INSTALLED)
 	$(BIN)/python bench/bus_bench.py
 	$(BIN)/python bench/weights_codec_bench.py
 	$(BIN)/python bench/weights_transport_bench.py
+	$(BIN)/python bench/weights_relay_bench.py
 	$(BIN)/python bench/sandbox_bench.py
 	$(BIN)/python bench/agentic_bench.py
 	$(BIN)/python bench/feedback_bench.py
