@@ -17,11 +17,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from uvicorn import Config
 
+from libs.api_server import EmbeddedServer
 from libs.bus import wire
 from libs.bus.connection import Bus
 from libs.bus.provision import provision
 from libs.bus.publisher import Publisher
-from libs.feedback.server import EmbeddedServer
 from libs.reward import Criterion, GroupCriterion, Rubric, rubric_for, score_group, score_rollout
 from libs.reward.criteria import (
     env_ok,

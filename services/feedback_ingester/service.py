@@ -20,6 +20,7 @@ from typing import Any
 
 import structlog
 
+from libs.api_server import ApiServer
 from libs.bus.connection import Bus
 from libs.bus.publisher import Publisher
 from libs.feedback.api import ApiLimits, FeedbackIngest, create_app
@@ -27,7 +28,6 @@ from libs.feedback.auth import build_key_store
 from libs.feedback.join import JoinConfig, Joiner, JoinRunner, setup_join_state
 from libs.feedback.rate_limit import RateLimiter
 from libs.feedback.restricted_bus import connect_restricted_bus
-from libs.feedback.server import ApiServer
 from libs.service import Service
 from services.feedback_ingester.settings import FeedbackIngesterSettings
 
@@ -89,7 +89,13 @@ class FeedbackIngesterService(Service):
         )
         app = create_app(self.ingest, self.health)
         self.api = ApiServer(
-            app, settings.resolved_api_host, settings.api_port, graceful_s=settings.drain_timeout_s
+            app,
+            settings.resolved_api_host,
+            settings.api_port,
+            graceful_s=settings.drain_timeout_s,
+            task_name="api",
+            label="feedback API",
+            port_setting="RLPIPE_FEEDBACK_INGESTER_API_PORT",
         )
         await self.api.start()
 
