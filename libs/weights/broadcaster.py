@@ -43,11 +43,12 @@ from libs.weights.format import Chunk, Manifest
 from libs.weights.handoff import load_staged, remove_staged_before, staged_file_name
 from libs.weights.hashing import state_hash
 from libs.weights.receiver import WeightReceiver, latest_announcement
+from libs.weights.retention import purge_before_latest_snapshot
 from libs.weights.tensors import RawTensor
 from libs.weights.transport import StoredChunks, store_chunks
 from proto import streams
 from proto.messages import WeightAnnouncement, WeightKind, WeightsStaged
-from proto.subjects import weight_chunks_filter, weights_announce_subject
+from proto.subjects import weights_announce_subject
 
 log = structlog.get_logger(__name__)
 
@@ -304,24 +305,13 @@ class WeightBroadcaster:
         )
 
     async def _purge_before(self, version: int) -> None:
-        """Delete chunks and announcements of every version before `version`."""
-        js = self._bus.js
-        try:
-            first = await js.get_msg(
-                self._chunk_stream, seq=1, subject=weight_chunks_filter(version), next=True,
-                direct=True,
-            )  # fmt: skip
-        except Exception as exc:  # nothing stored for this version would be our bug: say so
-            log.error("cannot find the first chunk of the snapshot version", error=repr(exc))
-            return
-        if first.seq and first.seq > 1:
-            await js.purge_stream(self._chunk_stream, seq=first.seq)
-        delta = await latest_announcement(js, "delta", self._announce_stream)
-        snapshot = await latest_announcement(js, "snapshot", self._announce_stream)
-        keep = [e[0] for e in (delta, snapshot) if e is not None and e[1].version == version]
-        if keep and min(keep) > 1:
-            await js.purge_stream(self._announce_stream, seq=min(keep))
-        log.info("purged versions before the snapshot", snapshot=version, chunk_seq=first.seq)
+        """Delete chunks and announcements of every version before snapshot `version`."""
+        kept = await purge_before_latest_snapshot(
+            self._bus.js, announce_stream=self._announce_stream, chunk_stream=self._chunk_stream
+        )
+        if kept is None or kept.snapshot_version != version:
+            # Nothing stored for the snapshot just announced would be our bug: say so.
+            log.error("cannot purge before the snapshot version", snapshot=version, kept=kept)
 
     def _set_head(self, head: ChainHead) -> None:
         self.head = head

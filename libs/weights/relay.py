@@ -40,10 +40,10 @@ from nats.js import JetStreamContext
 from nats.js import api as js_api
 from nats.js.errors import APIError, NotFoundError
 
-from libs.bus import wire
 from libs.bus.provision import Outcome, ProvisionError, ProvisionReport, differences
 from libs.weights.format import Manifest
-from libs.weights.receiver import WeightReceiver, latest_announcement
+from libs.weights.receiver import WeightReceiver
+from libs.weights.retention import PurgeResult, purge_before_latest_snapshot
 from libs.weights.transport import manifest_kind
 from proto import streams
 from proto.messages import WeightAnnouncement
@@ -73,13 +73,7 @@ class MirrorLimits:
     max_age_s: float = 0.0  # 0: no limit (a long pause in training must not expire a snapshot)
 
 
-@dataclass(frozen=True)
-class PruneResult:
-    """What `prune_region` kept: everything from the snapshot version on."""
-
-    snapshot_version: int
-    chunk_first_seq: int  # first chunk sequence kept
-    announce_first_seq: int  # first announcement sequence kept
+PruneResult = PurgeResult  # what `prune_region` kept
 
 
 def hub_api_prefix(hub_domain: str) -> str:
@@ -173,51 +167,12 @@ async def prune_region(
     announce_stream: str = streams.WEIGHTS_ANNOUNCE.name,
     chunk_stream: str = streams.WEIGHT_CHUNKS.name,
 ) -> PruneResult | None:
-    """Purge the regional mirrors of every version before the latest snapshot they hold.
-
-    The hub's rule (broadcaster.py), applied to the copies: a late joiner needs the latest
-    snapshot and the deltas after it. None when there is nothing to prune yet (no snapshot,
-    or its chunks have not arrived; mirrors copy in order, so once the snapshot version's first
-    chunk is here, everything before it is too and may go).
-    """
-    snapshot = await latest_announcement(js, "snapshot", announce_stream)
-    if snapshot is None:
-        return None
-    version = snapshot[1].version
-    try:
-        first = await js.get_msg(
-            chunk_stream, seq=1, subject=weight_chunks_filter(version), next=True, direct=True
-        )
-    except NotFoundError:
-        return None
-    assert first.seq is not None
-    chunk_seq = first.seq
-    # The broadcaster announces version v's delta just before its snapshot: keep it, so a
-    # worker holding v-1 still takes the small delta (as on the hub).
-    announce_seq = snapshot[0]
-    previous = await _announcement_at(js, announce_stream, announce_seq - 1)
-    if previous is not None and previous.version == version:
-        announce_seq -= 1
-    for stream, seq in ((chunk_stream, chunk_seq), (announce_stream, announce_seq)):
-        info = await js.stream_info(stream)
-        if info.state.first_seq < seq:
-            await js.purge_stream(stream, seq=seq)
-            log.info("pruned regional mirror", stream=stream, snapshot=version, first_seq=seq)
-    return PruneResult(version, chunk_seq, announce_seq)
-
-
-async def _announcement_at(
-    js: JetStreamContext, stream: str, seq: int
-) -> WeightAnnouncement | None:
-    if seq < 1:
-        return None
-    try:
-        raw = await js.get_msg(stream, seq=seq, direct=True)
-    except NotFoundError:
-        return None
-    if raw.data is None:
-        return None
-    return wire.decode(WeightAnnouncement, raw.data, raw.headers)
+    """Purge the regional mirrors of every version before the latest snapshot they hold: the
+    hub's rule (libs.weights.retention), applied to the copies. None when there is nothing
+    to prune yet (no snapshot, or its chunks have not arrived)."""
+    return await purge_before_latest_snapshot(
+        js, announce_stream=announce_stream, chunk_stream=chunk_stream
+    )
 
 
 async def chunks_arrived(js: JetStreamContext, manifest: Manifest, stream: str) -> bool:
