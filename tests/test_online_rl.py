@@ -11,6 +11,7 @@ from pathlib import Path
 import msgspec
 import pytest
 import torch
+from prometheus_client import REGISTRY
 
 from libs.bus import wire
 from libs.bus.connection import Bus
@@ -18,6 +19,9 @@ from libs.bus.provision import provision
 from libs.bus.publisher import Publisher
 from libs.engine.base import SamplingParams
 from libs.engine.hf import HFEngine
+from libs.envs.base import make_env
+from libs.envs.client import EnvClient
+from libs.envs.server import EnvServer, ServerLimits
 from libs.policy import PolicyConfig, build_policy, sequence_logprobs
 from libs.rl import NO_VERSION
 from libs.rl.online import (
@@ -330,12 +334,21 @@ async def test_the_gate_records_promotions_and_rejections_with_scores(
     gate = EvalGate(EvalGateConfig(every_versions=2, num_tasks=6, margin=-0.5), TOKENIZER)
     await gate.setup(bus.js)
     first = await gate.decide_on(model, 0, publisher, bus.js)
-    assert first.promoted and first.baseline_version is None and first.num_tasks == 6
+    assert (
+        first is not None
+        and first.promoted
+        and first.baseline_version is None
+        and first.num_tasks == 6
+    )
     assert 0.0 <= first.candidate_score <= 1.0
     # A negative margin demands an improvement of 0.5 that the same weights cannot show.
     assert not gate.due(1) and gate.due(2)
     rejected = await gate.decide_on(model, 2, publisher, bus.js)
-    assert not rejected.promoted and rejected.candidate_score == first.candidate_score
+    assert (
+        rejected is not None
+        and not rejected.promoted
+        and rejected.candidate_score == first.candidate_score
+    )
     assert (rejected.baseline_version, rejected.baseline_score) == (0, first.candidate_score)
     assert rejected.margin == -0.5 and "<" in rejected.reason
     assert (await kv.get(streams.PROMOTED_VERSION_KEY)).value == b"0"
@@ -345,10 +358,39 @@ async def test_the_gate_records_promotions_and_rejections_with_scores(
     await lenient.setup(bus.js)
     assert lenient.last == rejected and not lenient.due(3)
     promoted = await lenient.decide_on(model, 4, publisher, bus.js)
-    assert promoted.promoted and promoted.baseline_version == 0
+    assert promoted is not None and promoted.promoted and promoted.baseline_version == 0
     assert (await kv.get(streams.PROMOTED_VERSION_KEY)).value == b"4"
     found = await decisions(bus)
     assert [(d.version, d.promoted) for d in found] == [(0, True), (2, False), (4, True)]
+
+
+async def test_the_gate_runs_held_out_episodes_of_a_tool_env_through_env_gateway(
+    bus: Bus,
+) -> None:
+    await provision(bus.js)
+    model = build_policy(POLICY)
+    publisher = Publisher(bus.js)
+    config = EvalGateConfig(every_versions=1, num_tasks=3, env="calc", max_turns=2)
+    gate = EvalGate(config, TOKENIZER, EnvClient(bus.nc))
+    await gate.setup(bus.js)
+    assert {task.env for task in gate.tasks} == {"calc"}
+    # No gateway serves calc yet: nothing is decided, nothing promoted.
+    assert await gate.decide_on(model, 0, publisher, bus.js) is None
+    assert (await bus.js.stream_info(streams.PROMOTIONS.name)).state.messages == 0
+
+    resets = {"env": "calc", "op": "reset", "outcome": "ok"}
+    before = REGISTRY.get_sample_value("rlpipe_env_requests_total", resets)
+    server = EnvServer(bus.nc, {"calc": make_env("calc")}, ServerLimits(step_timeout_s=30))
+    await server.start()
+    try:
+        decision = await gate.decide_on(model, 1, publisher, bus.js)
+    finally:
+        await server.stop()
+    after = REGISTRY.get_sample_value("rlpipe_env_requests_total", resets)
+    assert (after or 0) - (before or 0) == 3  # one held-out episode per task
+    assert decision is not None and decision.promoted and decision.num_tasks == 3
+    assert 0.0 <= decision.candidate_score <= 1.0
+    assert [d.version for d in await decisions(bus)] == [1]
 
 
 async def test_a_serving_follower_applies_only_promoted_versions(bus: Bus, tmp_path: Path) -> None:

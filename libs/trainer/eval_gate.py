@@ -5,15 +5,19 @@
     if gate.due(version):
         decision = await gate.decide_on(model, version, publisher, js)
 
-Held-out tasks are the arithmetic TaskSource's tasks 0..num_tasks-1 under `task_seed`, a
-seed the env-gateway's feeder does not use (its default is 0; the gate's 1_000_003): task
-`i` is drawn from a generator seeded by (seed, difficulty, i), so the held-out stream is
-fixed and its task ids (`arith-d<d>-s<seed>-<i>`) never name a training task. Problem
-texts can still coincide where the problem space is small (difficulty 0 has ten), so the
-gate measures regression there, not generalization.
+Held-out tasks are tasks 0..num_tasks-1 of the eval environment's TaskSource (`env`,
+default `arith`) under `task_seed`, a seed the env-gateway's feeder does not use (its
+default is 0; the gate's 1_000_003): task `i` is drawn from a generator seeded by (seed,
+difficulty, i), so the held-out stream is fixed and its task ids never name a training task.
+Problem texts can still coincide where the problem space is small (arith difficulty 0 has
+ten), so the gate measures regression there, not generalization.
 
-Each candidate is scored in-process with the trainer's weights: greedy decoding (the `hf`
-engine), each completion scored by the arithmetic rubric, the score being the mean reward.
+Each candidate is scored with the trainer's weights, greedy (the `hf` engine), by the
+environment's own rubric (`libs.reward.rubric_for`, without the reward service's judge
+criteria), the score being the mean reward. `arith` runs in-process; any other environment
+runs its held-out episodes through env-gateway with the multi-turn harness (the gateway
+must serve it). If the episodes cannot run (no gateway), the gate decides nothing this time,
+says so, and tries again at the next published version: nothing is promoted unevaluated.
 A candidate is promoted when `candidate >= promoted - margin` (a negative margin demands an
 improvement); the first version evaluated, with nothing promoted yet, is promoted. Each
 decision is published as a PromotionDecision on RL_PROMOTIONS (msg id
@@ -38,8 +42,13 @@ from libs.bus import wire
 from libs.bus.publisher import Publisher
 from libs.engine.base import Completion, SamplingParams
 from libs.engine.hf import HFEngine
-from libs.envs.arithmetic import ArithmeticTasks
-from libs.reward.arith import arith_rubric
+from libs.envs.arithmetic import ArithmeticEnv
+from libs.envs.base import make_env
+from libs.envs.client import EnvClient, EnvError
+from libs.reward import rubric_for
+from libs.rollout.agent import AgentRunner, AgentSettings
+from libs.rollout.batcher import GenerationBatcher
+from libs.rollout.episode import RunnerSettings
 from libs.tokenizer import Tokenizer
 from proto import streams, subjects
 from proto.messages import PromotionDecision, Rollout, Task, Turn
@@ -65,6 +74,10 @@ class EvalGateConfig:
     """Allowed drop of the held-out score below the promoted version's."""
     difficulty: int = 0
     task_seed: int = DEFAULT_EVAL_SEED
+    env: str = ArithmeticEnv.name
+    """Environment of the held-out tasks (arith in-process; others through env-gateway)."""
+    max_turns: int = 8
+    """Most assistant turns of a held-out episode (multi-turn environments)."""
 
     def __post_init__(self) -> None:
         if self.every_versions < 0 or self.num_tasks < 1:
@@ -79,19 +92,58 @@ class EvalGateConfig:
 
 
 def held_out_tasks(config: EvalGateConfig) -> list[Task]:
-    """The fixed held-out tasks: 0..num_tasks-1 of the arithmetic source under `task_seed`."""
-    source = ArithmeticTasks(difficulty=config.difficulty, group_size=1, seed=config.task_seed)
+    """The fixed held-out tasks: 0..num_tasks-1 of the eval env's source under `task_seed`."""
+    source = make_env(config.env).task_source(
+        difficulty=config.difficulty, group_size=1, seed=config.task_seed
+    )
     return [source.task(index) for index in range(config.num_tasks)]
 
 
-async def evaluate(model: PreTrainedModel, tokenizer: Tokenizer, tasks: list[Task]) -> float:
-    """Mean rubric reward of greedy completions of `tasks` (decoding in a worker thread)."""
-    rollouts = await asyncio.to_thread(greedy_rollouts, model, tokenizer, tasks)
-    rubric = arith_rubric()
+async def evaluate(
+    model: PreTrainedModel,
+    tokenizer: Tokenizer,
+    tasks: list[Task],
+    env_client: EnvClient | None = None,
+    max_turns: int = 8,
+) -> float:
+    """Mean rubric reward of greedy episodes of `tasks`: arith in-process (a worker thread),
+    other environments through env-gateway with `env_client` (EnvError when they cannot)."""
+    env = tasks[0].env
+    if env == ArithmeticEnv.name or env_client is None:
+        rollouts = await asyncio.to_thread(greedy_rollouts, model, tokenizer, tasks)
+    else:
+        rollouts = await harness_rollouts(model, tokenizer, tasks, env_client, max_turns)
+    rubric = rubric_for(env)
     rewards = [
         (await rubric.score(r, task)).reward for r, task in zip(rollouts, tasks, strict=True)
     ]
     return sum(rewards) / len(rewards)
+
+
+async def harness_rollouts(
+    model: PreTrainedModel,
+    tokenizer: Tokenizer,
+    tasks: list[Task],
+    env_client: EnvClient,
+    max_turns: int,
+) -> list[Rollout]:
+    """One greedy episode per task through env-gateway, generation batched across episodes."""
+    batcher = GenerationBatcher(HFEngine(model, tokenizer), max_batch_tasks=len(tasks))
+    batcher.open.set()
+    running = asyncio.create_task(batcher.run(), name="eval-gate-batcher")
+    runner = AgentRunner(
+        env_client,
+        tokenizer,
+        batcher.generate,
+        RunnerSettings(worker_id="eval-gate", temperature=0.0),
+        AgentSettings(max_turns=max_turns),
+    )
+    try:
+        groups = await asyncio.gather(*(runner.run(task) for task in tasks))
+    finally:
+        running.cancel()
+        await asyncio.gather(running, return_exceptions=True)
+    return [group[0] for group in groups]
 
 
 def greedy_rollouts(
@@ -205,9 +257,12 @@ async def record_decision(
 class EvalGate:
     """Decides, every `every_versions` published versions, whether the new one may serve."""
 
-    def __init__(self, config: EvalGateConfig, tokenizer: Tokenizer) -> None:
+    def __init__(
+        self, config: EvalGateConfig, tokenizer: Tokenizer, env_client: EnvClient | None = None
+    ) -> None:
         self.config = config
         self.tokenizer = tokenizer
+        self.env_client = env_client
         self.tasks = held_out_tasks(config)
         self.last: PromotionDecision | None = None
 
@@ -226,10 +281,23 @@ class EvalGate:
 
     async def decide_on(
         self, model: PreTrainedModel, version: int, publisher: Publisher, js: JetStreamContext
-    ) -> PromotionDecision:
-        """Evaluate `model` as `version`, decide, and record the decision on the bus."""
+    ) -> PromotionDecision | None:
+        """Evaluate `model` as `version`, decide, and record the decision on the bus; None
+        (nothing decided, nothing promoted) when the held-out episodes cannot run."""
         started_s = time.monotonic()
-        score = await evaluate(model, self.tokenizer, self.tasks)
+        try:
+            score = await evaluate(
+                model, self.tokenizer, self.tasks, self.env_client, self.config.max_turns
+            )
+        except EnvError as exc:
+            DECISIONS.labels("not_evaluated").inc()
+            log.error(
+                "eval gate could not run its held-out episodes; no decision this time",
+                version=version,
+                env=self.config.env,
+                error=str(exc),
+            )
+            return None
         decision = decide(
             version,
             score,

@@ -35,6 +35,7 @@ from nats.js.errors import KeyNotFoundError
 from libs.bus.connection import Bus
 from libs.bus.publisher import Publisher
 from libs.bus.stream_reader import StreamReader
+from libs.envs.client import EnvClient
 from libs.logs import bind_context
 from libs.policy import PolicyConfig, build_policy
 from libs.rl import split_by_staleness, staleness_histogram
@@ -156,7 +157,7 @@ class Trainer:
         self._reader: StreamReader[ScoredRollout] | None = None
         self._online: OnlineSource | None = None
         # The trainer's policy is byte-level today (the service pads with ByteTokenizer's id).
-        self._gate = EvalGate(config.eval_gate, ByteTokenizer())
+        self._gate = EvalGate(config.eval_gate, ByteTokenizer(), EnvClient(bus.nc))
         self.status = "starting"
         self.detail = ""
 

@@ -63,6 +63,8 @@ def trainer_config(settings: TrainerSettings) -> TrainerConfig:
             margin=settings.eval_margin,
             difficulty=settings.eval_difficulty,
             task_seed=settings.eval_task_seed,
+            env=settings.eval_env,
+            max_turns=settings.eval_max_turns,
         ),
     )
 

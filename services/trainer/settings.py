@@ -82,7 +82,13 @@ class TrainerSettings(ServiceSettings):
     eval_every_versions: int = Field(
         10, ge=0, description="Gate a published version every N versions (0: no gate)"
     )
-    eval_num_tasks: int = Field(32, ge=1, description="Held-out arithmetic tasks per evaluation")
+    eval_env: str = Field(
+        "arith",
+        description="Environment of the held-out tasks (others than arith run their "
+        "episodes through env-gateway)",
+    )
+    eval_max_turns: int = Field(8, ge=1, description="Most assistant turns of a held-out episode")
+    eval_num_tasks: int = Field(32, ge=1, description="Held-out tasks per evaluation")
     eval_margin: float = Field(
         0.02, description="Allowed held-out score drop vs the promoted version (<0: must improve)"
     )
