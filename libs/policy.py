@@ -38,7 +38,8 @@ POLICY_PRESETS: dict[str, dict[str, Any]] = {
         "num_hidden_layers": 4,
         "num_attention_heads": 4,
         "num_key_value_heads": 2,
-        "max_position_embeddings": 2048,
+        # RoPE, no position parameters: room for tool episodes (coding openings are ~2K).
+        "max_position_embeddings": 8192,
         "tie_word_embeddings": True,
     },
     # About 0.5B parameters over the byte vocabulary, for the loop on one GPU with the

@@ -198,7 +198,7 @@ def test_bad_weight_updates_are_rejected_before_touching_weights() -> None:
 
 def test_requests_that_cannot_be_served_name_the_problem(engine: HFEngine) -> None:
     with pytest.raises(ValueError, match="max_tokens"):
-        engine.generate(PROMPTS, SamplingParams(max_tokens=4096))
+        engine.generate(PROMPTS, SamplingParams(max_tokens=engine.max_context_tokens))
     with pytest.raises(ValueError, match="non-empty"):
         engine.generate([[]], GREEDY)
     with pytest.raises(ValueError, match="token ids"):

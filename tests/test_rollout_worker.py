@@ -273,3 +273,17 @@ async def test_a_version_that_does_not_fit_is_never_written(cluster: Cluster) ->
     await cluster.publish_task(TASKS.task(2))  # still rolling out, with version 0
     await wait_for(cluster.has_rollouts(GROUP), 20, "rollouts at version 0")
     assert {r.turns[1].policy_version for r in await cluster.rollouts()} == {0}
+
+
+async def test_the_context_budget_is_capped_at_the_models_positions(bus: Bus) -> None:
+    await provision(bus.js)
+    worker = RolloutWorkerService(
+        RolloutWorkerSettings(worker_id="budget", device="cpu", context_budget_tokens=1_000_000)
+    )
+    await worker.start(bus)
+    try:
+        assert worker.engine is not None and worker.runner is not None
+        limit = worker.engine.max_context_tokens
+        assert limit is not None and worker.runner.agent.context_budget_tokens == limit
+    finally:
+        await worker.stop()

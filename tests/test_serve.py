@@ -348,7 +348,7 @@ async def test_bad_requests_get_openai_errors(start_serving: ServingFactory) -> 
         ({"messages": MESSAGES, "structured_outputs": {"regex": "a+"}}, 400, None),
         ({"messages": []}, 400, "messages"),
         ({"messages": MESSAGES, "model": "gpt-9"}, 404, "model"),
-        ({"messages": MESSAGES, "max_tokens": 5000}, 400, None),  # over the positions
+        ({"messages": MESSAGES, "max_tokens": 9000}, 400, None),  # over the positions
     ]
     for body, status, param in cases:
         assert_openai_error(await serving.post(chat, body), status, param)

@@ -93,6 +93,11 @@ class InferenceEngine(abc.ABC):
     """A backend that samples completions and hot-swaps its weights."""
 
     @property
+    def max_context_tokens(self) -> int | None:
+        """Most tokens (prompt + completion) one sequence may hold; None when unknown."""
+        return None
+
+    @property
     @abc.abstractmethod
     def policy_version(self) -> int:
         """Version of the weights currently loaded."""

@@ -109,6 +109,10 @@ class HFEngine(InferenceEngine):
         return self._version
 
     @property
+    def max_context_tokens(self) -> int:
+        return int(self.model.config.max_position_embeddings)
+
+    @property
     def device(self) -> torch.device:
         """Device the model runs on."""
         return self.model.device

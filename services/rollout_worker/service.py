@@ -20,6 +20,7 @@ requests finish before the batcher ends.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Coroutine
 from typing import Any
 
@@ -33,7 +34,7 @@ from libs.chat.template import chat_template_for
 from libs.engine.base import InferenceEngine
 from libs.engine.factory import build_engine
 from libs.envs.client import EnvClient, EnvError
-from libs.rollout.agent import AgentRunner
+from libs.rollout.agent import AgentRunner, AgentSettings
 from libs.rollout.batcher import GenerationBatcher, ThroughputMeter
 from libs.rollout.episode import RunnerSettings
 from libs.rollout.weights_follower import WeightsFollower
@@ -122,7 +123,7 @@ class RolloutWorkerService(Service):
             tokenizer,
             self.batcher.generate,
             runner_settings,
-            s.agent_settings(),
+            self._agent_settings(),
         )
         self.publisher = Publisher(bus.js)
         self.consumer = PullConsumer(
@@ -207,6 +208,19 @@ class RolloutWorkerService(Service):
         # Both drain while the batcher still runs; run() ends it once _stopping is set.
         await asyncio.gather(self._stop_serving(), self._stop_consuming())
         self._stopping.set()
+
+    def _agent_settings(self) -> AgentSettings:
+        """The harness limits, the context budget capped at what the engine can hold."""
+        agent = self.settings.agent_settings()
+        limit = self.engine.max_context_tokens if self.engine is not None else None
+        if limit is not None and agent.context_budget_tokens > limit:
+            log.warning(
+                "context budget capped at the model's positions",
+                context_budget_tokens=agent.context_budget_tokens,
+                max_context_tokens=limit,
+            )
+            agent = dataclasses.replace(agent, context_budget_tokens=limit)
+        return agent
 
     async def _weights_bus(self, bus: Bus) -> Bus:
         """The connection weights come over: the service's, or the region's relay server."""
