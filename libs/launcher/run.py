@@ -120,8 +120,16 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
         # (Variables set in the environment still win.)
         group_size = os.environ.get("RLPIPE_ENV_GATEWAY_GROUP_SIZE", "4")
         extra_env["env-gateway"]["RLPIPE_ENV_GATEWAY_GROUP_SIZE"] = group_size
-        batch_groups = os.environ.get("RLPIPE_TRAINER_BATCH_GROUPS", "2")
-        extra_env["trainer"] = {"RLPIPE_TRAINER_BATCH_GROUPS": batch_groups}
+        trainer = {
+            "RLPIPE_TRAINER_BATCH_GROUPS": "2",
+            # The eval gate judges held-out episodes of the same environment (a few, short).
+            "RLPIPE_TRAINER_EVAL_ENV": args.env,
+            "RLPIPE_TRAINER_EVAL_NUM_TASKS": "4",
+            "RLPIPE_TRAINER_EVAL_MAX_TURNS": "2",
+        }
+        extra_env["trainer"] = {
+            name: os.environ.get(name, value) for name, value in trainer.items()
+        }
     return LaunchOptions(
         run_dir=args.run_dir,
         duration_s=args.duration_s,
