@@ -20,10 +20,9 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
-from libs.policy import sequence_logprobs
-from libs.rl import MismatchStats, PolicyLossStats, mismatch_stats, ppo_clip_loss, same_version_mask
+from libs.rl import MismatchStats, PolicyLossStats
 from libs.rl.online import OnlineBaselines, build_online_batch, online_advantages
-from libs.trainer.step import StepConfig, merge_loss_stats
+from libs.trainer.step import StepConfig, optimize_on_batch
 from proto.messages import OnlineSample
 
 
@@ -78,40 +77,15 @@ def train_online_step(
     batch = build_online_batch(
         samples, scored.advantages, pad_id=step.pad_id, max_length=step.max_length
     ).to(device)
-    model.eval()  # no dropout: proximal and new logprobs must come from the same function
-    with torch.no_grad():
-        proximal = sequence_logprobs(model, batch.input_ids, batch.attention_mask)
-    same_version = same_version_mask(batch.token_versions, trainer_version, batch.loss_mask)
-    losses, stats, grad_norms = [], [], []
-    num_rows = batch.input_ids.shape[0]
-    for rows in torch.arange(num_rows, device=device).tensor_split(min(step.minibatches, num_rows)):
-        optimizer.zero_grad(set_to_none=True)
-        new = sequence_logprobs(model, batch.input_ids[rows], batch.attention_mask[rows])
-        loss, loss_stats = ppo_clip_loss(
-            new,
-            proximal[rows],
-            batch.behavior_logprobs[rows],
-            batch.advantages[rows],
-            batch.loss_mask[rows],
-            clip_eps_low=step.clip_eps_low,
-            clip_eps_high=step.clip_eps_high,
-            is_cap=step.is_cap,
-        )
-        loss.backward()
-        grad_norms.append(
-            float(torch.nn.utils.clip_grad_norm_(model.parameters(), step.max_grad_norm))
-        )
-        optimizer.step()
-        losses.append(float(loss.detach()))
-        stats.append(loss_stats)
+    update = optimize_on_batch(model, optimizer, batch, trainer_version, step)
     return OnlineStepStats(
-        loss=sum(losses) / len(losses),
+        loss=update.loss,
         num_samples=len(samples),
         num_loss_tokens=batch.num_loss_tokens,
-        grad_norm=max(grad_norms),
+        grad_norm=update.grad_norm,
         mean_reward=scored.mean_reward,
         mean_advantage=float(scored.advantages.mean()),
         baselines={kind: baselines.value(kind) for kind in sorted(set(scored.kinds))},
-        policy=merge_loss_stats(stats),
-        mismatch=mismatch_stats(proximal, batch.behavior_logprobs, same_version),
+        policy=update.policy,
+        mismatch=update.mismatch,
     )
