@@ -107,12 +107,16 @@ def build_batch(
         rows = [_truncate(row, max_length) for row in rows]
     width = max(len(row.token_ids) for row in rows)
     return TrainBatch(
-        input_ids=_pad([row.token_ids for row in rows], width, pad_id, torch.long),
-        attention_mask=_pad([[1] * len(row.token_ids) for row in rows], width, 0, torch.long),
+        input_ids=pad_rows([row.token_ids for row in rows], width, pad_id, torch.long),
+        attention_mask=pad_rows([[1] * len(row.token_ids) for row in rows], width, 0, torch.long),
         # Shift by one: entry t of a [B, T-1] tensor is about token t+1.
-        loss_mask=_pad([row.generated[1:] for row in rows], width - 1, False, torch.bool),
-        behavior_logprobs=_pad([row.logprobs[1:] for row in rows], width - 1, 0.0, torch.float32),
-        token_versions=_pad([row.versions[1:] for row in rows], width - 1, NO_VERSION, torch.long),
+        loss_mask=pad_rows([row.generated[1:] for row in rows], width - 1, False, torch.bool),
+        behavior_logprobs=pad_rows(
+            [row.logprobs[1:] for row in rows], width - 1, 0.0, torch.float32
+        ),
+        token_versions=pad_rows(
+            [row.versions[1:] for row in rows], width - 1, NO_VERSION, torch.long
+        ),
         advantages=torch.tensor(row_advantages, dtype=torch.float32),
         sample_ids=row_ids,
         num_truncated=num_truncated,
@@ -162,7 +166,7 @@ def _truncate(row: _Row, max_length: int) -> _Row:
     )
 
 
-def _pad(
+def pad_rows(
     rows: Sequence[Sequence[int | float | bool]], width: int, fill: float, dtype: torch.dtype
 ) -> torch.Tensor:
     """[len(rows), width] tensor of `rows` left-aligned, the rest `fill`."""

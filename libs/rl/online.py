@@ -41,7 +41,7 @@ from typing import get_args
 import msgspec
 import torch
 
-from libs.rl.batch import NO_VERSION, TrainBatch
+from libs.rl.batch import NO_VERSION, TrainBatch, pad_rows
 from libs.rl.staleness import staleness_histogram
 from proto.messages import FeedbackSignal, OnlineSample
 
@@ -197,12 +197,12 @@ def build_online_batch(
         for sample, row in zip(samples, rows, strict=True)
     ]
     return TrainBatch(
-        input_ids=_pad([row[0] for row in rows], width, pad_id, torch.long),
-        attention_mask=_pad([[1] * len(row[0]) for row in rows], width, 0, torch.long),
+        input_ids=pad_rows([row[0] for row in rows], width, pad_id, torch.long),
+        attention_mask=pad_rows([[1] * len(row[0]) for row in rows], width, 0, torch.long),
         # Shift by one: entry t of a [B, T-1] tensor is about token t+1.
-        loss_mask=_pad([row[1][1:] for row in rows], width - 1, False, torch.bool),
-        behavior_logprobs=_pad([row[2][1:] for row in rows], width - 1, 0.0, torch.float32),
-        token_versions=_pad(versions, width - 1, NO_VERSION, torch.long),
+        loss_mask=pad_rows([row[1][1:] for row in rows], width - 1, False, torch.bool),
+        behavior_logprobs=pad_rows([row[2][1:] for row in rows], width - 1, 0.0, torch.float32),
+        token_versions=pad_rows(versions, width - 1, NO_VERSION, torch.long),
         advantages=torch.as_tensor(advantages, dtype=torch.float32).detach().cpu().clone(),
         sample_ids=[sample.sample_id for sample in samples],
         num_truncated=num_truncated,
@@ -218,17 +218,6 @@ def _layout(sample: OnlineSample) -> tuple[list[int], list[bool], list[float]]:
         [False] * num_prompt + [True] * len(generation.completion_token_ids),
         [0.0] * num_prompt + list(generation.logprobs),
     )
-
-
-def _pad(
-    rows: Sequence[Sequence[int | float | bool]], width: int, fill: float, dtype: torch.dtype
-) -> torch.Tensor:
-    """[len(rows), width] tensor of `rows` left-aligned, the rest `fill`."""
-    out = torch.full((len(rows), max(width, 0)), fill, dtype=dtype)
-    for index, row in enumerate(rows):
-        if row:
-            out[index, : len(row)] = torch.tensor(row, dtype=dtype)
-    return out
 
 
 @dataclass
