@@ -112,6 +112,8 @@ async def stream_messages(js: JetStreamContext, stream: str, message_type: type[
     """Every message of `stream`, decoded, in order."""
     info = await js.stream_info(stream)
     found: list[M] = []
+    if info.state.messages == 0:
+        return found  # an empty stream's first_seq may be 0, which get_msg refuses
     for seq in range(info.state.first_seq, info.state.last_seq + 1):
         try:
             raw = await js.get_msg(stream, seq=seq)
