@@ -10,9 +10,16 @@ from __future__ import annotations
 import random
 import re
 from collections.abc import Sequence
-from typing import ClassVar
+from typing import Any, ClassVar
 
-from libs.envs.base import Environment, Episode, Opening, StepResult, TaskSource
+from libs.envs.base import (
+    Environment,
+    Episode,
+    Opening,
+    SeededTaskSource,
+    StepResult,
+    TaskSource,
+)
 from proto.messages import Task, ToolCall
 
 ENV_NAME = "arith"
@@ -37,31 +44,19 @@ def make_problem(rng: random.Random, difficulty: int) -> tuple[str, str]:
     return f"{a}+{b}=", str(a + b)
 
 
-class ArithmeticTasks(TaskSource):
+class ArithmeticTasks(SeededTaskSource):
     """Arithmetic tasks, task `i` drawn from its own seeded generator (order-independent)."""
 
-    def __init__(self, *, difficulty: int, group_size: int, seed: int) -> None:
-        if not 0 <= difficulty <= MAX_DIFFICULTY:
-            raise ValueError(f"difficulty must be in [0, {MAX_DIFFICULTY}], got {difficulty}")
-        if group_size < 1:
-            raise ValueError(f"group_size must be >= 1, got {group_size}")
-        self.difficulty = difficulty
-        self.group_size = group_size
-        self.seed = seed
+    env: ClassVar[str] = ENV_NAME
+    max_difficulty: ClassVar[int] = MAX_DIFFICULTY
 
-    def task(self, index: int) -> Task:
-        if index < 0:
-            raise ValueError(f"task index must be >= 0, got {index}")
-        # A str seed is hashed with sha512: the same in every process and Python run.
-        rng = random.Random(f"{ENV_NAME}:{self.seed}:{self.difficulty}:{index}")
-        prompt, answer = make_problem(rng, self.difficulty)
-        return Task(
-            task_id=f"{ENV_NAME}-d{self.difficulty}-s{self.seed}-{index}",
-            env=ENV_NAME,
-            prompt=prompt,
-            group_size=self.group_size,
-            spec={"answer": answer, "difficulty": self.difficulty, "max_tokens": len(answer) + 1},
-        )
+    def draw(self, index: int) -> tuple[str, dict[str, Any]]:
+        prompt, answer = make_problem(self.rng(index), self.difficulty)
+        return prompt, {
+            "answer": answer,
+            "difficulty": self.difficulty,
+            "max_tokens": len(answer) + 1,
+        }
 
 
 class ArithmeticEpisode(Episode):

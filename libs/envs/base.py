@@ -9,6 +9,7 @@ env-gateway serves every registered environment over the bus; register your own 
 from __future__ import annotations
 
 import abc
+import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -75,6 +76,44 @@ class TaskSource(abc.ABC):
     @abc.abstractmethod
     def task(self, index: int) -> Task:
         """The task at position `index` (>= 0)."""
+
+
+class SeededTaskSource(TaskSource):
+    """A TaskSource whose tasks are drawn from generators seeded by (env, seed, difficulty,
+    key): the same in every process and Python run (a str seed is hashed with sha512). Task
+    `i` is `<env>-d<difficulty>-s<seed>-<i>`; subclasses say what it holds (`draw`)."""
+
+    env: ClassVar[str]
+    max_difficulty: ClassVar[int]
+
+    def __init__(self, *, difficulty: int, group_size: int, seed: int) -> None:
+        if not 0 <= difficulty <= self.max_difficulty:
+            raise ValueError(f"difficulty must be in [0, {self.max_difficulty}], got {difficulty}")
+        if group_size < 1:
+            raise ValueError(f"group_size must be >= 1, got {group_size}")
+        self.difficulty = difficulty
+        self.group_size = group_size
+        self.seed = seed
+
+    def rng(self, key: int) -> random.Random:
+        """The generator of draw `key` (a task index, or a pass over a fixed task list)."""
+        return random.Random(f"{self.env}:{self.seed}:{self.difficulty}:{key}")
+
+    @abc.abstractmethod
+    def draw(self, index: int) -> tuple[str, dict[str, Any]]:
+        """(prompt, spec) of task `index` (>= 0)."""
+
+    def task(self, index: int) -> Task:
+        if index < 0:
+            raise ValueError(f"task index must be >= 0, got {index}")
+        prompt, spec = self.draw(index)
+        return Task(
+            task_id=f"{self.env}-d{self.difficulty}-s{self.seed}-{index}",
+            env=self.env,
+            prompt=prompt,
+            group_size=self.group_size,
+            spec=spec,
+        )
 
 
 class Environment(abc.ABC):

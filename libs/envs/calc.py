@@ -15,7 +15,14 @@ import re
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
-from libs.envs.base import Environment, Episode, Opening, StepResult, TaskSource
+from libs.envs.base import (
+    Environment,
+    Episode,
+    Opening,
+    SeededTaskSource,
+    StepResult,
+    TaskSource,
+)
 from proto.messages import (
     TOOL_ERROR_BAD_ARGUMENTS,
     TOOL_ERROR_FAILED,
@@ -98,30 +105,15 @@ def parse_answer(text: str) -> str:
     return found[-1].replace(",", "") if found else ""
 
 
-class CalcTasks(TaskSource):
+class CalcTasks(SeededTaskSource):
     """Calculator tasks; task `i` is drawn from its own seeded generator (order-independent)."""
 
-    def __init__(self, *, difficulty: int, group_size: int, seed: int) -> None:
-        if not 0 <= difficulty <= MAX_DIFFICULTY:
-            raise ValueError(f"difficulty must be in [0, {MAX_DIFFICULTY}], got {difficulty}")
-        if group_size < 1:
-            raise ValueError(f"group_size must be >= 1, got {group_size}")
-        self.difficulty = difficulty
-        self.group_size = group_size
-        self.seed = seed
+    env: ClassVar[str] = ENV_NAME
+    max_difficulty: ClassVar[int] = MAX_DIFFICULTY
 
-    def task(self, index: int) -> Task:
-        if index < 0:
-            raise ValueError(f"task index must be >= 0, got {index}")
-        rng = random.Random(f"{ENV_NAME}:{self.seed}:{self.difficulty}:{index}")
-        expression, value = make_problem(rng, self.difficulty + 1)
-        return Task(
-            task_id=f"{ENV_NAME}-d{self.difficulty}-s{self.seed}-{index}",
-            env=ENV_NAME,
-            prompt=f"What is {expression}?",
-            group_size=self.group_size,
-            spec={"answer": value, "num_ops": self.difficulty + 1},
-        )
+    def draw(self, index: int) -> tuple[str, dict[str, Any]]:
+        expression, value = make_problem(self.rng(index), self.difficulty + 1)
+        return f"What is {expression}?", {"answer": value, "num_ops": self.difficulty + 1}
 
 
 def call_tool(call: ToolCall) -> ToolResult:

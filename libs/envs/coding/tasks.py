@@ -19,14 +19,12 @@ from __future__ import annotations
 import fnmatch
 import functools
 import json
-import random
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
-from libs.envs.base import TaskSource
-from proto.messages import Task
+from libs.envs.base import SeededTaskSource
 
 ENV_NAME = "coding"
 TASKS_DIR = Path(__file__).resolve().parent / "tasks"
@@ -123,34 +121,25 @@ def load_tasks(tasks_dir: Path = TASKS_DIR) -> dict[str, CodingTask]:
     return {folder.name: load_task(folder) for folder in folders}
 
 
-class CodingTasks(TaskSource):
+class CodingTasks(SeededTaskSource):
     """The shipped tasks in a seeded order: each pass over them is its own shuffle.
 
     Difficulty 0 serves every task; d in 1..3 serves the tasks of difficulty <= d.
     """
 
+    env: ClassVar[str] = ENV_NAME
+    max_difficulty: ClassVar[int] = MAX_DIFFICULTY
+
     def __init__(self, *, difficulty: int, group_size: int, seed: int) -> None:
-        if not 0 <= difficulty <= MAX_DIFFICULTY:
-            raise ValueError(f"difficulty must be in [0, {MAX_DIFFICULTY}], got {difficulty}")
-        if group_size < 1:
-            raise ValueError(f"group_size must be >= 1, got {group_size}")
+        super().__init__(difficulty=difficulty, group_size=group_size, seed=seed)
         tasks = load_tasks()
         self.names = sorted(
             n for n, t in tasks.items() if not difficulty or t.difficulty <= difficulty
         )
-        self.difficulty, self.group_size, self.seed = difficulty, group_size, seed
 
-    def task(self, index: int) -> Task:
-        if index < 0:
-            raise ValueError(f"task index must be >= 0, got {index}")
+    def draw(self, index: int) -> tuple[str, dict[str, Any]]:
         epoch, position = divmod(index, len(self.names))
         order = list(self.names)
-        random.Random(f"{ENV_NAME}:{self.seed}:{self.difficulty}:{epoch}").shuffle(order)
+        self.rng(epoch).shuffle(order)
         name = order[position]
-        return Task(
-            task_id=f"{ENV_NAME}-d{self.difficulty}-s{self.seed}-{index}",
-            env=ENV_NAME,
-            prompt=load_tasks()[name].prompt,
-            group_size=self.group_size,
-            spec={"task": name},
-        )
+        return load_tasks()[name].prompt, {"task": name}
