@@ -38,7 +38,7 @@ from libs.bus.stream_reader import StreamReader
 from libs.envs.client import EnvClient
 from libs.logs import bind_context
 from libs.policy import PolicyConfig, build_policy
-from libs.rl import split_by_staleness, staleness_histogram
+from libs.rl import MismatchStats, PolicyLossStats, split_by_staleness, staleness_histogram
 from libs.rl.online import DEFAULT_SIGNAL_REWARDS
 from libs.tokenizer import ByteTokenizer
 from libs.trainer.checkpoint import (
@@ -426,10 +426,7 @@ class Trainer:
         rewards = [s.reward for s in batch.kept]
         tokens = stats.num_loss_tokens
         return StepRecord(
-            step=self.state.step,
-            version=self.state.version,
-            segment=self.state.segment,
-            time=time.time(),
+            **self._step_fields(stats.policy, stats.mismatch, step_s),
             mean_reward=sum(rewards) / len(rewards) if rewards else 0.0,
             num_samples=len(batch.kept),
             num_rows=stats.num_rows,
@@ -440,30 +437,38 @@ class Trainer:
             grad_norm=stats.grad_norm,
             staleness=batch.staleness,
             num_dropped=len(batch.dropped),
-            mismatch_tokens=stats.mismatch.num_tokens,
-            mismatch_mean_abs=stats.mismatch.mean_abs_diff,
-            mismatch_kl=stats.mismatch.kl,
-            clip_fraction=stats.policy.clip_fraction,
-            is_weight_mean=stats.policy.is_weight_mean,
-            is_weight_max=stats.policy.is_weight_max,
-            is_truncated_fraction=stats.policy.is_truncated_fraction,
-            step_s=step_s,
             wait_s=batch.wait_s,
             tokens_per_s=tokens / max(step_s, 1e-9),
             samples_per_s=len(batch.kept) / max(step_s + batch.wait_s, 1e-9),
-            busy_fraction=self._timers.busy_fraction,
             sample_ids=[s.rollout.rollout_id for s in batch.kept],
             dropped_ids=[s.rollout.rollout_id for s in batch.dropped],
         )
+
+    def _step_fields(
+        self, policy: PolicyLossStats, mismatch: MismatchStats, step_s: float
+    ) -> dict[str, Any]:
+        """The StepRecord fields every step reports, offline or online."""
+        return {
+            "step": self.state.step,
+            "version": self.state.version,
+            "segment": self.state.segment,
+            "time": time.time(),
+            "mismatch_tokens": mismatch.num_tokens,
+            "mismatch_mean_abs": mismatch.mean_abs_diff,
+            "mismatch_kl": mismatch.kl,
+            "clip_fraction": policy.clip_fraction,
+            "is_weight_mean": policy.is_weight_mean,
+            "is_weight_max": policy.is_weight_max,
+            "is_truncated_fraction": policy.is_truncated_fraction,
+            "step_s": step_s,
+            "busy_fraction": self._timers.busy_fraction,
+        }
 
     def _online_record(
         self, taken: OnlineTake, stats: OnlineStepStats, step_s: float
     ) -> StepRecord:
         return StepRecord(
-            step=self.state.step,
-            version=self.state.version,
-            segment=self.state.segment,
-            time=time.time(),
+            **self._step_fields(stats.policy, stats.mismatch, step_s),
             mean_reward=stats.mean_reward,
             num_samples=len(taken.kept),
             num_rows=len(taken.kept),
@@ -474,18 +479,9 @@ class Trainer:
             grad_norm=stats.grad_norm,
             staleness=taken.staleness,
             num_dropped=len(taken.stale),
-            mismatch_tokens=stats.mismatch.num_tokens,
-            mismatch_mean_abs=stats.mismatch.mean_abs_diff,
-            mismatch_kl=stats.mismatch.kl,
-            clip_fraction=stats.policy.clip_fraction,
-            is_weight_mean=stats.policy.is_weight_mean,
-            is_weight_max=stats.policy.is_weight_max,
-            is_truncated_fraction=stats.policy.is_truncated_fraction,
-            step_s=step_s,
             wait_s=0.0,
             tokens_per_s=stats.num_loss_tokens / max(step_s, 1e-9),
             samples_per_s=len(taken.kept) / max(step_s, 1e-9),
-            busy_fraction=self._timers.busy_fraction,
             sample_ids=[s.sample_id for s in taken.kept],
             dropped_ids=[s.sample_id for s in taken.stale + taken.invalid],
             stream="online",
