@@ -5,11 +5,15 @@ architecture, dtype rules and logprob arithmetic:
 
     config = PolicyConfig(preset="tiny")          # ~0.8M params, fp32 on a laptop CPU
     model = build_policy(config)                   # seeded random init, eval mode
+    tokenizer = load_policy_tokenizer(config)      # byte, or the model folder's own
     logprobs = sequence_logprobs(model, ids, mask) # [B, T-1], the trainer's view
     save_policy(model, "run/ckpt")                 # config.json + model.safetensors
     model = build_policy(PolicyConfig(path="run/ckpt"))
 
-Nothing is downloaded: a folder is read with `local_files_only=True`.
+`PolicyConfig` is the one description of the policy: every service that loads it (trainer,
+rollout-worker) nests it in its settings (`RLPIPE_<SERVICE>_POLICY_<FIELD>`), so both read
+the same fields with the same defaults. Nothing is downloaded: a folder is read with
+`local_files_only=True`.
 """
 
 from __future__ import annotations
@@ -18,10 +22,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+from pydantic import BaseModel, ConfigDict, Field
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
-from libs.tokenizer import ByteTokenizer
+from libs.tokenizer import BYTE_TOKENIZER_SPEC, ByteTokenizer, Tokenizer, load_tokenizer
 
 BYTE_VOCAB_SIZE = ByteTokenizer().vocab_size
 
@@ -77,8 +81,12 @@ POLICY_PRESETS: dict[str, dict[str, Any]] = {
 DTypeName = Literal["auto", "float32", "bfloat16", "float16"]
 
 
+# Files whose presence in a model folder means it carries its own tokenizer.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
 class PolicyConfig(BaseModel):
-    """Which model to build, where, and in what precision."""
+    """Which model to build, with which tokenizer, where, and in what precision."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -86,7 +94,10 @@ class PolicyConfig(BaseModel):
     """Name in POLICY_PRESETS; ignored when `path` is set."""
     path: str | None = None
     """Local folder with config.json and safetensors weights; overrides `preset`."""
-    vocab_size: int | None = None
+    tokenizer: str | None = None
+    """"byte" or a local folder with tokenizer files; unset: the model folder's own tokenizer
+    when `path` holds one, else "byte"."""
+    vocab_size: int | None = Field(None, ge=1)
     """Override of the preset's vocabulary size (must cover the tokenizer's ids)."""
     dtype: DTypeName = "auto"
     """Parameter dtype; "auto" is float32 on CPU and bfloat16 on GPU."""
@@ -94,6 +105,32 @@ class PolicyConfig(BaseModel):
     """torch device ("cpu", "cuda", "cuda:1"); "auto" picks cuda when available."""
     seed: int = 0
     """Seed of the random init (the same seed gives bit-identical weights on any device)."""
+
+
+def tokenizer_spec(config: PolicyConfig) -> str:
+    """The tokenizer `config` names: its `tokenizer`, else the model folder when it holds
+    tokenizer files, else the byte tokenizer."""
+    if config.tokenizer is not None:
+        return config.tokenizer
+    if config.path is not None and any((Path(config.path) / f).is_file() for f in TOKENIZER_FILES):
+        return config.path
+    return BYTE_TOKENIZER_SPEC
+
+
+def load_policy_tokenizer(config: PolicyConfig) -> Tokenizer:
+    """The policy's tokenizer (`tokenizer_spec`)."""
+    return load_tokenizer(tokenizer_spec(config))
+
+
+def check_vocabulary(model: PreTrainedModel, tokenizer: Tokenizer, config: PolicyConfig) -> None:
+    """Raise ValueError when the model cannot embed every id of the tokenizer."""
+    model_vocab = int(model.config.vocab_size)
+    if tokenizer.vocab_size > model_vocab:
+        raise ValueError(
+            f"tokenizer {tokenizer_spec(config)!r} has {tokenizer.vocab_size} ids but the model "
+            f"embeds {model_vocab}; set policy.vocab_size >= {tokenizer.vocab_size} "
+            "(RLPIPE_<SERVICE>_POLICY_VOCAB_SIZE) or pair the model with its own tokenizer"
+        )
 
 
 def resolve_device(name: str) -> torch.device:
@@ -120,23 +157,34 @@ def build_policy(config: PolicyConfig) -> PreTrainedModel:
     dtype = resolve_dtype(config.dtype, device)
     if config.path is not None:
         return load_policy(config.path, dtype=dtype, device=device)
-    model = _init_from_preset(config.preset, config.vocab_size, config.seed)
+    model = _init_from_preset(config)
     return _place(model, device, dtype)
 
 
-def _init_from_preset(preset: str, vocab_size: int | None, seed: int) -> PreTrainedModel:
-    """Random-init fp32 CPU model of `preset`, without touching the global RNG state."""
-    if preset not in POLICY_PRESETS:
+def architecture(config: PolicyConfig) -> PretrainedConfig:
+    """The transformers config of the model `config` names, without building the model."""
+    if config.path is not None:
+        if not Path(config.path).is_dir():
+            raise ValueError(
+                f"policy path {config.path!r} is not a folder; check PolicyConfig.path"
+            )
+        return AutoConfig.from_pretrained(config.path, local_files_only=True)
+    if config.preset not in POLICY_PRESETS:
         raise ValueError(
-            f"policy preset {preset!r} is unknown; choose one of {sorted(POLICY_PRESETS)} "
+            f"policy preset {config.preset!r} is unknown; choose one of {sorted(POLICY_PRESETS)} "
             "or set `path` to a local model folder"
         )
-    kwargs = dict(POLICY_PRESETS[preset])
-    if vocab_size is not None:
-        kwargs["vocab_size"] = vocab_size
-    hf_config = AutoConfig.for_model(kwargs.pop("model_type"), **kwargs)
+    kwargs = dict(POLICY_PRESETS[config.preset])
+    if config.vocab_size is not None:
+        kwargs["vocab_size"] = config.vocab_size
+    return AutoConfig.for_model(kwargs.pop("model_type"), **kwargs)
+
+
+def _init_from_preset(config: PolicyConfig) -> PreTrainedModel:
+    """Random-init fp32 CPU model of `config.preset`, without touching the global RNG state."""
+    hf_config = architecture(config)
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+        torch.manual_seed(config.seed)
         model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
     return model
 

@@ -27,6 +27,15 @@ SHARED_FALLBACKS = {
 }
 
 
+# How every service reads nested configs from its variables: the part of the name after the
+# service prefix splits once at "_", so `RLPIPE_TRAINER_POLICY_PATH` sets `policy.path` and
+# `RLPIPE_TRAINER_LEARNING_RATE` stays the flat `learning_rate`. A variable that names an
+# unknown field of a nested config is refused (`extra="forbid"` there).
+NESTED_SETTINGS = SettingsConfigDict(
+    env_nested_delimiter="_", env_nested_max_split=1, extra="ignore", frozen=True
+)
+
+
 # A field whose name has one of these words (split at "_") is masked in the start-up log.
 SECRET_WORDS = frozenset({"key", "keys", "secret", "password", "token", "credentials"})
 

@@ -153,3 +153,10 @@ def load_tokenizer(spec: str) -> Tokenizer:
     from transformers import AutoTokenizer  # deferred: heavy, and unneeded for the default
 
     return HFTokenizer(AutoTokenizer.from_pretrained(spec, local_files_only=True))
+
+
+def save_tokenizer(tokenizer: Tokenizer, folder: str | Path) -> None:
+    """Write `tokenizer`'s files into `folder` (beside a model saved there), so the folder
+    loads with its own tokenizer; the byte tokenizer needs no files and writes none."""
+    if isinstance(tokenizer, HFTokenizer):
+        tokenizer.hf.save_pretrained(folder)

@@ -75,6 +75,9 @@ class Rollout(Message, kw_only=True):
     sample_index: int
     env: str
     turns: list[Turn]
+    # An episode the environment ended: its last turn's reason ("stop": the policy ended the
+    # turn; "length": max_tokens cut it). Otherwise why the harness ended it: "length" (the
+    # context budget), "max_turns", "env_error", "timeout".
     finish_reason: Literal["stop", "length", "max_turns", "env_error", "timeout"]
     worker_id: str = ""
     # The task as the worker received it, so reward needs no second lookup.
@@ -341,6 +344,27 @@ class PromotionDecision(Message, kw_only=True):
         return self.candidate_score if self.promoted else self.baseline_score
 
 
+class PolicyIdentity(Message, kw_only=True):
+    """What policy the trainer trains, so every process that loads it can check it agrees.
+
+    The trainer stores it in the state bucket (`POLICY_IDENTITY_KEY`) before it announces
+    weights; a rollout-worker whose own policy differs (another tokenizer, vocabulary or
+    tensor layout) refuses to start instead of failing later on a weight delta or a token id.
+    """
+
+    SCHEMA: ClassVar[str] = "policy_identity"
+
+    # The tokenizer as configured ("byte" or a folder) and a hash of its vocabulary (token ->
+    # id, specials included): two folders with the same vocabulary agree.
+    tokenizer: str
+    tokenizer_hash: str
+    tokenizer_vocab_size: int
+    # The model family and a hash of its parameter names and shapes (not values or dtypes).
+    model_type: str
+    model_vocab_size: int
+    tensors_hash: str
+
+
 class DeadLetter(Message, kw_only=True):
     """A message that could not be handled, with why and where it came from.
 
@@ -527,6 +551,7 @@ ALL_MESSAGES: tuple[type[Message], ...] = (
     FeedbackEvent,
     OnlineSample,
     PromotionDecision,
+    PolicyIdentity,
     DeadLetter,
     EnvResetRequest,
     EnvResetReply,

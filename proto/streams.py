@@ -197,5 +197,7 @@ POLICY_VERSION_KEY = "policy_version"
 GROUPS_TAKEN_KEY = "trainer_groups_taken"
 # The version the trainer's eval gate last promoted to serving (serving replicas follow it).
 PROMOTED_VERSION_KEY = "promoted_policy_version"
+# The trainer's PolicyIdentity (msgpack): what workers check their own policy against.
+POLICY_IDENTITY_KEY = "policy_identity"
 
 ALL_KV: tuple[KeyValueSpec, ...] = (STATE,)

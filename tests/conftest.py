@@ -8,9 +8,12 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 
 import pytest
+from nats.js import JetStreamContext
 
 from libs.bus.connection import Bus, connect_bus
 from libs.nats_server import NatsServer
+from libs.policy import PolicyConfig, build_policy, load_policy_tokenizer, tokenizer_spec
+from libs.policy_identity import describe_policy, store_identity
 
 
 @pytest.fixture(scope="session")
@@ -54,3 +57,13 @@ async def wait_for(
 @pytest.fixture
 def repo_root() -> Path:
     return Path(__file__).resolve().parent.parent
+
+
+async def state_trainer_policy(js: JetStreamContext, policy: PolicyConfig | None = None) -> None:
+    """Store the PolicyIdentity a trainer of `policy` would, for tests that stage weights
+    themselves: a rollout-worker applies none before it has checked the trainer's policy."""
+    policy = policy or PolicyConfig(device="cpu")
+    model = build_policy(policy)
+    tokenizer = load_policy_tokenizer(policy)
+    identity = describe_policy(model.config, model.state_dict(), tokenizer, tokenizer_spec(policy))
+    await store_identity(js, identity)

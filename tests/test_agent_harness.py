@@ -257,7 +257,8 @@ async def test_a_real_engine_episode_keeps_engine_tokens_and_versions(
         rollouts = await agent.run(adder_task(group_size=2))
     finally:
         batcher_task.cancel()
-    assert len(rollouts) == 2 and all(r.finish_reason in ("stop", "max_turns") for r in rollouts)
+    endings = ("stop", "length", "max_turns")  # a random policy's last turn may be cut
+    assert len(rollouts) == 2 and all(r.finish_reason in endings for r in rollouts)
     for prompt, (completion,) in seen:
         rollout = next(
             r

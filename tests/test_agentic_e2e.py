@@ -38,6 +38,7 @@ from libs.envs import base as envs_base
 from libs.envs.base import Environment, Episode, Opening, StepResult
 from libs.envs.calc import CalcTasks
 from libs.envs.coding import CodingTasks
+from libs.policy import PolicyConfig
 from libs.reward.calc import calc_rubric
 from libs.reward.coding import coding_rubric
 from libs.reward.criteria import turn_penalty
@@ -46,6 +47,7 @@ from libs.rl.batch import TrainBatch, build_batch
 from libs.rollout.agent import SUMMARY_REQUEST
 from libs.service import Service
 from libs.tokenizer import ByteTokenizer
+from libs.trainer.eval_gate import EvalGateConfig
 from libs.trainer.metrics import StepRecord
 from proto import messages as m
 from proto import streams
@@ -96,7 +98,7 @@ class Pipeline:
             RolloutWorkerService(
                 RolloutWorkerSettings(
                     worker_id="worker-e2e",
-                    device="cpu",
+                    policy=PolicyConfig(device="cpu"),
                     max_batch_tasks=4,
                     fetch_timeout_s=0.2,
                     drain_timeout_s=5.0,
@@ -109,10 +111,10 @@ class Pipeline:
             TrainerService(
                 TrainerSettings(
                     run_dir=run_dir,
-                    device="cpu",
+                    policy=PolicyConfig(device="cpu"),
                     batch_groups=1,
                     max_staleness=100,
-                    eval_every_versions=0,
+                    eval=EvalGateConfig(every_versions=0),
                     checkpoint_every_steps=1000,
                 )
             )

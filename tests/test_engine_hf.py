@@ -208,11 +208,12 @@ def test_requests_that_cannot_be_served_name_the_problem(engine: HFEngine) -> No
 
 
 def test_factory_builds_hf_and_refuses_backends_not_built_yet() -> None:
-    engine = build_engine(EngineConfig(policy=PolicyConfig(device="cpu")))
+    cpu = PolicyConfig(device="cpu")
+    engine = build_engine(EngineConfig(), cpu)
     assert isinstance(engine, HFEngine)
     assert engine.generate(PROMPTS[:1], SamplingParams(max_tokens=2))[0].token_ids
     for backend in ("vllm", "openai"):
         with pytest.raises(NotImplementedError, match="not built yet"):
-            build_engine(EngineConfig(type=backend))
+            build_engine(EngineConfig(type=backend), cpu)
     with pytest.raises(ValueError, match=r"policy\.vocab_size"):
-        build_engine(EngineConfig(policy=PolicyConfig(device="cpu", vocab_size=100)))
+        build_engine(EngineConfig(), PolicyConfig(device="cpu", vocab_size=100))

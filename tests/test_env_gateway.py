@@ -95,7 +95,7 @@ async def test_an_arith_episode_over_request_reply(bus: Bus, start_gateway: Call
     assert again.observation == opening.observation and gateway.health()["episodes_open"] == 1
 
     reply = await client.step("ep-1", "arith", TASK.spec["answer"])
-    assert reply.done and reply.info == {"correct": True}
+    assert reply.done and reply.info == {"answer_correct": True, "expected": TASK.spec["answer"]}
     assert gateway.health()["episodes_open"] == 0 and client.num_open == 0
     assert await client.close("ep-1", "arith") is False  # already done: harmless
 
@@ -142,7 +142,7 @@ async def test_errors_are_typed_replies_and_the_gateway_keeps_serving(
     assert reply.error == m.ENV_ERROR_BAD_REQUEST
 
     await client.reset(TASK, episode_id="ep-after")  # still serving
-    assert (await client.step("ep-after", "arith", "x")).info == {"correct": False}
+    assert (await client.step("ep-after", "arith", "x")).info["answer_correct"] is False
     assert gateway.health()["episodes_open"] == 0
 
 

@@ -79,8 +79,9 @@ async def test_an_episode_opens_on_the_prompt_and_ends_after_one_answer() -> Non
     assert opening.max_tokens == len(task.spec["answer"]) + 1
     right = await episode.step(task.spec["answer"] + "junk")
     wrong = await episode.step("x")
-    assert right.done and right.info == {"correct": True}
-    assert wrong.done and wrong.info == {"correct": False}
+    expected = task.spec["answer"]
+    assert right.done and right.info == {"answer_correct": True, "expected": expected}
+    assert wrong.done and wrong.info == {"answer_correct": False, "expected": expected}
 
 
 def test_registry_knows_arith_and_names_the_known_ones_otherwise() -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import msgspec
@@ -39,11 +40,11 @@ from libs.rollout.batcher import GenerationBatcher
 from libs.rollout.weights_follower import WeightsFollower
 from libs.tokenizer import ByteTokenizer
 from libs.trainer.checkpoint import latest_checkpoint
+from libs.trainer.config import TrainerConfig
 from libs.trainer.eval_gate import EvalGate, EvalGateConfig, held_out_tasks
-from libs.trainer.loop import Trainer, TrainerConfig
+from libs.trainer.loop import Trainer
 from libs.trainer.mix import Stream, choose_stream, scheduled_stream
 from libs.trainer.online_step import OnlineConfig
-from libs.trainer.step import StepConfig
 from libs.weights.handoff import stage_weights
 from libs.weights.receiver import WeightReceiver
 from proto import streams, subjects
@@ -60,6 +61,15 @@ from tests.conftest import wait_for
 
 TOKENIZER = ByteTokenizer()
 POLICY = PolicyConfig(preset="tiny", seed=0)
+
+
+@pytest.fixture
+async def arith_gateway(bus: Bus) -> AsyncIterator[EnvClient]:
+    """env-gateway serving arith on the test bus: the gate's held-out episodes run there."""
+    server = EnvServer(bus.nc, {"arith": make_env("arith")}, ServerLimits(step_timeout_s=30))
+    await server.start()
+    yield EnvClient(bus.nc)
+    await server.stop()
 
 
 def sample(
@@ -228,14 +238,11 @@ def completion_logprob(model: torch.nn.Module, online: OnlineSample) -> float:
     return float(logprobs[0, len(generation.prompt_token_ids) - 1 :].sum())
 
 
-def online_trainer_config(run_dir: Path, **overrides: object) -> TrainerConfig:
+def online_trainer_config(**overrides: object) -> TrainerConfig:
     fields: dict[str, object] = {
         "policy": POLICY,
-        "step": StepConfig(pad_id=TOKENIZER.pad_id),
-        "run_dir": run_dir,
-        "online_fraction": 1.0,
-        "stream_wait_s": 0.0,
-        "online": OnlineConfig(signal_rewards=DEFAULT_SIGNAL_REWARDS, batch_samples=1),
+        "online": OnlineConfig(fraction=1.0, stream_wait_s=0.0, batch_samples=1),
+        "eval": EvalGateConfig(every_versions=0),
         "max_steps": 1,
     }
     fields.update(overrides)
@@ -261,13 +268,13 @@ def read_steps(run_dir: Path) -> list[dict[str, object]]:
 
 
 async def test_online_steps_move_the_policy_toward_accepted_and_away_from_rejected(
-    bus: Bus, tmp_path: Path
+    bus: Bus, tmp_path: Path, arith_gateway: EnvClient
 ) -> None:
     await provision(bus.js)
     accepted = served_sample("fb-accepted", "accepted", "3=", seed=1)
     rejected = served_sample("fb-rejected", "rejected", "5=", seed=2)
     gate = EvalGateConfig(every_versions=1, num_tasks=4, margin=1.0)
-    first = Trainer(online_trainer_config(tmp_path, eval_gate=gate), bus, Publisher(bus.js))
+    first = Trainer(online_trainer_config(eval=gate), tmp_path, bus, Publisher(bus.js))
     await first.setup()
     before = completion_logprob(first.model, accepted)
     await publish_online(bus, accepted)
@@ -277,7 +284,7 @@ async def test_online_steps_move_the_policy_toward_accepted_and_away_from_reject
     # A resumed trainer reads the online stream from its checkpoint's cursor: only the new
     # sample is trained, the accepted one not again.
     second = Trainer(
-        online_trainer_config(tmp_path, eval_gate=gate, max_steps=2), bus, Publisher(bus.js)
+        online_trainer_config(eval=gate, max_steps=2), tmp_path, bus, Publisher(bus.js)
     )
     await second.setup()
     before = completion_logprob(second.model, rejected)
@@ -309,8 +316,8 @@ async def test_stale_and_untrainable_online_samples_are_dropped_and_counted(
     bus: Bus, tmp_path: Path
 ) -> None:
     await provision(bus.js)
-    online = OnlineConfig(signal_rewards=DEFAULT_SIGNAL_REWARDS, batch_samples=4, max_staleness=0)
-    trainer = Trainer(online_trainer_config(tmp_path, online=online), bus, Publisher(bus.js))
+    online = OnlineConfig(fraction=1.0, stream_wait_s=0.0, batch_samples=4, max_staleness=0)
+    trainer = Trainer(online_trainer_config(online=online), tmp_path, bus, Publisher(bus.js))
     await trainer.setup()
     await publish_online(bus, sample("future", version=3))  # no trainer version matches it
     await publish_online(bus, sample("no-logprobs", logprobs=[-1.0]))
@@ -324,14 +331,17 @@ async def test_stale_and_untrainable_online_samples_are_dropped_and_counted(
 
 
 async def test_the_gate_records_promotions_and_rejections_with_scores(
-    bus: Bus, tmp_path: Path
+    bus: Bus, arith_gateway: EnvClient
 ) -> None:
+    client = arith_gateway
     await provision(bus.js)
     model = build_policy(POLICY)
     publisher = Publisher(bus.js)
     kv = await bus.js.key_value(streams.STATE.bucket)
 
-    gate = EvalGate(EvalGateConfig(every_versions=2, num_tasks=6, margin=-0.5), TOKENIZER)
+    gate = EvalGate(
+        EvalGateConfig(every_versions=2, num_tasks=6, margin=-0.5), POLICY, TOKENIZER, client
+    )
     await gate.setup(bus.js)
     first = await gate.decide_on(model, 0, publisher, bus.js)
     assert (
@@ -354,7 +364,9 @@ async def test_the_gate_records_promotions_and_rejections_with_scores(
     assert (await kv.get(streams.PROMOTED_VERSION_KEY)).value == b"0"
 
     # A restarted gate resumes from the last decision: what serves is still version 0.
-    lenient = EvalGate(EvalGateConfig(every_versions=2, num_tasks=6, margin=0.02), TOKENIZER)
+    lenient = EvalGate(
+        EvalGateConfig(every_versions=2, num_tasks=6, margin=0.02), POLICY, TOKENIZER, client
+    )
     await lenient.setup(bus.js)
     assert lenient.last == rejected and not lenient.due(3)
     promoted = await lenient.decide_on(model, 4, publisher, bus.js)
@@ -371,7 +383,7 @@ async def test_the_gate_runs_held_out_episodes_of_a_tool_env_through_env_gateway
     model = build_policy(POLICY)
     publisher = Publisher(bus.js)
     config = EvalGateConfig(every_versions=1, num_tasks=3, env="calc", max_turns=2)
-    gate = EvalGate(config, TOKENIZER, EnvClient(bus.nc))
+    gate = EvalGate(config, POLICY, TOKENIZER, EnvClient(bus.nc))
     await gate.setup(bus.js)
     assert {task.env for task in gate.tasks} == {"calc"}
     # No gateway serves calc yet: nothing is decided, nothing promoted.

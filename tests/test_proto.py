@@ -25,6 +25,7 @@ from proto.messages import (
     FeedbackEvent,
     Message,
     OnlineSample,
+    PolicyIdentity,
     PromotionDecision,
     Rollout,
     SamplingSettings,
@@ -112,6 +113,14 @@ EXAMPLES: list[Message] = [
         margin=0.02,
         num_tasks=32,
         reason="candidate 0.5000 < promoted v10 0.7500 - margin 0.02",
+    ),
+    PolicyIdentity(
+        tokenizer="/models/mine",
+        tokenizer_hash="9f2c" * 8,
+        tokenizer_vocab_size=151_665,
+        model_type="qwen2",
+        model_vocab_size=151_936,
+        tensors_hash="03ab" * 8,
     ),
     DeadLetter(
         origin_subject="rl.tasks.add",

@@ -28,13 +28,18 @@ from openai import AsyncOpenAI
 from libs.bus.connection import Bus
 from libs.bus.provision import provision
 from libs.chat.template import chat_template_for
+from libs.engine.factory import EngineConfig, build_engine
+from libs.envs.client import EnvClient
 from libs.nats_server import free_port
 from libs.policy import PolicyConfig, build_policy, sequence_logprobs
 from libs.service import Service
 from libs.tokenizer import ByteTokenizer
 from libs.trainer.eval_gate import EvalGateConfig, evaluate, held_out_tasks
+from libs.trainer.online_step import OnlineConfig
 from proto import streams
 from proto.messages import ChatMessage, OnlineSample, PromotionDecision, ServedGeneration
+from services.env_gateway.service import EnvGatewayService
+from services.env_gateway.settings import EnvGatewaySettings
 from services.feedback_ingester.service import FeedbackIngesterService
 from services.rollout_worker.service import RolloutWorkerService
 from services.rollout_worker.settings import RolloutWorkerSettings
@@ -81,12 +86,9 @@ async def pipeline(bus: Bus, tmp_path: Path) -> AsyncIterator[Pipeline]:
     trainer = TrainerService(
         TrainerSettings(
             run_dir=tmp_path,
-            device="cpu",
-            seed=SEED,
-            online_fraction=1.0,
-            online_batch_samples=1,
-            eval_every_versions=1,
-            eval_num_tasks=EVAL_TASKS,
+            policy=PolicyConfig(device="cpu", seed=SEED),
+            online=OnlineConfig(fraction=1.0, batch_samples=1),
+            eval=EvalGateConfig(every_versions=1, num_tasks=EVAL_TASKS),
         )
     )
     broadcaster = WeightBroadcasterService(
@@ -95,8 +97,8 @@ async def pipeline(bus: Bus, tmp_path: Path) -> AsyncIterator[Pipeline]:
     worker = RolloutWorkerService(
         RolloutWorkerSettings(
             worker_id="e2e-server",
-            device="cpu",
-            seed=SEED + 1,  # not the trainer's init: serving must wait for its weights
+            # Not the trainer's init: serving must wait for its weights.
+            policy=PolicyConfig(device="cpu", seed=SEED + 1),
             consume_tasks=False,
             serve_port=serve_port,
             served_model_name=MODEL,
@@ -107,7 +109,9 @@ async def pipeline(bus: Bus, tmp_path: Path) -> AsyncIterator[Pipeline]:
     ingester = FeedbackIngesterService(settings(run_dir=tmp_path))
     serve_url = f"http://127.0.0.1:{serve_port}"
     async with AsyncExitStack() as stack:
-        for service in (worker, broadcaster, ingester):
+        # env-gateway serves arith: the gate's held-out episodes run through it.
+        gateway = EnvGatewayService(EnvGatewaySettings(feeder_mode="off"))
+        for service in (gateway, worker, broadcaster, ingester):
             await run_service(stack, service, bus)
         # No version promoted yet: the replica is up but has nothing to serve.
         async with httpx.AsyncClient(base_url=serve_url, timeout=10) as http:
@@ -230,7 +234,9 @@ async def test_feedback_on_a_served_completion_trains_gates_and_serves_the_new_v
     trainer = pipeline.trainer.trainer
     assert trainer is not None and trainer.state.version == 1
     gate_tasks = held_out_tasks(EvalGateConfig(num_tasks=EVAL_TASKS))
-    assert await evaluate(trainer.model, tokenizer, gate_tasks) == second.candidate_score
+    engine = build_engine(EngineConfig(), trainer.policy, trainer.model)
+    score = await evaluate(engine, tokenizer, gate_tasks, EnvClient(bus.nc), max_turns=8)
+    assert score == second.candidate_score
     before_model = build_policy(PolicyConfig(preset="tiny", device="cpu", seed=SEED))
     before = completion_logprob(before_model, prompt_ids, completion_ids)
     after = completion_logprob(trainer.model, prompt_ids, completion_ids)

@@ -30,7 +30,7 @@ from services.rollout_worker.service import RolloutWorkerService
 from services.rollout_worker.settings import RolloutWorkerSettings
 from services.weight_broadcaster.service import WeightBroadcasterService
 from services.weight_broadcaster.settings import WeightBroadcasterSettings
-from tests.conftest import wait_for
+from tests.conftest import state_trainer_policy, wait_for
 
 GROUP = 4
 TASKS = ArithmeticTasks(difficulty=1, group_size=GROUP, seed=0)
@@ -64,6 +64,7 @@ class Cluster:
         self.running.append((service, asyncio.create_task(service.run())))
 
     async def start_all(self) -> RolloutWorkerService:
+        await state_trainer_policy(self.bus.js)  # this harness stands in for the trainer
         await self.start(EnvGatewayService(EnvGatewaySettings(feeder_mode="off")))
         settings = WeightBroadcasterSettings(staging_dir=self.staging_dir, encode_threads=1)
         await self.start(WeightBroadcasterService(settings))
@@ -73,7 +74,7 @@ class Cluster:
                 max_batch_tasks=4,
                 fetch_timeout_s=0.2,
                 drain_timeout_s=5.0,
-                device="cpu",
+                policy=PolicyConfig(device="cpu"),
             )
         )
         await self.start(self.worker)
@@ -278,7 +279,9 @@ async def test_a_version_that_does_not_fit_is_never_written(cluster: Cluster) ->
 async def test_the_context_budget_is_capped_at_the_models_positions(bus: Bus) -> None:
     await provision(bus.js)
     worker = RolloutWorkerService(
-        RolloutWorkerSettings(worker_id="budget", device="cpu", context_budget_tokens=1_000_000)
+        RolloutWorkerSettings(
+            worker_id="budget", policy=PolicyConfig(device="cpu"), context_budget_tokens=1_000_000
+        )
     )
     await worker.start(bus)
     try:

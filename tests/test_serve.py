@@ -41,7 +41,7 @@ from services.rollout_worker.service import RolloutWorkerService
 from services.rollout_worker.settings import RolloutWorkerSettings
 from services.weight_broadcaster.service import WeightBroadcasterService
 from services.weight_broadcaster.settings import WeightBroadcasterSettings
-from tests.conftest import wait_for
+from tests.conftest import state_trainer_policy, wait_for
 
 TOKENIZER = ByteTokenizer()
 TEMPLATE = chat_template_for(TOKENIZER)
@@ -432,6 +432,7 @@ async def test_the_official_openai_client_talks_to_it(start_serving: ServingFact
 
 async def test_rollout_worker_serves_and_records(bus: Bus, tmp_path: Path) -> None:
     await provision(bus.js)
+    await state_trainer_policy(bus.js)  # the test stages the trainer's weights itself
     broadcaster = WeightBroadcasterService(
         WeightBroadcasterSettings(staging_dir=tmp_path / "staging", encode_threads=1)
     )
@@ -439,7 +440,7 @@ async def test_rollout_worker_serves_and_records(bus: Bus, tmp_path: Path) -> No
     worker = RolloutWorkerService(
         RolloutWorkerSettings(
             worker_id="server-test",
-            device="cpu",
+            policy=PolicyConfig(device="cpu"),
             consume_tasks=False,
             serve_port=port,
             served_model_name=MODEL,
@@ -487,7 +488,8 @@ async def test_a_fixed_weights_replica_serves_at_once_and_ignores_new_versions(
     port = free_port()
     worker = RolloutWorkerService(
         RolloutWorkerSettings(
-            worker_id="fixed-judge", device="cpu", seed=3, consume_tasks=False,
+            worker_id="fixed-judge", policy=PolicyConfig(device="cpu", seed=3),
+            consume_tasks=False,
             follow_weights=False, serve_port=port, served_model_name=MODEL, drain_timeout_s=5.0,
         )
     )  # fmt: skip

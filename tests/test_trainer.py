@@ -23,9 +23,11 @@ from libs.engine.hf import HFEngine
 from libs.nats_server import NatsServer, free_port
 from libs.policy import PolicyConfig, build_policy, sequence_logprobs
 from libs.tokenizer import ByteTokenizer
+from libs.trainer.config import TrainerConfig
 from libs.trainer.cursor import ConsumedCursor
+from libs.trainer.eval_gate import EvalGateConfig
 from libs.trainer.groups import GroupBuffer
-from libs.trainer.loop import Trainer, TrainerConfig, learning_rate_at
+from libs.trainer.loop import Trainer, learning_rate_at
 from libs.trainer.step import StepConfig, train_step
 from proto import streams, subjects
 from proto.messages import Rollout, ScoredRollout, Task, Turn, WeightsStaged
@@ -113,7 +115,7 @@ def test_a_step_on_engine_samples_has_no_mismatch_and_favors_the_rewarded_answer
 
     before = rewarded_logprob()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    stats = train_step(model, optimizer, samples, 0, StepConfig(pad_id=TOKENIZER.pad_id))
+    stats = train_step(model, optimizer, samples, 0, StepConfig(), TOKENIZER.pad_id)
 
     assert stats.mismatch.num_tokens == sum(len(c.token_ids) for c in completions)
     assert stats.mismatch.mean_abs_diff < 1e-5 and abs(stats.mismatch.kl) < 1e-6
@@ -121,11 +123,10 @@ def test_a_step_on_engine_samples_has_no_mismatch_and_favors_the_rewarded_answer
     assert rewarded_logprob() > before
 
 
-def trainer_config(run_dir: Path, **overrides: object) -> TrainerConfig:
+def trainer_config(**overrides: object) -> TrainerConfig:
     fields: dict[str, object] = {
         "policy": PolicyConfig(preset="tiny"),
-        "step": StepConfig(pad_id=TOKENIZER.pad_id),
-        "run_dir": run_dir,
+        "eval": EvalGateConfig(every_versions=0),
         "batch_groups": 2,
         "max_staleness": 1,
         "checkpoint_every_steps": 2,
@@ -149,7 +150,7 @@ async def test_trainer_steps_on_groups_drops_stale_samples_and_stages_each_versi
     bus: Bus, tmp_path: Path
 ) -> None:
     await provision(bus.js)
-    trainer = Trainer(trainer_config(tmp_path, max_steps=2), bus, Publisher(bus.js))
+    trainer = Trainer(trainer_config(max_steps=2), tmp_path, bus, Publisher(bus.js))
     await trainer.setup()
     assert trainer.state.version == 0
     samples = [scored(g, i, float(i % 2)) for g in range(3) for i in range(4)]
@@ -235,7 +236,7 @@ async def test_groups_dropped_while_waiting_are_reported_to_the_feeder(
     bus: Bus, tmp_path: Path
 ) -> None:
     await provision(bus.js)
-    trainer = Trainer(trainer_config(tmp_path), bus, Publisher(bus.js))
+    trainer = Trainer(trainer_config(), tmp_path, bus, Publisher(bus.js))
     await trainer.setup()
     await publish_scored(bus, [scored(g, i, 1.0, version=-9) for g in range(2) for i in range(4)])
     running = asyncio.create_task(trainer.run())
@@ -251,10 +252,11 @@ async def test_groups_dropped_while_waiting_are_reported_to_the_feeder(
     assert trainer.state.step == 0
 
 
-def test_learning_rate_decays_linearly_to_its_floor_and_stays(tmp_path: Path) -> None:
+def test_learning_rate_decays_linearly_to_its_floor_and_stays() -> None:
     config = trainer_config(
-        tmp_path, learning_rate=1e-3, learning_rate_decay_steps=100, min_learning_rate_ratio=0.1
+        learning_rate=1e-3, learning_rate_decay_steps=100, min_learning_rate_ratio=0.1
     )
     rates = [learning_rate_at(config, step) for step in (0, 50, 100, 200)]
     assert rates == pytest.approx([1e-3, 5.5e-4, 1e-4, 1e-4])
-    assert learning_rate_at(trainer_config(tmp_path, learning_rate=2e-4), 10_000) == 2e-4
+    constant = trainer_config(learning_rate=2e-4, learning_rate_decay_steps=None)
+    assert learning_rate_at(constant, 10_000) == 2e-4

@@ -21,6 +21,7 @@ from libs.bus.connection import Bus, connect_bus
 from libs.bus.provision import provision
 from libs.bus.publisher import Publisher
 from libs.nats_server import NatsServer, free_port
+from libs.policy import PolicyConfig
 from libs.weights.broadcaster import WeightBroadcaster
 from libs.weights.encoder import EncodeOptions
 from libs.weights.handoff import stage_weights
@@ -30,7 +31,7 @@ from libs.weights.relay import RegionalWeightReceiver, mirror_status, prune_regi
 from libs.weights.tensors import raw_state
 from proto import streams
 from services.cli import main as cli_main
-from tests.conftest import wait_for
+from tests.conftest import state_trainer_policy, wait_for
 from tests.test_weight_broadcaster import assert_bit_exact, next_version
 
 HUB_DOMAIN = "hub"
@@ -319,7 +320,7 @@ async def test_a_rollout_worker_in_a_region_takes_its_weights_from_the_relay(
 ) -> None:
     """The worker's service connection is the hub (tasks, rollouts, the trainer's state);
     with `weights_nats_url` its weights come from the region's mirrors."""
-    from libs.policy import PolicyConfig, build_policy
+    from libs.policy import build_policy
     from services.rollout_worker.service import RolloutWorkerService
     from services.rollout_worker.settings import RolloutWorkerSettings
 
@@ -331,8 +332,10 @@ async def test_a_rollout_worker_in_a_region_takes_its_weights_from_the_relay(
 
     service_bus = await connect_bus(relay.hub.url, name="pytest-region-rollout-worker")
     await provision(service_bus.js)  # what `rlpipe run` does before the service starts
+    await state_trainer_policy(service_bus.js)
     settings = RolloutWorkerSettings(
-        worker_id="region-worker", device="cpu", seed=9, weights_nats_url=relay.region.url,
+        worker_id="region-worker", policy=PolicyConfig(device="cpu", seed=9),
+        weights_nats_url=relay.region.url,
         fetch_timeout_s=0.2, drain_timeout_s=2.0, http_port=0,
     )  # fmt: skip
     worker = RolloutWorkerService(settings)

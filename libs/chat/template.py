@@ -6,7 +6,9 @@ the engine sampled them, then `render_continuation(...)` for the messages that f
 results, a user message) and the next generation prompt. Serve mode renders whole
 conversations with `render`.
 
-Two templates:
+Three templates:
+- `PlainTextTemplate` (single-turn text environments such as `arith`, whose opening is a bare
+  `observation`): the text's ids alone, no role markers; the tokenizer's eos ends a turn.
 - `ByteChatTemplate` (the embedded byte tokenizer): `<|system|>`, `<|user|>`, `<|assistant|>`
   special ids, the content's UTF-8 bytes, then `<|eos|>` to end the message.
 - `ChatMLTemplate` (local HF tokenizers with `<|im_start|>`/`<|im_end|>`, e.g. Qwen):
@@ -29,6 +31,10 @@ from proto.messages import ChatMessage, ToolResult, ToolSpec
 
 class ChatTemplate(abc.ABC):
     """Renders messages to token ids for one tokenizer."""
+
+    supports_summaries: bool = True
+    """Whether the policy can be asked to summarize in this format (a chat has turns to ask
+    in; a bare text prompt does not)."""
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
@@ -82,6 +88,25 @@ class ChatTemplate(abc.ABC):
     ) -> list[int]:
         """`render_continuation_body`, then the next generation prompt."""
         return [*self.render_continuation_body(generated_ids, messages), *self.generation_prompt()]
+
+
+class PlainTextTemplate(ChatTemplate):
+    """Bare text: a message is its content's ids; nothing opens or closes a turn."""
+
+    supports_summaries = False
+
+    @property
+    def stop_token_ids(self) -> tuple[int, ...]:
+        return (self.tokenizer.eos_id,)
+
+    def render_message(self, message: ChatMessage) -> list[int]:
+        return self.tokenizer.encode(message.content)
+
+    def generation_prompt(self) -> list[int]:
+        return []
+
+    def end_of_assistant(self, generated_ids: Sequence[int]) -> list[int]:
+        return []
 
 
 class ByteChatTemplate(ChatTemplate):

@@ -1,7 +1,11 @@
 """Engine config and the one factory that builds the backend its `type` names.
 
-engine = build_engine(EngineConfig())                      # hf, tiny model, byte tokens
-engine = build_engine(EngineConfig(policy=PolicyConfig(path="ckpt"), tokenizer="ckpt"))
+engine = build_engine(EngineConfig(), PolicyConfig())               # hf, tiny model, byte tokens
+engine = build_engine(EngineConfig(), PolicyConfig(path="ckpt"))    # a folder, its tokenizer
+engine = build_engine(EngineConfig(), policy, model=trainer_model)  # over a live model
+
+The policy (model and tokenizer) is described once, by `PolicyConfig`; the engine config says
+only how to run it.
 """
 
 from __future__ import annotations
@@ -9,11 +13,11 @@ from __future__ import annotations
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+from transformers import PreTrainedModel
 
 from libs.engine.base import InferenceEngine
 from libs.engine.hf import HFEngine
-from libs.policy import PolicyConfig, build_policy
-from libs.tokenizer import load_tokenizer
+from libs.policy import PolicyConfig, build_policy, check_vocabulary, load_policy_tokenizer
 
 EngineType = Literal["hf", "vllm", "openai"]
 NOT_BUILT_YET: dict[str, str] = {
@@ -23,31 +27,29 @@ NOT_BUILT_YET: dict[str, str] = {
 
 
 class EngineConfig(BaseModel):
-    """Which inference backend to run, on which policy and tokenizer."""
+    """Which inference backend runs the policy, and how."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     type: EngineType = "hf"
     """Backend: "hf" (torch/transformers, in process); "vllm" and "openai" are planned."""
-    policy: PolicyConfig = Field(default_factory=PolicyConfig)
-    """Model to load (preset or local folder), its dtype and device."""
-    tokenizer: str = "byte"
-    """"byte" for the embedded byte tokenizer, else a local folder with tokenizer files."""
-    max_batch_rows: int = 64
+    max_batch_rows: int = Field(64, ge=1)
     """Most sequences decoded together; larger requests run in chunks of this many rows."""
-    initial_policy_version: int = 0
+    initial_policy_version: int = Field(0, ge=0)
     """Version reported until the first weight update (the version of the loaded weights)."""
 
 
-def build_engine(config: EngineConfig) -> InferenceEngine:
-    """The engine `config.type` names, ready to generate."""
+def build_engine(
+    config: EngineConfig, policy: PolicyConfig, model: PreTrainedModel | None = None
+) -> InferenceEngine:
+    """The engine `config.type` names, running `policy` with its tokenizer.
+
+    `model` is a model already built from `policy` (the trainer's live one, which its eval
+    gate decodes with); without it the engine builds its own.
+    """
     if config.type in NOT_BUILT_YET:
         raise NotImplementedError(NOT_BUILT_YET[config.type])
-    tokenizer = load_tokenizer(config.tokenizer)
-    model = build_policy(config.policy)
-    if tokenizer.vocab_size > model.config.vocab_size:
-        raise ValueError(
-            f"tokenizer {config.tokenizer!r} has {tokenizer.vocab_size} ids but the model embeds "
-            f"{model.config.vocab_size}; set policy.vocab_size >= {tokenizer.vocab_size}"
-        )
+    tokenizer = load_policy_tokenizer(policy)
+    model = build_policy(policy) if model is None else model
+    check_vocabulary(model, tokenizer, policy)
     return HFEngine(model, tokenizer, config.max_batch_rows, config.initial_policy_version)

@@ -66,7 +66,9 @@ class ArithmeticEpisode(Episode):
         self.answer = answer
 
     async def step(self, action: str, tool_calls: Sequence[ToolCall] = ()) -> StepResult:
-        return StepResult(done=True, info={"correct": leading_digits(action) == self.answer})
+        # The verdict travels on the rollout (env_info): reward reads it instead of re-checking.
+        correct = leading_digits(action) == self.answer
+        return StepResult(done=True, info={"answer_correct": correct, "expected": self.answer})
 
 
 class ArithmeticEnv(Environment):

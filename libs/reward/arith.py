@@ -1,6 +1,7 @@
 """Criteria of the built-in arithmetic task (libs.envs.arithmetic).
 
-- exact_match (0.8): the final answer, cut at its first non-digit, equals spec["answer"].
+- exact_match (0.8): the environment's verdict, or (for a rollout without one) the final
+  answer, cut at its first non-digit, equals spec["answer"].
 - format (0.2): 1.0 when the completion is only digits and the policy ended it itself
   (eos: finish_reason "stop"), else 0.
 
@@ -23,7 +24,13 @@ FORMAT_WEIGHT = 0.2
 
 
 def exact_match(rollout: Rollout, task: Task) -> tuple[float, str]:
+    """The environment's verdict (env_info answer_correct) when it gave one, else the final
+    answer's leading digits against spec["answer"]."""
     expected = str(task.spec["answer"])
+    if "answer_correct" in rollout.env_info:
+        if rollout.env_info["answer_correct"]:
+            return 1.0, f"env: answer correct ({expected!r})"
+        return 0.0, f"env: answer wrong, expected {expected!r}"
     answer = leading_digits(final_assistant_text(rollout))
     if answer == expected:
         return 1.0, f"answer {answer!r} is correct"

@@ -2,13 +2,12 @@
 following weight versions (see each module's docstring)."""
 
 from libs.rollout.batcher import GenerationBatcher, ThroughputMeter
-from libs.rollout.episode import RunnerSettings, SingleTurnRunner, rollout_id
+from libs.rollout.episode import RunnerSettings, rollout_id
 from libs.rollout.weights_follower import WeightsFollower, WeightsMismatchError
 
 __all__ = [
     "GenerationBatcher",
     "RunnerSettings",
-    "SingleTurnRunner",
     "ThroughputMeter",
     "WeightsFollower",
     "WeightsMismatchError",

@@ -3,11 +3,15 @@
     runner = AgentRunner(EnvClient(bus.nc), tokenizer, batcher.generate, runner_settings)
     rollouts = await runner.run(task)       # task.group_size Rollouts, ready to publish
 
-Per sample, one episode on env-gateway. A reset that answers with a plain `observation` (a
-single-turn text environment such as `arith`) is rolled out by `SingleTurnRunner`; one that
-answers with `messages` and `tools` runs the turn loop:
+This is the one rollout path: every rollout, evaluation included, runs here. Per sample, one
+episode on env-gateway (a reset per sample, so an environment may open each differently).
+A reset that answers with `messages` and `tools` is a chat; one that answers with a bare
+`observation` (a single-turn text environment such as `arith`) is plain text: the same loop
+with `PlainTextTemplate` (no role markers, the tokenizer's eos ends the turn), usually ended
+by the environment after one action. The environment's verdict (the final step's `info`)
+is kept on the rollout, so reward uses it where the environment already decided.
 
-    context  <- chat template of the opening messages, tools listed in the system message
+    context  <- template of the opening messages, tools listed in the system message
     repeat up to max_turns:
         assistant turn <- engine(context + generation prompt)     ids and logprobs kept as is
         calls <- parse the turn's text (libs.chat.tool_calls); none: the final answer
@@ -26,9 +30,14 @@ restarts from the opening messages and that summary (a new `Turn.segment`). Each
 one training row sharing the episode's reward. The budget is a worker setting, so the trigger
 is the same for every sample of a group.
 
-Errors: an env error ends the episode with finish reason `env_error` and the kind recorded
-(`Rollout.env_error`); an episode past `episode_timeout_s` ends as `timeout`; both are still
-published, and reward decides what they are worth. Engine failures propagate.
+Finish reasons: an episode the environment ends takes its last completion's reason (`stop`
+when the policy ended the turn, `length` when max_tokens cut it), so a reward can tell a
+clean answer from a truncated one. An env error ends the episode with finish reason
+`env_error` and the kind recorded (`Rollout.env_error`); an episode past
+`episode_timeout_s` ends as `timeout`; both are still published, and reward decides what
+they are worth. A failed reset (no episode of the group could start) raises the EnvError
+after closing the episodes that did open: the caller retries the task or, for
+`bad_request`, rejects it. Engine failures propagate.
 """
 
 from __future__ import annotations
@@ -36,17 +45,23 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import structlog
 
-from libs.chat.template import ChatTemplate, chat_template_for, render_tool_results
+from libs.chat.template import (
+    ChatTemplate,
+    PlainTextTemplate,
+    chat_template_for,
+    render_tool_results,
+)
 from libs.chat.tool_calls import ParsedTurn, parse_tool_calls
 from libs.engine.base import Completion, SamplingParams
 from libs.envs.client import EnvClient, EnvError
-from libs.rollout.episode import GenerateFn, RolloutFinish, RunnerSettings, SingleTurnRunner
+from libs.rollout.episode import GenerateFn, RolloutFinish, RunnerSettings
 from libs.rollout.episode import rollout_id as make_rollout_id
 from libs.tokenizer import Tokenizer
 from proto import messages as m
@@ -153,13 +168,15 @@ class EpisodeEnd:
     """How an episode ended."""
 
     finish_reason: RolloutFinish
+    env_done: bool = False
+    """The environment ended the episode (nothing left to close)."""
     env_info: dict[str, Any] = field(default_factory=dict)
     env_error: str = ""
     env_error_message: str = ""
 
 
 class AgentRunner:
-    """Rolls out tasks as groups of multi-turn episodes (single-turn envs pass through)."""
+    """Rolls out tasks as groups of episodes: chats with tools, or plain-text turns."""
 
     def __init__(
         self,
@@ -176,19 +193,46 @@ class AgentRunner:
         self.settings = settings
         self.agent = agent or AgentSettings()
         self.template = template or chat_template_for(tokenizer)
-        self.single_turn = SingleTurnRunner(env, tokenizer, generate, settings)
+        self.plain = PlainTextTemplate(tokenizer)
 
     async def run(self, task: Task) -> list[Rollout]:
         """`task.group_size` finished rollouts of `task`, in sample order."""
-        openings = await self.single_turn.reset_all(task)
-        if not any(opening.messages or opening.tools for opening in openings):
-            return await self.single_turn.run_opened(task, openings)
+        openings = await self.reset_all(task)
         try:
             episodes = (self.run_episode(task, i, o) for i, o in enumerate(openings))
             return list(await asyncio.gather(*episodes))
         except BaseException:
-            await self.single_turn.close_all(task, openings)
+            await self.close_all(task, openings)
             raise
+
+    async def reset_all(self, task: Task) -> list[EnvResetReply]:
+        """One open episode per sample; on any failure, close the rest and raise."""
+        if task.group_size < 1:
+            raise ValueError(f"task {task.task_id}: group_size must be >= 1, got {task.group_size}")
+        # Fresh episode ids: a redelivered task must not resume a half-done earlier episode.
+        nonce = uuid.uuid4().hex[:8]
+        ids = [f"{make_rollout_id(task.task_id, i)}-{nonce}" for i in range(task.group_size)]
+        timeout_s = self.settings.reset_timeout_s
+        replies = await asyncio.gather(
+            *(self.env.reset(task, timeout_s, episode_id) for episode_id in ids),
+            return_exceptions=True,
+        )
+        opened = [r for r in replies if isinstance(r, EnvResetReply)]
+        failed = [r for r in replies if not isinstance(r, EnvResetReply)]
+        if failed:
+            await self.close_all(task, opened)
+            raise failed[0]
+        return opened
+
+    async def close_all(self, task: Task, openings: list[EnvResetReply]) -> None:
+        """Close episodes best-effort (the gateway expires what this misses)."""
+        for opening in openings:
+            with contextlib.suppress(EnvError):
+                await self.env.close(opening.episode_id, task.env)
+
+    def template_for(self, opening: EnvResetReply) -> ChatTemplate:
+        """The chat template for a chat opening, plain text for a bare observation."""
+        return self.template if opening.messages or opening.tools else self.plain
 
     async def run_episode(self, task: Task, index: int, opening: EnvResetReply) -> Rollout:
         """Run one opened episode to its end and record it."""
@@ -203,7 +247,7 @@ class AgentRunner:
         except EnvError as exc:
             log.warning("env error ended episode", task_id=task.task_id, error=str(exc))
             end = EpisodeEnd("env_error", env_error=exc.kind, env_error_message=str(exc)[:2000])
-        if end.finish_reason != "stop" and not end.env_error:
+        if not end.env_done and not end.env_error:
             with contextlib.suppress(EnvError):
                 await self.env.close(opening.episode_id, task.env)
         transcript.flush(self.tokenizer)
@@ -229,34 +273,39 @@ class AgentRunner:
     ) -> EpisodeEnd:
         tools = opening.tools
         tool_names = {tool.name for tool in tools}
+        template = self.template_for(opening)
         params = self._params(opening)
         max_turns = min(opening.max_turns or self.agent.max_turns, self.agent.max_turns)
         transcript.queue(self._opening_ids(opening), "user")
         for turn_index in range(max_turns):
             if not await self._make_room(opening, transcript, params.max_tokens):
                 return EpisodeEnd("length")
-            completion, text = await self._assistant_turn(transcript, params)
+            completion, text = await self._assistant_turn(transcript, params, template)
             transcript.count(m.EPISODE_STAT_TURNS)
             parsed = parse_tool_calls(text, tool_names, f"call-{turn_index}")
             reply = await self._step(task, opening, text, parsed, transcript)
             if reply.done:
-                return EpisodeEnd("stop", env_info=dict(reply.info))
+                return EpisodeEnd(
+                    completion.finish_reason, env_done=True, env_info=dict(reply.info)
+                )
             follow = self._follow_up(parsed, reply)
             transcript.queue(
-                self.template.render_continuation_body(completion.token_ids, follow),
+                template.render_continuation_body(completion.token_ids, follow),
                 "tool" if parsed.calls or parsed.invalid else "user",
             )
         return EpisodeEnd("max_turns")
 
     def _opening_ids(self, opening: EnvResetReply) -> list[int]:
         messages = opening.messages or [ChatMessage(role="user", content=opening.observation)]
-        return self.template.render(messages, tools=opening.tools, add_generation_prompt=False)
+        return self.template_for(opening).render(
+            messages, tools=opening.tools, add_generation_prompt=False
+        )
 
     async def _assistant_turn(
-        self, transcript: Transcript, params: SamplingParams
+        self, transcript: Transcript, params: SamplingParams, template: ChatTemplate
     ) -> tuple[Completion, str]:
         """Generate one assistant turn on the segment's context (generation prompt added)."""
-        transcript.queue(self.template.generation_prompt(), "user")
+        transcript.queue(template.generation_prompt(), "user")
         transcript.flush(self.tokenizer)
         completion = (await self.generate([list(transcript.context)], params))[0]
         text = self.tokenizer.decode(completion.token_ids)
@@ -300,11 +349,12 @@ class AgentRunner:
         self, opening: EnvResetReply, transcript: Transcript, turn_max_tokens: int
     ) -> bool:
         """Summarize when the next turn could pass the budget; False when it cannot fit."""
-        needed = len(self.template.generation_prompt()) + turn_max_tokens
+        template = self.template_for(opening)
+        needed = len(template.generation_prompt()) + turn_max_tokens
         budget = self.agent.context_budget_tokens
         if self._context_length(transcript) + needed <= budget:
             return True
-        if not self.agent.summarize:
+        if not self.agent.summarize or not template.supports_summaries:
             return False
         if transcript.stats.get(m.EPISODE_STAT_SEGMENTS, 1) > self.agent.max_summaries:
             return False
@@ -319,7 +369,7 @@ class AgentRunner:
         request = ChatMessage(role="user", content=SUMMARY_REQUEST)
         transcript.queue(self.template.render_message(request), "user")
         params = self._params(opening, max_tokens=self.agent.summary_max_tokens)
-        completion, summary = await self._assistant_turn(transcript, params)
+        completion, summary = await self._assistant_turn(transcript, params, self.template)
         log.debug(
             "episode summarized", segment=transcript.segment, tokens=len(completion.token_ids)
         )
@@ -344,7 +394,8 @@ class AgentRunner:
         limit = max_tokens or opening.max_tokens
         if limit < 1:
             raise ValueError(f"the environment allows {limit} tokens; it must allow >= 1")
-        stop_ids = tuple(dict.fromkeys((*self.template.stop_token_ids, self.tokenizer.eos_id)))
+        template = self.template_for(opening)
+        stop_ids = tuple(dict.fromkeys((*template.stop_token_ids, self.tokenizer.eos_id)))
         return SamplingParams(
             temperature=self.settings.temperature,
             top_p=self.settings.top_p,

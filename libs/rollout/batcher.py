@@ -2,11 +2,11 @@
 
 The engine is one model; decoding 8 tasks' groups together costs little more than one.
 Each task handler awaits `batcher.generate(prompts, params)`; the batcher's `run` loop takes
-every pending request that can share a call (same sampling rule, up to `max_batch_tasks`
-requests), runs `engine.generate` in a worker thread so the event loop keeps serving the
+every pending request that can share a call (same sampling rule, up to `max_batch_rows`
+prompt rows in all), runs `engine.generate` in a worker thread so the event loop keeps serving the
 bus, and resolves each request with its own completions:
 
-    batcher = GenerationBatcher(engine, max_batch_tasks=8)
+    batcher = GenerationBatcher(engine, max_batch_rows=1024)
     asyncio.create_task(batcher.run())
     completions = await batcher.generate([prompt_ids] * 8, SamplingParams(max_tokens=4))
 
@@ -35,14 +35,19 @@ from libs.engine.base import Completion, ContinuationScores, InferenceEngine, Sa
 
 log = structlog.get_logger(__name__)
 
+# Prompt rows one engine call takes at most. The engine decodes them in chunks of its own
+# max_batch_rows; a larger call only lets more requests start together (a GRPO group's
+# single-turn episodes are one request each).
+DEFAULT_MAX_BATCH_ROWS = 1024
+
 GENERATED_TOKENS = Counter("rlpipe_rollout_generated_tokens_total", "Tokens sampled by the engine")
 GENERATE_SECONDS = Counter(
     "rlpipe_rollout_generate_seconds_total", "Time spent inside engine.generate"
 )
-BATCH_TASKS = Histogram(
+BATCH_REQUESTS = Histogram(
     "rlpipe_rollout_batch_requests",
-    "Requests (tasks) decoded together in one generate call",
-    buckets=(1, 2, 4, 8, 16, 32, 64),
+    "Requests (episode turns, task groups, API calls) decoded together in one generate call",
+    buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512),
 )
 BUSY_FRACTION = Gauge(
     "rlpipe_rollout_busy_ratio", "Fraction of recent wall time spent inside engine.generate"
@@ -109,14 +114,14 @@ class GenerationBatcher:
         self,
         engine: InferenceEngine,
         *,
-        max_batch_tasks: int = 8,
+        max_batch_rows: int = DEFAULT_MAX_BATCH_ROWS,
         batch_window_s: float = 0.005,
         meter: ThroughputMeter | None = None,
     ) -> None:
-        if max_batch_tasks < 1:
-            raise ValueError(f"max_batch_tasks must be >= 1, got {max_batch_tasks}")
+        if max_batch_rows < 1:
+            raise ValueError(f"max_batch_rows must be >= 1, got {max_batch_rows}")
         self.engine = engine
-        self.max_batch_tasks = max_batch_tasks
+        self.max_batch_rows = max_batch_rows
         self.batch_window_s = batch_window_s
         self.meter = meter or ThroughputMeter()
         self.gate = asyncio.Lock()
@@ -172,11 +177,13 @@ class GenerationBatcher:
         while not self._pending:
             self._arrived.clear()
             await self._arrived.wait()
-        if len(self._pending) < self.max_batch_tasks and self.batch_window_s > 0:
+        pending_rows = sum(len(request.prompts) for request in self._pending)
+        if pending_rows < self.max_batch_rows and self.batch_window_s > 0:
             await asyncio.sleep(self.batch_window_s)
 
     def _take_batch(self) -> list[_Request]:
-        """The oldest live request and up to max_batch_tasks - 1 later ones that match it."""
+        """The oldest live request and the later ones that match it, while their rows fit in
+        max_batch_rows (the oldest goes even if it alone is larger: the engine chunks it)."""
         while self._pending and self._pending[0].future.done():  # its task was cancelled
             self._pending.popleft()
         if not self._pending:
@@ -184,11 +191,14 @@ class GenerationBatcher:
         key = self._pending[0].key
         batch: list[_Request] = []
         kept: deque[_Request] = deque()
+        rows = 0
         for request in self._pending:
             if request.future.done():
                 continue
-            if len(batch) < self.max_batch_tasks and request.key == key:
+            fits = not batch or rows + len(request.prompts) <= self.max_batch_rows
+            if fits and request.key == key:
                 batch.append(request)
+                rows += len(request.prompts)
             else:
                 kept.append(request)
         self._pending = kept
@@ -238,7 +248,7 @@ class GenerationBatcher:
         end = time.monotonic()
         self.num_calls += 1
         self.largest_batch = max(self.largest_batch, len(batch))
-        BATCH_TASKS.observe(len(batch))
+        BATCH_REQUESTS.observe(len(batch))
         out: list[list[Completion]] = []
         at = 0
         for request in batch:

@@ -1,10 +1,10 @@
 """Trainer checkpoints: model, optimizer, and how far each input stream was consumed.
 
-Layout: `<dir>/step-<N>/` with `config.json` + `model.safetensors` (loadable as a policy
-folder), `optimizer.pt`, and `state.json` (step, version, cursors, online baselines). A
-checkpoint is written to a temporary folder and renamed into place, so a crash mid-write
-leaves the previous one intact; `latest_checkpoint` only ever sees complete folders. The
-newest `keep` are kept.
+Layout: `<dir>/step-<N>/` with `config.json` + `model.safetensors` and the tokenizer's files
+(a model folder: `policy_path` or `transformers` load it as is), `optimizer.pt`, and
+`state.json` (step, version, cursors, online baselines). A checkpoint is written to a
+temporary folder and renamed into place, so a crash mid-write leaves the previous one
+intact; `latest_checkpoint` only ever sees complete folders. The newest `keep` are kept.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from transformers import PreTrainedModel
 
 from libs.policy import save_policy
 from libs.rl.online import OnlineBaselines
+from libs.tokenizer import Tokenizer, save_tokenizer
 from libs.trainer.cursor import ConsumedCursor
 
 STATE_FILE = "state.json"
@@ -52,13 +53,16 @@ def save_checkpoint(
     state: TrainerState,
     model: PreTrainedModel,
     optimizer: torch.optim.Optimizer,
+    tokenizer: Tokenizer,
     keep: int = 2,
 ) -> Path:
-    """Write a complete checkpoint for `state.step`; returns its folder."""
+    """Write a complete checkpoint for `state.step`; returns its folder, a model folder that
+    transformers loads with its tokenizer."""
     final = directory / f"step-{state.step:08d}"
     partial = directory / f".step-{state.step:08d}.partial"
     shutil.rmtree(partial, ignore_errors=True)
     save_policy(model, partial)
+    save_tokenizer(tokenizer, partial)
     torch.save(optimizer.state_dict(), partial / "optimizer.pt")
     (partial / STATE_FILE).write_bytes(msgspec.json.encode(state))
     shutil.rmtree(final, ignore_errors=True)

@@ -1,6 +1,6 @@
 """The eval gate: a version is promoted to serving only if held-out tasks do not regress.
 
-    gate = EvalGate(EvalGateConfig(every_versions=10, num_tasks=32, margin=0.02), tokenizer)
+    gate = EvalGate(EvalGateConfig(every_versions=10), policy, tokenizer, EnvClient(nc))
     await gate.setup(js)                          # the last decision on the bus, if any
     if gate.due(version):
         decision = await gate.decide_on(model, version, publisher, js)
@@ -12,12 +12,13 @@ difficulty, i), so the held-out stream is fixed and its task ids never name a tr
 Problem texts can still coincide where the problem space is small (arith difficulty 0 has
 ten), so the gate measures regression there, not generalization.
 
-Each candidate is scored with the trainer's weights, greedy (the `hf` engine), by the
-environment's own rubric (`libs.reward.rubric_for`, without the reward service's judge
-criteria), the score being the mean reward. `arith` runs in-process; any other environment
-runs its held-out episodes through env-gateway with the multi-turn harness (the gateway
-must serve it). If the episodes cannot run (no gateway), the gate decides nothing this time,
-says so, and tries again at the next published version: nothing is promoted unevaluated.
+Each candidate is scored with the trainer's weights, greedy, by the environment's own rubric
+(`libs.reward.rubric_for`, without the reward service's judge criteria), the score being
+the mean reward. The episodes run the way rollouts do: an engine from the engine factory
+over the trainer's live model and the policy's own tokenizer, the one harness
+(`libs.rollout.agent`), env-gateway serving the environment. If the episodes cannot run (no
+gateway), the gate decides nothing this time, says so, and tries again at the next
+published version: nothing is promoted unevaluated.
 A candidate is promoted when `candidate >= promoted - margin` (a negative margin demands an
 improvement); the first version evaluated, with nothing promoted yet, is promoted. Each
 decision is published as a PromotionDecision on RL_PROMOTIONS (msg id
@@ -30,28 +31,28 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
 
 import structlog
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 from prometheus_client import Counter, Gauge
+from pydantic import BaseModel, ConfigDict, Field
 from transformers import PreTrainedModel
 
 from libs.bus import wire
 from libs.bus.publisher import Publisher
-from libs.engine.base import Completion, SamplingParams
-from libs.engine.hf import HFEngine
-from libs.envs.arithmetic import ArithmeticEnv
+from libs.engine.base import InferenceEngine
+from libs.engine.factory import EngineConfig, build_engine
 from libs.envs.base import make_env
 from libs.envs.client import EnvClient, EnvError
+from libs.policy import PolicyConfig
 from libs.reward import rubric_for
 from libs.rollout.agent import AgentRunner, AgentSettings
 from libs.rollout.batcher import GenerationBatcher
 from libs.rollout.episode import RunnerSettings
 from libs.tokenizer import Tokenizer
 from proto import streams, subjects
-from proto.messages import PromotionDecision, Rollout, Task, Turn
+from proto.messages import PromotionDecision, Task
 
 log = structlog.get_logger(__name__)
 
@@ -63,28 +64,24 @@ PROMOTED_VERSION = Gauge("rlpipe_trainer_promoted_policy_version", "Version prom
 DECISIONS = Counter("rlpipe_trainer_eval_decisions_total", "Eval-gate decisions", ["outcome"])
 
 
-@dataclass(frozen=True)
-class EvalGateConfig:
-    """When and how strictly versions are gated."""
+class EvalGateConfig(BaseModel):
+    """When and how strictly versions are gated (the trainer's `eval` settings)."""
 
-    every_versions: int = 0
-    """Evaluate a published version once this many versions passed the last one (0: off)."""
-    num_tasks: int = 32
-    margin: float = 0.02
-    """Allowed drop of the held-out score below the promoted version's."""
-    difficulty: int = 0
-    task_seed: int = DEFAULT_EVAL_SEED
-    env: str = ArithmeticEnv.name
-    """Environment of the held-out tasks (arith in-process; others through env-gateway)."""
-    max_turns: int = 8
-    """Most assistant turns of a held-out episode (multi-turn environments)."""
+    model_config = ConfigDict(frozen=True, extra="forbid")
 
-    def __post_init__(self) -> None:
-        if self.every_versions < 0 or self.num_tasks < 1:
-            raise ValueError(
-                f"eval gate: every_versions must be >= 0 (0: off) and num_tasks >= 1, got "
-                f"{self.every_versions} and {self.num_tasks}"
-            )
+    every_versions: int = Field(
+        10, ge=0, description="Gate a published version every N versions (0: no gate)"
+    )
+    num_tasks: int = Field(32, ge=1, description="Held-out tasks per evaluation")
+    margin: float = Field(
+        0.02, description="Allowed held-out score drop vs the promoted version (<0: must improve)"
+    )
+    difficulty: int = Field(0, ge=0, description="Difficulty of the held-out tasks")
+    task_seed: int = Field(
+        DEFAULT_EVAL_SEED, description="Seed of the held-out tasks; never the feeder's seed"
+    )
+    env: str = Field("arith", description="Environment of the held-out tasks (env-gateway)")
+    max_turns: int = Field(8, ge=1, description="Most assistant turns of a held-out episode")
 
     @property
     def enabled(self) -> bool:
@@ -100,35 +97,15 @@ def held_out_tasks(config: EvalGateConfig) -> list[Task]:
 
 
 async def evaluate(
-    model: PreTrainedModel,
-    tokenizer: Tokenizer,
-    tasks: list[Task],
-    env_client: EnvClient | None = None,
-    max_turns: int = 8,
-) -> float:
-    """Mean rubric reward of greedy episodes of `tasks`: arith in-process (a worker thread),
-    other environments through env-gateway with `env_client` (EnvError when they cannot)."""
-    env = tasks[0].env
-    if env == ArithmeticEnv.name or env_client is None:
-        rollouts = await asyncio.to_thread(greedy_rollouts, model, tokenizer, tasks)
-    else:
-        rollouts = await harness_rollouts(model, tokenizer, tasks, env_client, max_turns)
-    rubric = rubric_for(env)
-    rewards = [
-        (await rubric.score(r, task)).reward for r, task in zip(rollouts, tasks, strict=True)
-    ]
-    return sum(rewards) / len(rewards)
-
-
-async def harness_rollouts(
-    model: PreTrainedModel,
+    engine: InferenceEngine,
     tokenizer: Tokenizer,
     tasks: list[Task],
     env_client: EnvClient,
     max_turns: int,
-) -> list[Rollout]:
-    """One greedy episode per task through env-gateway, generation batched across episodes."""
-    batcher = GenerationBatcher(HFEngine(model, tokenizer), max_batch_tasks=len(tasks))
+) -> float:
+    """Mean rubric reward of one greedy episode per task through env-gateway, generation
+    batched across episodes (EnvError when the episodes cannot run)."""
+    batcher = GenerationBatcher(engine)
     batcher.open.set()
     running = asyncio.create_task(batcher.run(), name="eval-gate-batcher")
     runner = AgentRunner(
@@ -143,49 +120,12 @@ async def harness_rollouts(
     finally:
         running.cancel()
         await asyncio.gather(running, return_exceptions=True)
-    return [group[0] for group in groups]
-
-
-def greedy_rollouts(
-    model: PreTrainedModel, tokenizer: Tokenizer, tasks: list[Task]
-) -> list[Rollout]:
-    """One greedy completion per task, as a one-turn rollout, in task order (blocking)."""
-    engine = HFEngine(model, tokenizer)
-    rollouts: dict[str, Rollout] = {}
-    # Tasks are decoded in batches of equal max_tokens: each gets the length it trains with.
-    by_length: dict[int, list[Task]] = {}
-    for task in tasks:
-        by_length.setdefault(int(task.spec.get("max_tokens", 8)), []).append(task)
-    for max_tokens, batch in by_length.items():
-        prompts = [tokenizer.encode(task.prompt) for task in batch]
-        params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-        completions = engine.generate(prompts, params)
-        for task, prompt, completion in zip(batch, prompts, completions, strict=True):
-            rollouts[task.task_id] = _rollout(task, prompt, completion, tokenizer)
-    return [rollouts[task.task_id] for task in tasks]
-
-
-def _rollout(
-    task: Task, prompt: list[int], completion: Completion, tokenizer: Tokenizer
-) -> Rollout:
-    """A one-turn rollout of `completion`, for the rubric."""
-    return Rollout(
-        rollout_id=f"eval-{task.task_id}",
-        task_id=task.task_id,
-        group_id=task.task_id,
-        sample_index=0,
-        env=task.env,
-        turns=[
-            Turn(role="user", token_ids=prompt, text=task.prompt),
-            Turn(
-                role="assistant",
-                token_ids=completion.token_ids,
-                text=tokenizer.decode(completion.token_ids),
-            ),
-        ],
-        finish_reason=completion.finish_reason,
-        task=task,
-    )
+    rubric = rubric_for(tasks[0].env)
+    rewards = [
+        (await rubric.score(group[0], task)).reward
+        for group, task in zip(groups, tasks, strict=True)
+    ]
+    return sum(rewards) / len(rewards)
 
 
 def decide(
@@ -258,9 +198,14 @@ class EvalGate:
     """Decides, every `every_versions` published versions, whether the new one may serve."""
 
     def __init__(
-        self, config: EvalGateConfig, tokenizer: Tokenizer, env_client: EnvClient | None = None
+        self,
+        config: EvalGateConfig,
+        policy: PolicyConfig,
+        tokenizer: Tokenizer,
+        env_client: EnvClient,
     ) -> None:
         self.config = config
+        self.policy = policy
         self.tokenizer = tokenizer
         self.env_client = env_client
         self.tasks = held_out_tasks(config)
@@ -285,9 +230,10 @@ class EvalGate:
         """Evaluate `model` as `version`, decide, and record the decision on the bus; None
         (nothing decided, nothing promoted) when the held-out episodes cannot run."""
         started_s = time.monotonic()
+        engine = await asyncio.to_thread(build_engine, EngineConfig(), self.policy, model)
         try:
             score = await evaluate(
-                model, self.tokenizer, self.tasks, self.env_client, self.config.max_turns
+                engine, self.tokenizer, self.tasks, self.env_client, self.config.max_turns
             )
         except EnvError as exc:
             DECISIONS.labels("not_evaluated").inc()

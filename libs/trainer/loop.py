@@ -37,23 +37,23 @@ from libs.bus.publisher import Publisher
 from libs.bus.stream_reader import StreamReader
 from libs.envs.client import EnvClient
 from libs.logs import bind_context
-from libs.policy import PolicyConfig, build_policy
+from libs.policy import build_policy, check_vocabulary, load_policy_tokenizer, tokenizer_spec
+from libs.policy_identity import describe_policy, store_identity
 from libs.rl import MismatchStats, PolicyLossStats, split_by_staleness, staleness_histogram
-from libs.rl.online import DEFAULT_SIGNAL_REWARDS
-from libs.tokenizer import ByteTokenizer
 from libs.trainer.checkpoint import (
     TrainerState,
     latest_checkpoint,
     load_optimizer_state,
     save_checkpoint,
 )
-from libs.trainer.eval_gate import EvalGate, EvalGateConfig
+from libs.trainer.config import TrainerConfig
+from libs.trainer.eval_gate import EvalGate
 from libs.trainer.groups import Group, GroupBuffer
 from libs.trainer.metrics import StepLog, StepRecord
 from libs.trainer.mix import Stream, choose_stream, scheduled_stream
 from libs.trainer.online_source import OnlineSource, OnlineTake
-from libs.trainer.online_step import OnlineConfig, OnlineStepStats, train_online_step
-from libs.trainer.step import StepConfig, StepStats, train_step
+from libs.trainer.online_step import OnlineStepStats, train_online_step
+from libs.trainer.step import StepStats, train_step
 from libs.weights.handoff import default_staging_dir, stage_weights
 from proto import streams, subjects
 from proto.messages import OnlineSample, ScoredRollout
@@ -61,36 +61,15 @@ from proto.messages import OnlineSample, ScoredRollout
 log = structlog.get_logger(__name__)
 
 
-@dataclass(frozen=True)
-class TrainerConfig:
-    """Everything the loop needs; built from the service's settings."""
+# Scored or online messages read from the stream at once.
+READ_BATCH = 256
 
-    policy: PolicyConfig
-    step: StepConfig
+
+@dataclass(frozen=True)
+class RunPaths:
+    """Where a trainer keeps its state under the run folder."""
+
     run_dir: Path
-    learning_rate: float = 1e-3
-    # Linear decay of the learning rate to `min_learning_rate_ratio` of it over this many
-    # steps (None: constant). With a constant rate the tiny default policy, once nearly
-    # deterministic, drifted off the learned task (0.99 at step 400, 0.44 at step 625); with a
-    # decay over 400 steps it held 0.99 to step 700 (one run each, 2-core CPU).
-    learning_rate_decay_steps: int | None = None
-    min_learning_rate_ratio: float = 0.1
-    weight_decay: float = 0.0
-    batch_groups: int = 16
-    max_staleness: int = 4
-    checkpoint_every_steps: int = 10
-    # Stage weights for the broadcaster every N steps (1: every version; more for big models
-    # whose versions take longer to ship than to train).
-    publish_every_steps: int = 1
-    max_steps: int | None = None
-    incomplete_group_timeout_s: float = 120.0
-    read_batch: int = 256
-    # Share of steps that train on online samples (libs.trainer.mix: 0 offline only, 1 online
-    # only), and how long a step waits for its scheduled stream before taking the other.
-    online_fraction: float = 0.0
-    stream_wait_s: float = 5.0
-    online: OnlineConfig = field(default_factory=lambda: OnlineConfig(DEFAULT_SIGNAL_REWARDS))
-    eval_gate: EvalGateConfig = field(default_factory=EvalGateConfig)
 
     @property
     def checkpoint_dir(self) -> Path:
@@ -141,33 +120,46 @@ class Timers:
 class Trainer:
     """Owns the policy, the optimizer and the trainer's position in the scored stream."""
 
-    def __init__(self, config: TrainerConfig, bus: Bus, publisher: Publisher) -> None:
+    def __init__(
+        self, config: TrainerConfig, run_dir: Path, bus: Bus, publisher: Publisher
+    ) -> None:
         self.config = config
+        # The tokenizer is resolved once: a checkpoint folder resumed from keeps using it.
+        self.policy = config.policy.model_copy(update={"tokenizer": tokenizer_spec(config.policy)})
+        self.paths = RunPaths(run_dir)
         self._bus = bus
         self._publisher = publisher
         self._stopping = asyncio.Event()
         self._buffer = GroupBuffer(config.incomplete_group_timeout_s)
-        self._steps = StepLog(config.steps_path)
+        self._steps = StepLog(self.paths.steps_path)
         self._timers = Timers()
         self.state = TrainerState(step=0, version=0)
-        self.model = build_policy(config.policy)
+        self.tokenizer = load_policy_tokenizer(self.policy)
+        self.model = build_policy(self.policy)
+        check_vocabulary(self.model, self.tokenizer, self.policy)
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay
         )
         self._reader: StreamReader[ScoredRollout] | None = None
         self._online: OnlineSource | None = None
-        # The trainer's policy is byte-level today (the service pads with ByteTokenizer's id).
-        self._gate = EvalGate(config.eval_gate, ByteTokenizer(), EnvClient(bus.nc))
+        self._gate = EvalGate(config.eval, self.policy, self.tokenizer, EnvClient(bus.nc))
         self.status = "starting"
         self.detail = ""
 
     async def setup(self) -> None:
         """Resume from the latest checkpoint if any, then publish the weights we hold."""
-        checkpoint = latest_checkpoint(self.config.checkpoint_dir)
+        checkpoint = latest_checkpoint(self.paths.checkpoint_dir)
         if checkpoint is not None:
             await asyncio.to_thread(self._load, checkpoint.path, checkpoint.state)
             self.state.segment += 1
             log.info("resumed", step=self.state.step, checkpoint=str(checkpoint.path))
+        identity = describe_policy(
+            self.model.config,
+            self.model.state_dict(),
+            self.tokenizer,
+            tokenizer_spec(self.policy),
+        )
+        await store_identity(self._bus.js, identity)
         announced = await self._announced_version()
         if announced is not None:
             # Versions never repeat: these weights go out under a number above any seen.
@@ -182,7 +174,7 @@ class Trainer:
             start_sequence=self.state.scored_cursor.floor + 1,
             reader_name="trainer",
         )
-        if self.config.online_fraction > 0:
+        if self.config.online.fraction > 0:
             self._online = self._setup_online_source()
         await self._setup_gate()
         self.status = "ok"
@@ -208,7 +200,7 @@ class Trainer:
             )
 
     def _load(self, path: Path, state: TrainerState) -> None:
-        self.model = build_policy(self.config.policy.model_copy(update={"path": str(path)}))
+        self.model = build_policy(self.policy.model_copy(update={"path": str(path)}))
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(),
             lr=self.config.learning_rate,
@@ -296,14 +288,14 @@ class Trainer:
     async def _poll_scored(self, timeout_s: float) -> None:
         """Buffer what the scored stream has (waits up to `timeout_s` when it has nothing)."""
         assert self._reader is not None, "setup() first"
-        for record in await self._reader.read(self.config.read_batch, timeout_s=timeout_s):
+        for record in await self._reader.read(READ_BATCH, timeout_s=timeout_s):
             if not self.state.scored_cursor.is_done(record.sequence):
                 self._buffer.add(record.sequence, record.message)
         self._buffer.expire()
 
     async def _choose_stream(self) -> Stream | None:
         """The stream this step trains on (libs.trainer.mix); None when stopping first."""
-        fraction = self.config.online_fraction
+        fraction = self.config.online.fraction
         if self._online is None:
             return "offline"  # online training off: _next_batch waits for groups itself
         scheduled = scheduled_stream(self.state.step, fraction)
@@ -318,13 +310,13 @@ class Trainer:
                 online_batch_samples=self.config.online.batch_samples,
                 online_fraction=fraction,
                 waited_s=time.monotonic() - started_s,
-                stream_wait_s=self.config.stream_wait_s,
+                stream_wait_s=self.config.online.stream_wait_s,
             )
             if choice is not None:
                 return choice
             if fraction < 1.0:
                 await self._poll_scored(timeout_s=0.25)
-            await self._online.poll(self.config.read_batch, timeout_s=0.25)
+            await self._online.poll(READ_BATCH, timeout_s=0.25)
         return None
 
     def _take_online(self) -> OnlineTake:
@@ -336,7 +328,13 @@ class Trainer:
         self._set_learning_rate()
         started_s = time.monotonic()
         stats = await asyncio.to_thread(
-            train_step, self.model, self.optimizer, batch.kept, self.state.version, self.config.step
+            train_step,
+            self.model,
+            self.optimizer,
+            batch.kept,
+            self.state.version,
+            self.config,
+            self.tokenizer.pad_id,
         )
         step_s = self._advance(started_s)
         self.state.scored_cursor.mark_done(batch.sequences)
@@ -354,8 +352,9 @@ class Trainer:
             taken.kept,
             self.state.online_baselines,
             self.state.version,
-            self.config.step,
+            self.config,
             self.config.online,
+            self.tokenizer.pad_id,
         )
         step_s = self._advance(started_s)
         self.state.online_cursor.mark_done(taken.sequences)
@@ -398,7 +397,7 @@ class Trainer:
         state = {name: tensor.detach() for name, tensor in self.model.state_dict().items()}
         await stage_weights(
             self._publisher,
-            self.config.staging_dir,
+            self.paths.staging_dir,
             state,
             self.state.version,
             step=self.state.step,
@@ -419,7 +418,9 @@ class Trainer:
         return int((entry.value or b"0").decode())
 
     def _checkpoint(self) -> None:
-        path = save_checkpoint(self.config.checkpoint_dir, self.state, self.model, self.optimizer)
+        path = save_checkpoint(
+            self.paths.checkpoint_dir, self.state, self.model, self.optimizer, self.tokenizer
+        )
         log.info("checkpoint saved", path=str(path))
 
     def _record(self, batch: Batch, stats: StepStats, step_s: float) -> StepRecord:

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from pydantic import BaseModel, ConfigDict, Field
 from transformers import PreTrainedModel
 
 from libs.policy import sequence_logprobs
@@ -32,18 +33,20 @@ from libs.rl import (
 from proto.messages import ScoredRollout
 
 
-@dataclass(frozen=True)
-class StepConfig:
-    """The objective's knobs."""
+class StepConfig(BaseModel):
+    """The objective's knobs (the trainer's settings carry them as they are)."""
 
-    pad_id: int
-    clip_eps_low: float = 0.2
-    clip_eps_high: float = 0.2
-    is_cap: float = 2.0
-    normalize_std: bool = True
-    minibatches: int = 1
-    max_grad_norm: float = 1.0
-    max_length: int | None = None
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    clip_eps_low: float = Field(0.2, gt=0, description="PPO clip below 1")
+    clip_eps_high: float = Field(0.2, gt=0, description="PPO clip above 1")
+    importance_weight_cap: float = Field(
+        2.0, ge=1, description="Truncation of the behavior->trainer importance weight"
+    )
+    normalize_advantage_std: bool = Field(True, description="Divide advantages by group std")
+    minibatches: int = Field(1, ge=1, description="Optimizer steps per batch (PPO minibatches)")
+    max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm")
+    max_sequence_tokens: int | None = Field(None, ge=2, description="Truncate longer samples")
 
 
 @dataclass(frozen=True)
@@ -67,17 +70,19 @@ def train_step(
     samples: list[ScoredRollout],
     trainer_version: int,
     config: StepConfig,
+    pad_id: int,
 ) -> StepStats:
-    """Update `model` in place on `samples` (whole groups); returns the step's statistics."""
+    """Update `model` in place on `samples` (whole groups); returns the step's statistics.
+    `pad_id` fills padded positions (the policy tokenizer's)."""
     device = next(model.parameters()).device
     rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
     groups = group_advantages(
         rewards,
         group_index([s.rollout.group_id for s in samples]),
-        normalize_std=config.normalize_std,
+        normalize_std=config.normalize_advantage_std,
     )
     batch = build_batch(
-        samples, groups.advantages, pad_id=config.pad_id, max_length=config.max_length
+        samples, groups.advantages, pad_id=pad_id, max_length=config.max_sequence_tokens
     ).to(device)
     update = optimize_on_batch(model, optimizer, batch, trainer_version, config)
     return StepStats(
@@ -131,7 +136,7 @@ def optimize_on_batch(
             batch.loss_mask[rows],
             clip_eps_low=config.clip_eps_low,
             clip_eps_high=config.clip_eps_high,
-            is_cap=config.is_cap,
+            is_cap=config.importance_weight_cap,
         )
         loss.backward()
         grad_norms.append(

@@ -34,6 +34,8 @@ from libs.chat.template import chat_template_for
 from libs.engine.base import InferenceEngine
 from libs.engine.factory import build_engine
 from libs.envs.client import EnvClient, EnvError
+from libs.policy import architecture, load_policy_tokenizer, tokenizer_spec
+from libs.policy_identity import check_same_policy, describe_policy, wait_for_identity
 from libs.rollout.agent import AgentRunner, AgentSettings
 from libs.rollout.batcher import GenerationBatcher, ThroughputMeter
 from libs.rollout.episode import RunnerSettings
@@ -44,11 +46,11 @@ from libs.serve.records import GenerationRecorder
 from libs.serve.server import TASK_NAME as SERVE_TASK_NAME
 from libs.serve.server import ServeServer
 from libs.service import Service
-from libs.tokenizer import Tokenizer, load_tokenizer
+from libs.tokenizer import Tokenizer
 from libs.weights.receiver import WeightReceiver
 from libs.weights.relay import RegionalWeightReceiver
 from proto import messages as m
-from proto.messages import Task
+from proto.messages import PolicyIdentity, Task
 from proto.streams import ROLLOUT_WORKER_TASKS
 from proto.subjects import rollout_raw_subject
 from services.rollout_worker.settings import RolloutWorkerSettings
@@ -89,17 +91,19 @@ class RolloutWorkerService(Service):
         self.num_published = 0
         self.served: ServedPolicy | None = None
         self.serve_api: ServeServer | None = None
+        self.identity: PolicyIdentity | None = None
         self._stopping = asyncio.Event()
 
     async def start(self, bus: Bus) -> None:
         await super().start(bus)
         s = self.settings
-        config = s.engine_config()
-        self.engine = await asyncio.to_thread(build_engine, config)
-        tokenizer = load_tokenizer(config.tokenizer)
+        self.engine = await asyncio.to_thread(build_engine, s.engine, s.policy)
+        tokenizer = load_policy_tokenizer(s.policy)
+        self.identity = describe_policy(
+            architecture(s.policy), self.engine.live_tensors(), tokenizer, tokenizer_spec(s.policy)
+        )
         self.batcher = GenerationBatcher(
             self.engine,
-            max_batch_tasks=s.max_batch_tasks,
             batch_window_s=s.batch_window_s,
             meter=ThroughputMeter(s.throughput_window_s),
         )
@@ -148,14 +152,16 @@ class RolloutWorkerService(Service):
             asyncio.create_task(self.batcher.run(), name="generation-batcher"),
             *self._serving_tasks(),
         ]
-        if self.settings.follow_weights:
-            background.append(asyncio.create_task(self.follower.run(), name="weights-follower"))
-        else:
+        if not self.settings.follow_weights:
             self.follower.use_loaded_weights()
         # The API server ends cleanly in `stop`, before _stopping is set.
         finished_ok = {SERVE_TASK_NAME}
         try:
             if self.settings.follow_weights:
+                # The trainer's policy must be ours before any of its weights are applied.
+                await self._until(self._check_policy(), background, finished_ok)
+                follower = asyncio.create_task(self.follower.run(), name="weights-follower")
+                background.append(follower)
                 await self._until(self.follower.wait_caught_up(), background, finished_ok)
             if self._stopping.is_set():
                 return
@@ -185,9 +191,10 @@ class RolloutWorkerService(Service):
         background: list[asyncio.Task[None]],
         finished_ok: set[str] | None = None,
     ) -> None:
-        """Wait for `goal` or for stop; a background task that ends (unless its name is in
-        `finished_ok` and it ended cleanly) takes the service down loudly."""
-        waiting = {asyncio.ensure_future(goal), asyncio.ensure_future(self._stopping.wait())}
+        """Wait for `goal` or for stop; `goal` raising, or a background task that ends (unless
+        its name is in `finished_ok` and it ended cleanly), takes the service down loudly."""
+        goal_task = asyncio.ensure_future(goal)
+        waiting = {goal_task, asyncio.ensure_future(self._stopping.wait())}
         pending = set(background)
         try:
             while True:
@@ -197,11 +204,20 @@ class RolloutWorkerService(Service):
                     error = task.exception()
                     if error is not None or task.get_name() not in (finished_ok or set()):
                         raise RuntimeError(f"{task.get_name()} stopped unexpectedly") from error
+                if goal_task in done:
+                    goal_task.result()  # raises what the goal raised
                 if done & waiting:
                     return
         finally:
             for task in waiting:
                 task.cancel()
+
+    async def _check_policy(self) -> None:
+        """Wait for the trainer's PolicyIdentity; ValueError (the service stops with the
+        reason) when it is not this worker's policy."""
+        assert self.bus is not None and self.identity is not None
+        self.detail = f"worker {self.settings.worker_id}: waiting for the trainer's policy"
+        check_same_policy(self.identity, await wait_for_identity(self.bus.js))
 
     async def stop(self) -> None:
         await super().stop()

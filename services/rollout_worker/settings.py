@@ -7,10 +7,10 @@ from typing import ClassVar, Self
 from pydantic import Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
-from libs.engine.factory import EngineConfig, EngineType
-from libs.policy import DTypeName, PolicyConfig
+from libs.engine.factory import EngineConfig
+from libs.policy import PolicyConfig
 from libs.rollout.agent import AgentSettings
-from libs.settings import ServiceSettings, env_prefix
+from libs.settings import NESTED_SETTINGS, ServiceSettings, env_prefix
 
 
 def default_worker_id() -> str:
@@ -22,30 +22,28 @@ class RolloutWorkerSettings(ServiceSettings):
     """Configuration of the rollout-worker service."""
 
     SERVICE: ClassVar[str] = "rollout-worker"
-    model_config = SettingsConfigDict(env_prefix=env_prefix("rollout-worker"), extra="ignore")
+    model_config = SettingsConfigDict(env_prefix=env_prefix("rollout-worker"), **NESTED_SETTINGS)
 
     http_port: int = Field(9102, ge=0, le=65535, description="Port of /healthz and /metrics")
     worker_id: str = Field(
         default_factory=default_worker_id, description="Name in rollouts and logs"
     )
-    # The engine and its policy.
-    engine_type: EngineType = Field("hf", description="Inference backend (vllm, openai: planned)")
-    policy_preset: str = Field("tiny", description="Architecture preset (libs.policy)")
-    policy_path: str | None = Field(
-        None, description="Local model folder (config.json + safetensors); overrides the preset"
+    # The policy (shared description: libs.policy) and the engine that runs it.
+    policy: PolicyConfig = Field(
+        default_factory=PolicyConfig,
+        description="The policy rolled out (RLPIPE_ROLLOUT_WORKER_POLICY_PATH, _PRESET, "
+        "_TOKENIZER, ...); its weights until the trainer's arrive",
     )
-    vocab_size: int | None = Field(None, ge=1, description="Override of the preset's vocabulary")
-    tokenizer: str = Field("byte", description="'byte' or a local folder with tokenizer files")
-    dtype: DTypeName = Field("auto", description="Parameter dtype; auto: fp32 CPU, bf16 GPU")
-    device: str = Field("auto", description="torch device; auto: cuda when available")
-    seed: int = Field(0, description="Seed of the random init used until weights arrive")
-    max_batch_rows: int = Field(64, ge=1, description="Most sequences the engine decodes at once")
+    engine: EngineConfig = Field(
+        default_factory=EngineConfig,
+        description="Inference backend (RLPIPE_ROLLOUT_WORKER_ENGINE_TYPE, _MAX_BATCH_ROWS)",
+    )
     # Sampling.
     temperature: float = Field(1.0, ge=0, description="Sampling temperature (0: greedy)")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass")
     # Batching across tasks.
     max_batch_tasks: int = Field(
-        8, ge=1, description="Tasks handled at once; their prompts share one generate call"
+        8, ge=1, description="Tasks rolled out at once; their turns share engine calls"
     )
     batch_window_s: float = Field(
         0.005, ge=0, description="How long a first request waits for others to join its call"
@@ -139,21 +137,4 @@ class RolloutWorkerSettings(ServiceSettings):
             summary_max_tokens=self.summary_max_tokens,
             max_summaries=self.max_summaries,
             episode_timeout_s=self.episode_timeout_s,
-        )
-
-    def engine_config(self) -> EngineConfig:
-        """The engine these settings describe."""
-        policy = PolicyConfig(
-            preset=self.policy_preset,
-            path=self.policy_path,
-            vocab_size=self.vocab_size,
-            dtype=self.dtype,
-            device=self.device,
-            seed=self.seed,
-        )
-        return EngineConfig(
-            type=self.engine_type,
-            policy=policy,
-            tokenizer=self.tokenizer,
-            max_batch_rows=self.max_batch_rows,
         )
