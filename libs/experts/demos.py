@@ -1,0 +1,121 @@
+"""Demonstration files: scripted experts' episodes through the real environments, as JSONL.
+
+    python -m libs.experts.demos --env calc --num-tasks 400 --error-rate 0.1 --out calc.jsonl
+
+or from code: `stats = asyncio.run(write_demonstrations(DemoConfig(env="calc", ...), path))`.
+Each line is one context segment (libs.sft.transcript), ready for `rlpipe sft`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from libs.chat.template import chat_template_for
+from libs.envs import make_env
+from libs.envs import recall as recall_env
+from libs.experts.calc import CalcExpert
+from libs.experts.recall import RecallExpert
+from libs.experts.record import Expert, record_episode
+from libs.rollout.agent import AgentSettings
+from libs.sft.transcript import transcript_to_json
+from libs.tokenizer import load_tokenizer
+
+EXPERTS: dict[str, Callable[[float], Expert]] = {"calc": CalcExpert, "recall": RecallExpert}
+
+
+def harness_settings(env: str) -> AgentSettings:
+    """The harness limits an environment's demonstrations (and its demo run) use."""
+    if env == recall_env.ENV_NAME:
+        return AgentSettings(
+            max_turns=24,
+            context_budget_tokens=recall_env.CONTEXT_BUDGET_TOKENS,
+            summary_max_tokens=recall_env.SUMMARY_MAX_TOKENS,
+            max_summaries=recall_env.MAX_SUMMARIES,
+        )
+    return AgentSettings()
+
+
+@dataclass(frozen=True)
+class DemoConfig:
+    """Which demonstrations to make."""
+
+    env: str = "calc"
+    num_tasks: int = 400
+    error_rate: float = 0.1
+    difficulty: int = 0
+    seed: int = 1234  # never the feeder's default seed (0): demonstrations are not RL tasks
+    tokenizer: str = "byte"
+
+
+@dataclass(frozen=True)
+class DemoStats:
+    """What a demonstration file holds."""
+
+    episodes: int
+    segments: int
+    success_rate: float
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "episodes": self.episodes,
+            "segments": self.segments,
+            "success_rate": self.success_rate,
+        }
+
+
+async def write_demonstrations(config: DemoConfig, path: Path) -> DemoStats:
+    """Record `config.num_tasks` expert episodes into `path` (JSONL, one segment per line)."""
+    if config.env not in EXPERTS:
+        raise ValueError(
+            f"no scripted expert for env {config.env!r}; experts: {', '.join(EXPERTS)}"
+        )
+    env = make_env(config.env)
+    expert = EXPERTS[config.env](config.error_rate)
+    template = chat_template_for(load_tokenizer(config.tokenizer))
+    source = env.task_source(difficulty=config.difficulty, group_size=1, seed=config.seed)
+    rng = random.Random(config.seed)
+    agent = harness_settings(config.env)
+    segments = successes = 0
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", encoding="utf-8") as file:
+        for index in range(config.num_tasks):
+            transcripts, info = await record_episode(
+                env, source.task(index), expert, agent, template, rng
+            )
+            successes += bool(info.get("answer_correct"))
+            segments += len(transcripts)
+            for transcript in transcripts:
+                file.write(json.dumps(transcript_to_json(transcript)) + "\n")
+    return DemoStats(config.num_tasks, segments, round(successes / max(config.num_tasks, 1), 4))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--env", default="calc", choices=sorted(EXPERTS))
+    parser.add_argument("--num-tasks", type=int, default=400)
+    parser.add_argument("--error-rate", type=float, default=0.1)
+    parser.add_argument("--difficulty", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--tokenizer", default="byte")
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args(argv)
+    config = DemoConfig(
+        args.env, args.num_tasks, args.error_rate, args.difficulty, args.seed, args.tokenizer
+    )
+    stats = asyncio.run(write_demonstrations(config, args.out))
+    print(json.dumps({"out": str(args.out), **stats.as_dict()}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,58 @@
+"""Scripted expert of the `recall` environment: read every digit, summarize, answer the code.
+
+It calls `next_digit` until a result says the last digit came (`digit 6 of 6: 4`), then
+answers with the digits in order. When the harness asks for a summary it writes the digits
+read so far and how many there are (`Digits read: 739 (3 of 6).`): what the next segment
+needs. With probability `error_rate` per digit it notes a wrong one, so that episode's answer
+is wrong while its calls and summaries keep the right shape.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from collections.abc import Sequence
+
+from libs.envs.base import Opening
+from libs.envs.recall import ENV_NAME, TOOL_NAME
+from libs.experts.record import EpisodeExpert, Expert, ExpertTurn
+from libs.sft.transcript import SftCall
+from proto.messages import Task, ToolResult
+
+_REVEAL = re.compile(r"digit (\d+) of (\d+): (\d)")
+
+
+class RecallEpisodeExpert(EpisodeExpert):
+    """Notes each revealed digit; answers once the last one came."""
+
+    def __init__(self, num_digits: int, error_rate: float, rng: random.Random) -> None:
+        self.num_digits, self.error_rate, self.rng = num_digits, error_rate, rng
+        self.digits = ""
+
+    def observe(self, results: Sequence[ToolResult], observation: str) -> None:
+        for result in results:
+            found = _REVEAL.fullmatch(result.content)
+            if found:
+                self.digits += self._noted(found.group(3))
+
+    def turn(self) -> ExpertTurn:
+        if len(self.digits) >= self.num_digits:
+            return ExpertTurn(content=self.digits)
+        return ExpertTurn(calls=(SftCall(TOOL_NAME, {}),))
+
+    def summary(self) -> str:
+        return f"Digits read: {self.digits} ({len(self.digits)} of {self.num_digits})."
+
+    def _noted(self, digit: str) -> str:
+        if self.rng.random() < self.error_rate:
+            return str((int(digit) + self.rng.randint(1, 9)) % 10)
+        return digit
+
+
+class RecallExpert(Expert):
+    """Demonstrations for `recall`, summaries included."""
+
+    env = ENV_NAME
+
+    def begin(self, task: Task, opening: Opening, rng: random.Random) -> EpisodeExpert:
+        return RecallEpisodeExpert(len(str(task.spec["code"])), self.error_rate, rng)

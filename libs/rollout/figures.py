@@ -1,0 +1,43 @@
+"""What a set of scored episodes shows: task success, reward, tool use, turns, summaries.
+
+    figures = episode_figures(scored_rollouts)
+    # {"episodes": 16, "success": 0.62, "reward": 0.71, "tool_call_validity": 0.98,
+    #  "episodes_with_tool_calls": 0.94, "tool_calls_per_episode": 1.1,
+    #  "turns_per_episode": 2.1, "segments_per_episode": 1.0}
+
+Success is the environment's verdict (env_info `answer_correct`); tool-call validity is
+well-formed calls over all calls attempted (None when none was attempted).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from proto import messages as m
+
+
+def episode_figures(scored: Sequence[m.ScoredRollout]) -> dict[str, Any]:
+    """success, reward, tool-call validity, calls/turns/segments per episode of `scored`."""
+    n = max(len(scored), 1)
+
+    def total(key: str) -> float:
+        return sum(s.rollout.stats.get(key, 0.0) for s in scored)
+
+    valid, invalid = total(m.EPISODE_STAT_TOOL_CALLS), total(m.EPISODE_STAT_INVALID_TOOL_CALLS)
+    with_calls = sum(s.rollout.stats.get(m.EPISODE_STAT_TOOL_CALLS, 0.0) > 0 for s in scored)
+    return {
+        "episodes": len(scored),
+        "success": round(sum(is_success(s) for s in scored) / n, 3),
+        "reward": round(sum(s.reward for s in scored) / n, 3),
+        "tool_call_validity": round(valid / (valid + invalid), 3) if valid + invalid else None,
+        "episodes_with_tool_calls": round(with_calls / n, 3),
+        "tool_calls_per_episode": round(valid / n, 3),
+        "turns_per_episode": round(total(m.EPISODE_STAT_TURNS) / n, 3),
+        "segments_per_episode": round(total(m.EPISODE_STAT_SEGMENTS) / n, 3),
+    }
+
+
+def is_success(scored: m.ScoredRollout) -> bool:
+    """The task was solved: the environment said the answer is right."""
+    return bool(scored.rollout.env_info.get("answer_correct"))

@@ -1,0 +1,102 @@
+"""`rlpipe sft`: the command line of the SFT stage (libs.sft.train).
+
+    rlpipe sft --data demos.jsonl --out models/calc-sft --steps 300
+    rlpipe sft --data demos.jsonl --out models/mine --policy-path BASE --tokenizer BASE
+
+Progress is a rich bar on a terminal and a log line every 10 steps otherwise. A malformed
+transcript line stops the run before training with its line number and field (exit 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from libs.policy import PolicyConfig
+from libs.sft.train import ProgressFn, SftConfig, SftStep, train_sft
+from libs.sft.transcript import TranscriptError
+
+LOG_EVERY_STEPS = 10
+log = structlog.get_logger(__name__)
+
+
+def add_sft_parser(commands: Any) -> None:
+    """The `sft` subcommand and its flags."""
+    sft = commands.add_parser("sft", help="train a policy on chat transcripts (JSONL)")
+    sft.add_argument("--data", type=Path, required=True, help="JSONL transcripts")
+    sft.add_argument("--out", type=Path, required=True, help="model folder to write")
+    sft.add_argument("--policy-preset", default="tiny", help="architecture when no --policy-path")
+    sft.add_argument("--policy-path", default=None, help="local model folder to start from")
+    sft.add_argument("--tokenizer", default="byte", help="'byte' or a local tokenizer folder")
+    sft.add_argument("--steps", type=int, default=300)
+    sft.add_argument("--batch-size", type=int, default=8)
+    sft.add_argument("--learning-rate", type=float, default=2e-3)
+    sft.add_argument("--max-sequence-tokens", type=int, default=2048)
+    sft.add_argument("--checkpoint-every-steps", type=int, default=50)
+    sft.add_argument("--seed", type=int, default=0)
+    sft.add_argument("--device", default="auto", help="cpu, cuda, or auto")
+
+
+def config_from_args(args: argparse.Namespace) -> SftConfig:
+    policy = PolicyConfig(preset=args.policy_preset, path=args.policy_path, device=args.device)
+    return SftConfig(
+        data=args.data,
+        out=args.out,
+        policy=policy,
+        tokenizer=args.tokenizer,
+        steps=args.steps,
+        batch_size=args.batch_size,
+        learning_rate=args.learning_rate,
+        max_sequence_tokens=args.max_sequence_tokens,
+        checkpoint_every_steps=args.checkpoint_every_steps,
+        seed=args.seed,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Train; print the result as one JSON line on stdout."""
+    try:
+        config = config_from_args(args)
+        result = run_with_progress(config)
+    except (TranscriptError, ValueError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps({"out": str(config.out), **result}))
+    return 0
+
+
+def run_with_progress(config: SftConfig, title: str = "sft") -> dict[str, Any]:
+    """`train_sft` with a rich bar on a terminal, log lines otherwise."""
+    if not sys.stderr.isatty():
+        return train_sft(config, log_progress(config, title))
+    from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+    columns = (TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[info]}"))
+    with Progress(*columns, TimeRemainingColumn(), transient=False) as bar:
+        task = bar.add_task(title, total=config.steps, info="")
+
+        def on_step(step: SftStep) -> None:
+            info = f"step {step.step}/{config.steps} loss {step.loss:.3f}"
+            bar.update(task, completed=step.step, info=info)
+
+        return train_sft(config, on_step)
+
+
+def log_progress(config: SftConfig, title: str) -> ProgressFn:
+    def on_step(step: SftStep) -> None:
+        if step.step % LOG_EVERY_STEPS == 0 or step.step == config.steps:
+            log.info(
+                f"{title} step",
+                step=step.step,
+                steps=config.steps,
+                loss=round(step.loss, 4),
+                confident_tokens=round(step.confident_tokens, 3),
+                learning_rate=round(step.learning_rate, 6),
+            )
+
+    return on_step
