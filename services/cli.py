@@ -4,6 +4,8 @@ rlpipe demo [--duration-s N] [--max-trainer-steps N] [--run-dir DIR]
                                   NATS + every service on this machine, supervised
 rlpipe run SERVICE                one service, configured by RLPIPE_* variables
 rlpipe provision [--nats-url URL] create or update streams, consumers, KV buckets
+rlpipe sft --data DEMOS.jsonl --out MODEL_DIR [--steps N]
+                                  train a policy on chat transcripts (the mid-training stage)
 rlpipe schema [--check]           write (or check) the JSON Schema in proto/schema/
 rlpipe weights diff|apply|verify|snapshot ...
                                   lossless weight deltas of safetensors files
@@ -33,6 +35,7 @@ SERVICES = (
 def build_parser() -> argparse.ArgumentParser:
     from libs.launcher.run import add_demo_arguments
     from libs.sandbox.cli import add_sandbox_parser
+    from libs.sft.cli import add_sft_parser
     from libs.weights.cli import add_weights_parser
 
     parser = argparse.ArgumentParser(
@@ -54,6 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     schema.add_argument("--check", action="store_true", help="exit 1 if proto/schema is stale")
     add_weights_parser(commands)
     add_sandbox_parser(commands)
+    add_sft_parser(commands)
     return parser
 
 
@@ -107,6 +111,14 @@ def on_sandbox(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def on_sft(args: argparse.Namespace) -> int:
+    from libs.logs import configure_logging
+    from libs.sft.cli import run
+
+    configure_logging("sft")
+    return run(args)
+
+
 HANDLERS = {
     "demo": on_demo,
     "run": on_run,
@@ -114,6 +126,7 @@ HANDLERS = {
     "schema": on_schema,
     "weights": on_weights,
     "sandbox": on_sandbox,
+    "sft": on_sft,
 }
 
 

@@ -1,5 +1,5 @@
 """Environments: the plug-in interface, the registry, the built-in environments (arith,
-calc, coding), and the bus client.
+calc, coding, recall), and the bus client.
 
 Importing this package registers the built-in environments.
 """
@@ -18,10 +18,12 @@ from libs.envs.base import (
 )
 from libs.envs.calc import CalcEnv
 from libs.envs.coding import CodingEnv
+from libs.envs.recall import RecallEnv
 
 register_env(ArithmeticEnv.name, ArithmeticEnv)
 register_env(CalcEnv.name, CalcEnv)
 register_env(CodingEnv.name, CodingEnv)
+register_env(RecallEnv.name, RecallEnv)
 
 __all__ = [
     "ArithmeticEnv",
@@ -30,6 +32,7 @@ __all__ = [
     "Environment",
     "Episode",
     "Opening",
+    "RecallEnv",
     "StepResult",
     "TaskSource",
     "UnknownEnvError",

@@ -9,6 +9,7 @@ from libs.bus.connection import Bus
 from libs.bus.publisher import Publisher
 from libs.envs import env_names, make_env
 from libs.envs.feeder import TaskFeeder
+from libs.envs.latency import parse_tool_latency, with_tool_latency
 from libs.envs.server import EnvServer, ServerLimits
 from libs.service import Service
 from services.env_gateway.settings import EnvGatewaySettings
@@ -28,7 +29,8 @@ class EnvGatewayService(Service):
     async def start(self, bus: Bus) -> None:
         await super().start(bus)
         s = self.settings
-        envs = {name: make_env(name) for name in env_names()}
+        latency = parse_tool_latency(s.tool_latency)
+        envs = {name: with_tool_latency(make_env(name), latency, s.seed) for name in env_names()}
         if s.env not in envs:
             raise ValueError(f"env {s.env!r} is not registered; known: {', '.join(sorted(envs))}")
         limits = ServerLimits(s.episode_timeout_s, s.step_timeout_s, s.max_open_episodes)

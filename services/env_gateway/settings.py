@@ -2,9 +2,10 @@
 
 from typing import ClassVar, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import SettingsConfigDict
 
+from libs.envs.latency import parse_tool_latency
 from libs.settings import ServiceSettings, env_prefix
 
 
@@ -45,3 +46,14 @@ class EnvGatewaySettings(ServiceSettings):
     episode_timeout_s: float = Field(600.0, gt=0, description="Deadline of an episode")
     step_timeout_s: float = Field(30.0, gt=0, description="Longest a reset or step may run")
     max_open_episodes: int = Field(10_000, ge=1, description="Episodes one gateway holds at most")
+    tool_latency: str = Field(
+        "none",
+        description="Latency of each tool call (libs.envs.latency): none, constant:seconds=S or "
+        "lognormal:median_s=M,sigma=S,max_s=X (heavy-tailed, for benchmarks)",
+    )
+
+    @field_validator("tool_latency")
+    @classmethod
+    def _latency_parses(cls, value: str) -> str:
+        parse_tool_latency(value)
+        return value
