@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import structlog
+from pydantic import BaseModel, ConfigDict, Field
 
 from libs.chat.template import (
     ChatTemplate,
@@ -84,28 +85,24 @@ EPISODE_STATS = (
 SUMMARY_RESUME = "Summary of your progress so far:\n{summary}\n\nContinue the task from there."
 
 
-@dataclass(frozen=True)
-class AgentSettings:
-    """Limits of the turn loop and the self-summarization trigger."""
+class AgentSettings(BaseModel):
+    """Limits of the turn loop and the self-summarization trigger (the rollout-worker's
+    settings carry these fields as they are)."""
 
-    max_turns: int = 16
-    """Most assistant turns per episode; an environment's smaller `max_turns` wins."""
-    context_budget_tokens: int = 4096
-    """Tokens of one context segment after which the policy summarizes (or the episode
-    ends, when summarizing is off or used up). Keep it below the model's context length by
-    at least `summary_max_tokens` plus the summary request."""
-    summarize: bool = True
-    summary_max_tokens: int = 256
-    max_summaries: int = 4
-    episode_timeout_s: float = 600.0
+    model_config = ConfigDict(frozen=True, extra="forbid")
 
-    def __post_init__(self) -> None:
-        if self.max_turns < 1:
-            raise ValueError(f"max_turns must be >= 1, got {self.max_turns}")
-        if self.context_budget_tokens < 2:
-            raise ValueError(
-                f"context_budget_tokens must be >= 2, got {self.context_budget_tokens}"
-            )
+    max_turns: int = Field(
+        16, ge=1, description="Most assistant turns per episode (an env's smaller limit wins)"
+    )
+    # Keep it below the model's context length by at least summary_max_tokens plus the
+    # summary request; the rollout-worker caps it at the engine's positions.
+    context_budget_tokens: int = Field(
+        4096, ge=2, description="Tokens of one context segment before the policy summarizes"
+    )
+    summarize: bool = Field(True, description="Self-summarize past the budget (else end)")
+    summary_max_tokens: int = Field(256, ge=1, description="Longest summary")
+    max_summaries: int = Field(4, ge=0, description="Most summaries per episode")
+    episode_timeout_s: float = Field(600.0, gt=0, description="Wall clock of one episode")
 
 
 @dataclass
@@ -212,7 +209,7 @@ class AgentRunner:
         # Fresh episode ids: a redelivered task must not resume a half-done earlier episode.
         nonce = uuid.uuid4().hex[:8]
         ids = [f"{make_rollout_id(task.task_id, i)}-{nonce}" for i in range(task.group_size)]
-        timeout_s = self.settings.reset_timeout_s
+        timeout_s = self.settings.env_reset_timeout_s
         replies = await asyncio.gather(
             *(self.env.reset(task, timeout_s, episode_id) for episode_id in ids),
             return_exceptions=True,
@@ -329,7 +326,7 @@ class AgentRunner:
             opening.episode_id,
             task.env,
             text,
-            self.settings.step_timeout_s,
+            self.settings.env_step_timeout_s,
             tool_calls=parsed.calls,
         )
         transcript.count(m.EPISODE_STAT_TOOL_ERRORS, sum(bool(r.error) for r in reply.tool_results))

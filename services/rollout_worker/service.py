@@ -20,7 +20,6 @@ requests finish before the batcher ends.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 from collections.abc import Coroutine
 from typing import Any
 
@@ -38,7 +37,6 @@ from libs.policy import architecture, load_policy_tokenizer, tokenizer_spec
 from libs.policy_identity import check_same_policy, describe_policy, wait_for_identity
 from libs.rollout.agent import AgentRunner, AgentSettings
 from libs.rollout.batcher import GenerationBatcher, ThroughputMeter
-from libs.rollout.episode import RunnerSettings
 from libs.rollout.weights_follower import WeightsFollower
 from libs.serve.app import OpenAIApi, ServeConfig, create_app
 from libs.serve.generation import ServedPolicy
@@ -115,19 +113,8 @@ class RolloutWorkerService(Service):
         # Announcements from where the weights come from; the promoted version from the
         # trainer's KV state on the service connection.
         await self.follower.start(weights_bus.js, state_js=bus.js)
-        runner_settings = RunnerSettings(
-            worker_id=s.worker_id,
-            temperature=s.temperature,
-            top_p=s.top_p,
-            reset_timeout_s=s.env_reset_timeout_s,
-            step_timeout_s=s.env_step_timeout_s,
-        )
         self.runner = AgentRunner(
-            EnvClient(bus.nc),
-            tokenizer,
-            self.batcher.generate,
-            runner_settings,
-            self._agent_settings(),
+            EnvClient(bus.nc), tokenizer, self.batcher.generate, s, self._agent_settings()
         )
         self.publisher = Publisher(bus.js)
         self.consumer = PullConsumer(
@@ -227,7 +214,7 @@ class RolloutWorkerService(Service):
 
     def _agent_settings(self) -> AgentSettings:
         """The harness limits, the context budget capped at what the engine can hold."""
-        agent = self.settings.agent_settings()
+        agent = self.settings
         limit = self.engine.max_context_tokens if self.engine is not None else None
         if limit is not None and agent.context_budget_tokens > limit:
             log.warning(
@@ -235,7 +222,7 @@ class RolloutWorkerService(Service):
                 context_budget_tokens=agent.context_budget_tokens,
                 max_context_tokens=limit,
             )
-            agent = dataclasses.replace(agent, context_budget_tokens=limit)
+            return agent.model_copy(update={"context_budget_tokens": limit})
         return agent
 
     async def _weights_bus(self, bus: Bus) -> Bus:

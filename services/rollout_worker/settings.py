@@ -1,7 +1,5 @@
 """Settings of the rollout-worker service, from RLPIPE_ROLLOUT_WORKER_* variables."""
 
-import os
-import socket
 from typing import ClassVar, Self
 
 from pydantic import Field, model_validator
@@ -10,24 +8,18 @@ from pydantic_settings import SettingsConfigDict
 from libs.engine.factory import EngineConfig
 from libs.policy import PolicyConfig
 from libs.rollout.agent import AgentSettings
+from libs.rollout.episode import RunnerSettings
 from libs.settings import NESTED_SETTINGS, ServiceSettings, env_prefix
 
 
-def default_worker_id() -> str:
-    """`<hostname>-<pid>`: unique per process on a host."""
-    return f"{socket.gethostname()}-{os.getpid()}"
-
-
-class RolloutWorkerSettings(ServiceSettings):
-    """Configuration of the rollout-worker service."""
+class RolloutWorkerSettings(ServiceSettings, RunnerSettings, AgentSettings):
+    """Configuration of the rollout-worker service: the runner's and the harness's settings
+    (`libs.rollout`, declared once there) plus the worker's own."""
 
     SERVICE: ClassVar[str] = "rollout-worker"
     model_config = SettingsConfigDict(env_prefix=env_prefix("rollout-worker"), **NESTED_SETTINGS)
 
     http_port: int = Field(9102, ge=0, le=65535, description="Port of /healthz and /metrics")
-    worker_id: str = Field(
-        default_factory=default_worker_id, description="Name in rollouts and logs"
-    )
     # The policy (shared description: libs.policy) and the engine that runs it.
     policy: PolicyConfig = Field(
         default_factory=PolicyConfig,
@@ -38,9 +30,6 @@ class RolloutWorkerSettings(ServiceSettings):
         default_factory=EngineConfig,
         description="Inference backend (RLPIPE_ROLLOUT_WORKER_ENGINE_TYPE, _MAX_BATCH_ROWS)",
     )
-    # Sampling.
-    temperature: float = Field(1.0, ge=0, description="Sampling temperature (0: greedy)")
-    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass")
     # Batching across tasks.
     max_batch_tasks: int = Field(
         8, ge=1, description="Tasks rolled out at once; their turns share engine calls"
@@ -53,23 +42,12 @@ class RolloutWorkerSettings(ServiceSettings):
     )
     # Bus and environment.
     fetch_timeout_s: float = Field(1.0, gt=0, description="Longest wait of one task fetch")
-    env_reset_timeout_s: float = Field(10.0, gt=0, description="Longest wait for a reset reply")
-    env_step_timeout_s: float = Field(30.0, gt=0, description="Longest wait for a step reply")
     # Weights.
     weights_fetch_parallel: int = Field(8, ge=1, description="Chunk fetches in flight")
     weights_fetch_timeout_s: float = Field(10.0, gt=0, description="Longest wait for one chunk")
     weights_verify_full: bool = Field(
         True, description="Rehash the whole model after each swap (inside the pause)"
     )
-    # Multi-turn episodes (libs.rollout.agent).
-    max_turns: int = Field(16, ge=1, description="Most assistant turns per episode")
-    context_budget_tokens: int = Field(
-        4096, ge=2, description="Tokens of one context segment before the policy summarizes"
-    )
-    summarize: bool = Field(True, description="Self-summarize past the budget (else end)")
-    summary_max_tokens: int = Field(256, ge=1, description="Longest summary")
-    max_summaries: int = Field(4, ge=0, description="Most summaries per episode")
-    episode_timeout_s: float = Field(600.0, gt=0, description="Wall clock of one episode")
     follow_weights: bool = Field(
         True,
         description="Follow the trainer's versions; false: keep the loaded weights (policy_path "
@@ -127,14 +105,3 @@ class RolloutWorkerSettings(ServiceSettings):
                 "set RLPIPE_ROLLOUT_WORKER_SERVE_PORT or consume tasks"
             )
         return self
-
-    def agent_settings(self) -> AgentSettings:
-        """The harness limits these settings describe."""
-        return AgentSettings(
-            max_turns=self.max_turns,
-            context_budget_tokens=self.context_budget_tokens,
-            summarize=self.summarize,
-            summary_max_tokens=self.summary_max_tokens,
-            max_summaries=self.max_summaries,
-            episode_timeout_s=self.episode_timeout_s,
-        )
