@@ -13,17 +13,25 @@ from __future__ import annotations
 import json
 import os
 import re
-import shlex
-import shutil
 import subprocess
 import tomllib
 from pathlib import Path
-from typing import Any
 
 import pytest
-import yaml
 
 from libs.nats_server import find_nats_server
+from libs.weights.handoff import default_staging_dir
+from services.weight_broadcaster.settings import WeightBroadcasterSettings
+from tests.compose_support import (
+    PASSWORDS,
+    ComposeProcesses,
+    Config,
+    mounts,
+    resolve_compose,
+    rlpipe_image,
+    run_compose_config,
+    started_services,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE_FILE = ROOT / "compose.yaml"
@@ -45,53 +53,10 @@ SERVICES = {
 # GPU variant -> the service it runs.
 GPU_SERVICES = {"trainer-gpu": "trainer", "rollout-worker-gpu": "rollout-worker"}
 RUNS = {**SERVICES, **GPU_SERVICES}
-# The passwords compose requires (letters and digits, as SECURITY.md asks).
-PASSWORDS = {
-    "RLPIPE_NATS_SERVICES_PASSWORD": "servicesPw0test",
-    "RLPIPE_NATS_FEEDBACK_API_PASSWORD": "feedbackPw0test",
-}
 SERVICES_URL = f"nats://rlpipe:{PASSWORDS['RLPIPE_NATS_SERVICES_PASSWORD']}@nats:4222"
 FEEDBACK_API_URL = f"nats://feedback-api:{PASSWORDS['RLPIPE_NATS_FEEDBACK_API_PASSWORD']}@nats:4222"
 MIN_NATS_VERSION = (2, 11)
 MIN_MAX_PAYLOAD_BYTES = 8 * 1024 * 1024
-
-Config = dict[str, Any]
-
-
-def run_compose_config(
-    tmp_dir: Path, *profiles: str, passwords: dict[str, str] = PASSWORDS
-) -> tuple[list[str], subprocess.CompletedProcess[str]]:
-    """`docker-compose config` on compose.yaml with only `passwords` set, every other
-    default left as shipped; the command (for messages) and its result."""
-    binary = shutil.which("docker-compose")
-    if binary is None:
-        pytest.fail(
-            "docker-compose is not on PATH; `make test` installs it "
-            "(or run: apt-get install -y docker-compose)",
-            pytrace=False,
-        )
-    # The user's RLPIPE_* overrides and .env would change the result; test the defaults.
-    empty_env_file = tmp_dir / "empty.env"
-    empty_env_file.touch()
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RLPIPE_", "COMPOSE_"))}
-    env |= passwords
-    command = [binary, "--project-directory", str(ROOT), "--env-file", str(empty_env_file)]
-    command += ["-f", str(COMPOSE_FILE)]
-    for profile in profiles:
-        command += ["--profile", profile]
-    result = subprocess.run(
-        [*command, "config"], capture_output=True, text=True, env=env, timeout=60, check=False
-    )
-    return command, result
-
-
-def resolve_compose(tmp_dir: Path, *profiles: str) -> Config:
-    """compose.yaml as `docker-compose config` resolves it, with every default left as shipped."""
-    command, result = run_compose_config(tmp_dir, *profiles)
-    if result.returncode != 0:
-        pytest.fail(f"{shlex.join(command)} config failed:\n{result.stderr}", pytrace=False)
-    config: Config = yaml.safe_load(result.stdout)
-    return config
 
 
 @pytest.fixture(scope="module")
@@ -104,29 +69,8 @@ def compose_gpu(tmp_path_factory: pytest.TempPathFactory) -> Config:
     return resolve_compose(tmp_path_factory.mktemp("compose"), "gpu")
 
 
-def started_services(config: Config, *profiles: str) -> set[str]:
-    """Services `up` starts with these profiles active (compose v1's `config` does not filter)."""
-    return {
-        name
-        for name, service in config["services"].items()
-        if not service.get("profiles") or set(service["profiles"]) & set(profiles)
-    }
-
-
 def env_prefix(service: str) -> str:
     return "RLPIPE_" + service.upper().replace("-", "_")
-
-
-def mounts(service: Config) -> list[tuple[str, str]]:
-    """(source, target) of each volume, from v1's "src:dst:mode" strings or v2's mappings."""
-    result = []
-    for volume in service.get("volumes", []):
-        if isinstance(volume, dict):
-            result.append((str(volume.get("source", "")), str(volume["target"])))
-        else:
-            source, target = volume.split(":")[:2]
-            result.append((source, target))
-    return result
 
 
 def published_ports(service: Config) -> list[tuple[str, int | None, int]]:
@@ -178,10 +122,8 @@ def test_the_six_services_start_by_default_from_the_dockerfile(compose: Config) 
 
 
 def test_every_service_is_health_checked_on_its_http_port(compose_gpu: Config) -> None:
-    for name, service in compose_gpu["services"].items():
-        if name == "nats":
-            continue
-        runs = RUNS[name]
+    for name, runs in RUNS.items():
+        service = compose_gpu["services"][name]
         environment = service["environment"]
         port = environment[f"{env_prefix(runs)}_HTTP_PORT"]
         # Loopback would leave /metrics unreachable from a Prometheus in another container.
@@ -192,9 +134,8 @@ def test_every_service_is_health_checked_on_its_http_port(compose_gpu: Config) -
 
 
 def test_every_service_waits_for_a_healthy_nats_and_restarts(compose_gpu: Config) -> None:
-    for name, service in compose_gpu["services"].items():
-        if name == "nats":
-            continue
+    for name in RUNS:
+        service = compose_gpu["services"][name]
         assert service["depends_on"]["nats"]["condition"] == "service_healthy", name
         expected_url = FEEDBACK_API_URL if name == "feedback-api" else SERVICES_URL
         assert service["environment"]["RLPIPE_NATS_URL"] == expected_url, name
@@ -356,6 +297,37 @@ def test_trainer_checkpoints_survive_the_container(compose_gpu: Config) -> None:
         assert run_dir in named_targets, f"{name} writes checkpoints to {run_dir}, not a volume"
 
 
+def broadcaster_staging_dir(environment: dict[str, str]) -> str:
+    """The container path the weight-broadcaster reads staged versions from, as its settings
+    resolve it: the staging folder, else <run dir>/weights-staging, relative to WORKDIR."""
+    staging_dir = environment.get("RLPIPE_WEIGHT_BROADCASTER_STAGING_DIR")
+    if staging_dir is None:
+        default = WeightBroadcasterSettings.model_fields["run_dir"].default
+        run_dir = environment.get("RLPIPE_WEIGHT_BROADCASTER_RUN_DIR") or environment.get(
+            "RLPIPE_RUN_DIR", str(default)
+        )
+        staging_dir = str(default_staging_dir(Path(run_dir)))
+    return str(Path(rlpipe_image().workdir) / staging_dir)
+
+
+@pytest.mark.parametrize("trainer", ["trainer", "trainer-gpu"])
+def test_the_broadcaster_reads_the_folder_the_trainer_stages_weights_in(
+    compose_gpu: Config, trainer: str, tmp_path: Path
+) -> None:
+    """The weight handoff crosses containers only through a volume both mount at the
+    folder each believes is the staging folder (tests/test_compose_up.py runs it)."""
+    containers = ComposeProcesses(compose_gpu, tmp_path, "gpu").containers
+    trainer_side = containers[trainer][0]
+    run_dir = trainer_side.definition["environment"]["RLPIPE_TRAINER_RUN_DIR"]
+    staged_at = trainer_side.host_path(str(default_staging_dir(Path(run_dir))))
+    broadcaster = containers["weight-broadcaster"][0]
+    read_at = broadcaster.host_path(broadcaster_staging_dir(broadcaster.definition["environment"]))
+    assert read_at == staged_at, (
+        f"{trainer} stages weights in {staged_at.relative_to(tmp_path)}, the weight-broadcaster "
+        f"reads {read_at.relative_to(tmp_path)}: mount the same volume in both"
+    )
+
+
 def test_env_gateway_may_build_bubblewrap_sandboxes(compose: Config) -> None:
     gateway = compose["services"]["env-gateway"]
     security = set(gateway.get("security_opt", []))
@@ -372,8 +344,8 @@ def test_env_gateway_may_build_bubblewrap_sandboxes(compose: Config) -> None:
 def test_gpu_variants_only_in_the_gpu_profile_and_reserve_nvidia_gpus(
     compose: Config, compose_gpu: Config
 ) -> None:
-    assert not set(GPU_SERVICES) & started_services(compose), "GPU services start without a GPU"
-    assert set(GPU_SERVICES) <= started_services(compose_gpu, "gpu")
+    assert not set(GPU_SERVICES) & set(started_services(compose)), "GPU services without a GPU"
+    assert set(GPU_SERVICES) <= set(started_services(compose_gpu, "gpu"))
     for name, runs in GPU_SERVICES.items():
         service = compose_gpu["services"][name]
         assert service["profiles"] == ["gpu"], name
