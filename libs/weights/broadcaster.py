@@ -46,6 +46,7 @@ from libs.weights.receiver import WeightReceiver, latest_announcement
 from libs.weights.retention import purge_before_latest_snapshot
 from libs.weights.tensors import RawTensor
 from libs.weights.transport import StoredChunks, store_chunks
+from libs.work_health import FailureWatch
 from proto import streams
 from proto.messages import WeightAnnouncement, WeightKind, WeightsStaged
 from proto.subjects import weights_announce_subject
@@ -116,6 +117,9 @@ class WeightBroadcaster:
         self.head: ChainHead | None = None
         self._base: Mapping[str, RawTensor] | None = None  # the state of head.version
         self.num_handled = 0
+        # A version that could not be broadcast (e.g. its staged file is unreadable) makes
+        # /healthz fail until one is, with the reason.
+        self.failures = FailureWatch("broadcasting staged versions")
 
     # ---- recovery ----------------------------------------------------------------------
 
@@ -174,7 +178,16 @@ class WeightBroadcaster:
     # ---- handling a staged version -----------------------------------------------------
 
     async def on_staged(self, message: WeightsStaged, delivery: Delivery | None = None) -> None:
-        """Handle one staged version (the consumer's handler; idempotent on redelivery)."""
+        """Handle one staged version (the consumer's handler; idempotent on redelivery),
+        recording whether it worked for /healthz."""
+        try:
+            await self._broadcast(message)
+        except Exception as exc:
+            self.failures.failed(f"version {message.version}: {exc}")
+            raise
+        self.failures.succeeded()
+
+    async def _broadcast(self, message: WeightsStaged) -> None:
         head = self.head
         if head is not None and message.version < head.version:
             log.warning("stale staged version ignored", version=message.version, head=head.version)
@@ -328,4 +341,5 @@ class WeightBroadcaster:
             "chain_length": head.chain_length if head else 0,
             "snapshot_every": self.snapshot_every,
             "versions_handled": self.num_handled,
+            "versions_failing": self.failures.num_failures,
         }

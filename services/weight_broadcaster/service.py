@@ -1,5 +1,8 @@
 """The weight-broadcaster service: a durable consumer of staged versions around the
-library's WeightBroadcaster (libs/weights/broadcaster.py), which does the work."""
+library's WeightBroadcaster (libs/weights/broadcaster.py), which does the work.
+
+/healthz answers 503 ("failing", with the reason) from the first staged version that could
+not be broadcast until one is: e.g. a staging folder the trainer does not share."""
 
 from __future__ import annotations
 
@@ -71,5 +74,10 @@ class WeightBroadcasterService(Service):
             await self._consumer.stop(grace_s=self.settings.drain_timeout_s)
 
     def health(self) -> dict[str, Any]:
+        """The chain; unhealthy, with the reason, while staged versions fail to broadcast."""
         chain = self.broadcaster.health() if self.broadcaster else {}
-        return {**super().health(), **chain}
+        report = {**super().health(), **chain}
+        problem = self.broadcaster.failures.problem() if self.broadcaster else None
+        if problem is not None:
+            report |= {"status": "failing", "detail": problem}
+        return report
