@@ -23,6 +23,11 @@ refetched in a tight loop. Should the whole-state check fail after a write (the 
 changed outside the receiver), generation stops (`batcher.open` cleared, status "waiting for
 weights") until a snapshot has been applied.
 
+Health: while it follows, the follower polls the newest announced version every
+`LAG_POLL_S`; `problem()` says why the worker is stuck when a newer version than the engine
+holds (or any, while it holds none) has been announced for over `WEIGHTS_STALL_S` without
+one being applied, with the last failure's reason (libs/work_health.py).
+
 Promoted versions only (`promoted_only=True`, for replicas serving product users): the
 engine takes a version only once the trainer's eval gate promoted it (KV key
 PROMOTED_VERSION_KEY of the state bucket, polled every `promoted_poll_s`). The chain is
@@ -36,9 +41,11 @@ waits for the next promotion. Costs one CPU copy of the weights; needs the train
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import MutableMapping
 from typing import Any
 
+import nats.errors
 import structlog
 import torch
 from nats.js import JetStreamContext
@@ -49,6 +56,7 @@ from libs.engine.base import InferenceEngine
 from libs.rollout.batcher import GenerationBatcher
 from libs.weights.errors import CorruptDeltaError, WeightsError
 from libs.weights.receiver import PreparedUpdate, WeightReceiver, latest_announcement
+from libs.work_health import LagWatch
 from proto import streams
 
 log = structlog.get_logger(__name__)
@@ -64,6 +72,10 @@ SWAP_FAILURES = Counter(
 )
 
 DEFAULT_RETRY_DELAYS_S = (0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
+# A worker with no new weights this long while a newer version is announced is unhealthy:
+# far above a version's fetch and apply on the links we measured (docs/weights-relay.md).
+WEIGHTS_STALL_S = 180.0
+LAG_POLL_S = 5.0
 
 
 class WeightsMismatchError(WeightsError):
@@ -122,6 +134,9 @@ class WeightsFollower:
         self.num_failed = 0
         self.target_version: int | None = None
         self._changed = asyncio.Event()
+        self._announce_js: JetStreamContext | None = None
+        self.lag = LagWatch("weights", limit_s=WEIGHTS_STALL_S)
+        self.last_error = ""
 
     @property
     def in_place(self) -> bool:
@@ -139,6 +154,7 @@ class WeightsFollower:
         `js` holds the announcements (a region's relay server, docs/weights-relay.md);
         `state_js` the trainer's KV state with the promoted version (default: `js`)."""
         self._js = state_js or js
+        self._announce_js = js
         if self.promoted_only:
             self.target_version = await read_promoted_version(self._js)
         else:
@@ -151,7 +167,32 @@ class WeightsFollower:
         )
 
     async def run(self) -> None:
-        """Fetch and apply versions (or only promoted ones) until cancelled."""
+        """Fetch and apply versions (or only promoted ones), and watch the lag behind the
+        announcements, until cancelled."""
+        async with asyncio.TaskGroup() as group:
+            group.create_task(self._follow())
+            group.create_task(self._watch_lag())
+
+    def problem(self) -> str | None:
+        """Why the engine is stuck behind the announced versions, or None."""
+        problem = self.lag.problem(time.monotonic())
+        if problem is not None and self.last_error:
+            problem += f"; last failure: {self.last_error}"
+        return problem
+
+    async def _watch_lag(self) -> None:
+        """Compare what the engine holds with the newest announcement, every LAG_POLL_S."""
+        assert self._announce_js is not None, "start() first"
+        while True:
+            try:
+                announced = await latest_announced_version(self._announce_js)
+            except (nats.errors.Error, TimeoutError) as exc:
+                log.warning("cannot read the newest announced version", error=repr(exc))
+            else:
+                self.lag.observe(self.policy_version, announced, time.monotonic())
+            await asyncio.sleep(LAG_POLL_S)
+
+    async def _follow(self) -> None:
         failures = 0
         while True:
             try:
@@ -184,6 +225,7 @@ class WeightsFollower:
         """The engine now generates with `version`: open the gate, export, tell waiters."""
         self.usable = True
         self.batcher.open.set()
+        self.last_error = ""
         self.last_pause_s = pause_s
         self.num_applied += 1
         POLICY_VERSION.set(version)
@@ -309,6 +351,7 @@ class WeightsFollower:
     async def _on_failure(self, exc: Exception, failures: int) -> None:
         self.num_failed += 1
         reason = type(exc).__name__
+        self.last_error = f"{reason}: {exc}"
         SWAP_FAILURES.labels(reason).inc()
         delay_s = self.retry_delays_s[min(failures, len(self.retry_delays_s)) - 1]
         log.error(

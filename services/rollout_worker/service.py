@@ -361,6 +361,9 @@ class RolloutWorkerService(Service):
         report = super().health()
         if self.follower is not None and not self.follower.usable and self.status == "ok":
             report["status"] = "waiting for weights"
+        problem = self.follower.problem() if self.follower is not None else None
+        if problem is not None:
+            report |= {"status": "failing", "detail": problem}
         meter = self.batcher.meter if self.batcher else None
         pause = self.follower.last_pause_s if self.follower else None
         return {
