@@ -98,6 +98,12 @@ class InferenceEngine(abc.ABC):
         return None
 
     @property
+    def continuous_batching(self) -> bool:
+        """True when concurrent `generate` calls share one running batch (so a caller should
+        hand each request over as it comes instead of merging requests into one call)."""
+        return False
+
+    @property
     @abc.abstractmethod
     def policy_version(self) -> int:
         """Version of the weights currently loaded."""

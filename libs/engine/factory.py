@@ -17,9 +17,10 @@ from transformers import PreTrainedModel
 
 from libs.engine.base import InferenceEngine
 from libs.engine.hf import HFEngine
+from libs.engine.paged import PagedEngine
 from libs.policy import PolicyConfig, build_policy, check_vocabulary, load_policy_tokenizer
 
-EngineType = Literal["hf", "vllm", "openai"]
+EngineType = Literal["hf", "paged", "vllm", "openai"]
 NOT_BUILT_YET: dict[str, str] = {
     "vllm": "the vllm engine (production GPUs) is not built yet; use type='hf'",
     "openai": "the openai engine (an OpenAI-compatible server) is not built yet; use type='hf'",
@@ -32,7 +33,8 @@ class EngineConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     type: EngineType = "hf"
-    """Backend: "hf" (torch/transformers, in process); "vllm" and "openai" are planned."""
+    """Backend: "hf" (torch/transformers, in process); "paged" (continuous batching, paged KV
+    cache, CUDA graphs: libs.engine.paged; Llama/Qwen2 models); "vllm" and "openai" are planned."""
     max_batch_rows: int = Field(64, ge=1)
     """Most sequences decoded together; larger requests run in chunks of this many rows."""
     initial_policy_version: int = Field(0, ge=0)
@@ -52,4 +54,6 @@ def build_engine(
     tokenizer = load_policy_tokenizer(policy)
     model = build_policy(policy) if model is None else model
     check_vocabulary(model, tokenizer, policy)
+    if config.type == "paged":
+        return PagedEngine(model, tokenizer, config.max_batch_rows, config.initial_policy_version)
     return HFEngine(model, tokenizer, config.max_batch_rows, config.initial_policy_version)

@@ -14,10 +14,17 @@ Requests share a call when they agree on everything but `max_tokens`: the call d
 the largest, and each completion is cut back to its own request's `max_tokens`. That is
 exact: a row's tokens never depend on how long it goes on afterwards.
 
-`gate` is held for the whole of each call and `open` must be set for a call to start; the
-weights follower takes the gate to swap weights between calls and clears `open` while the
-weights are unusable. `meter` measures the busy fraction (time inside `generate` over wall
-time) and generated tokens per second.
+An engine with continuous batching (`engine.continuous_batching`, the `paged` engine) merges
+concurrent calls itself, at every decode step: then the batcher merges nothing and hands each
+request to the engine the moment it arrives, as its own call in a worker thread, so an agent's
+next turn joins the running batch at once instead of waiting for a whole call to end.
+
+`gate` is held while calls run and `open` must be set for a call to start; the weights
+follower takes the gate to swap weights between calls and clears `open` while the weights
+are unusable. In continuous mode the gate is held across overlapping calls; once someone
+waits for it (`gate.wanted`), no new call starts and the running ones finish first, so every
+completion still comes from one version. `meter` measures the busy fraction (time inside
+`generate` over wall time) and generated tokens per second.
 """
 
 from __future__ import annotations
@@ -26,7 +33,9 @@ import asyncio
 import dataclasses
 import time
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Literal
 
 import structlog
 from prometheus_client import Counter, Gauge, Histogram
@@ -95,6 +104,32 @@ class ThroughputMeter:
         return sum(tokens for *_, tokens in self._calls) / length
 
 
+# Threads for the calls of a continuous-batching engine: each waits while the engine's one
+# driver thread steps, so there are as many as concurrent requests (agent episodes).
+CONTINUOUS_CALL_THREADS = 512
+
+
+class SwapGate(asyncio.Lock):
+    """An asyncio.Lock that says when someone waits for it (`wanted`), so a continuous
+    batcher stops starting calls and lets the running ones finish for a weight swap."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wanted = asyncio.Event()
+        self._num_waiting = 0
+
+    async def acquire(self) -> Literal[True]:
+        self._num_waiting += 1
+        if self.locked():
+            self.wanted.set()
+        try:
+            return await super().acquire()
+        finally:
+            self._num_waiting -= 1
+            if self._num_waiting == 0:
+                self.wanted.clear()
+
+
 @dataclass
 class _Request:
     prompts: list[list[int]]
@@ -124,7 +159,7 @@ class GenerationBatcher:
         self.max_batch_rows = max_batch_rows
         self.batch_window_s = batch_window_s
         self.meter = meter or ThroughputMeter()
-        self.gate = asyncio.Lock()
+        self.gate = SwapGate()
         self.open = asyncio.Event()
         self._pending: deque[_Request] = deque()
         self._arrived = asyncio.Event()
@@ -161,6 +196,9 @@ class GenerationBatcher:
 
     async def run(self) -> None:
         """Serve requests until cancelled."""
+        if self.engine.continuous_batching:
+            await self._run_continuous()
+            return
         while True:
             await self._wait_for_requests()
             # Taken after the gate: requests that arrive during a weight swap join this call.
@@ -171,6 +209,70 @@ class GenerationBatcher:
                     await self._run_batch(batch)
             finally:
                 self.gate.release()
+
+    async def _run_continuous(self) -> None:
+        """Hand each request to the engine as it comes, under the gate (continuous mode)."""
+        running: set[asyncio.Task[None]] = set()
+        with ThreadPoolExecutor(CONTINUOUS_CALL_THREADS, thread_name_prefix="generate") as pool:
+            try:
+                while True:
+                    while not self._pending:
+                        self._arrived.clear()
+                        await self._arrived.wait()
+                    await self._acquire_open_gate()
+                    try:
+                        await self._hand_over(running, pool)
+                    finally:
+                        self.gate.release()
+            finally:
+                for task in running:
+                    task.cancel()
+
+    async def _hand_over(self, running: set[asyncio.Task[None]], pool: ThreadPoolExecutor) -> None:
+        """Start every request as it arrives until someone wants the gate or nothing runs;
+        then wait for the running calls (the gate is held)."""
+        while not self.gate.wanted.is_set():
+            self._arrived.clear()
+            for request in self._take_all():
+                task = asyncio.create_task(self._run_alone(request, pool))
+                running.add(task)
+                task.add_done_callback(running.discard)
+            if not running:
+                return
+            wakers = {
+                asyncio.create_task(self._arrived.wait()),
+                asyncio.create_task(self.gate.wanted.wait()),
+            }
+            await asyncio.wait(wakers | running, return_when=asyncio.FIRST_COMPLETED)
+            for waker in wakers:
+                waker.cancel()
+        if running:
+            await asyncio.wait(set(running))
+
+    def _take_all(self) -> list[_Request]:
+        """Every pending request whose caller still waits."""
+        taken = [request for request in self._pending if not request.future.done()]
+        self._pending.clear()
+        return taken
+
+    async def _run_alone(self, request: _Request, pool: ThreadPoolExecutor) -> None:
+        """One engine call for one request (continuous mode), resolving its future."""
+        loop = asyncio.get_running_loop()
+        start = time.monotonic()
+        try:
+            completions = await loop.run_in_executor(
+                pool, self.engine.generate, request.prompts, request.params, 1
+            )
+        except asyncio.CancelledError:
+            request.future.cancel()
+            raise
+        except Exception as exc:
+            _fail(request, exc)
+            return
+        self.num_calls += 1
+        self.largest_batch = max(self.largest_batch, 1)
+        self.meter.record(start, time.monotonic(), sum(len(c.token_ids) for c in completions))
+        _resolve(request, completions)
 
     async def _wait_for_requests(self) -> None:
         """Until a request is pending, then a short window for others to join it."""

@@ -1,0 +1,293 @@
+"""The `paged` engine's forward pass: a Llama/Qwen2 model run over the paged KV cache.
+
+The transformers model keeps its modules and parameters; this runner calls its embedding,
+norms, projections, MLPs and rotary embedding directly and replaces only attention (by
+`libs.engine.paged_attention` over `libs.engine.kv_cache`). So a weight update written into
+the model's parameters in place is what the next step computes with, and a CUDA graph
+captured over those same tensors stays valid.
+
+Two entry points:
+- `prefill(chunks)`: a flat batch of prompt chunks of several sequences (eager), returns the
+  logits of each chunk's last token;
+- `decode()`: one token for each row of `rows` (a `DecodeRows`, the running batch whose
+  state lives on the device), returns logits [rows, V]. On CUDA it replays the graph
+  captured for the smallest batch bucket that holds the rows; Python does no per-layer work.
+
+Supported: model_type "llama" and "qwen2" with full attention and the default RoPE; any
+other architecture is refused at construction with the reason.
+
+    runner = PagedModelRunner(model, cache, max_rows=256, table_width=512, use_cuda_graphs=True)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import PreTrainedModel
+
+from libs.engine.kv_cache import PagedKVCache
+from libs.engine.paged_attention import HAS_TRITON, AttentionPlan, chunk_attention, decode_attention
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
+DECODE_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
+
+Attend = Callable[[int, torch.Tensor], torch.Tensor]
+"""(layer index, queries [N, H, D]) -> attention output [N, H, D]; K and V already cached."""
+
+
+def check_architecture(model: PreTrainedModel) -> None:
+    """Raise ValueError naming why `model` cannot run on the paged engine, if it cannot."""
+    config = model.config
+    if config.model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"the paged engine runs {SUPPORTED_MODEL_TYPES} models; this one is "
+            f"{config.model_type!r}: use engine type 'hf'"
+        )
+    rope = getattr(config, "rope_scaling", None) or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type != "default":
+        raise ValueError(f"the paged engine supports default RoPE only, not {rope_type!r}")
+    layer_types = getattr(config, "layer_types", None) or []
+    if any(kind != "full_attention" for kind in layer_types):
+        raise ValueError("the paged engine supports full attention only (no sliding window)")
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """RoPE's rotation of the last dimension's two halves: (a, b) -> (-b, a)."""
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+@dataclass(frozen=True)
+class PrefillChunk:
+    """Positions [start, start + len(token_ids)) of one sequence whose blocks are `blocks`."""
+
+    token_ids: Sequence[int]
+    start: int
+    blocks: Sequence[int]
+
+
+class DecodeRows:
+    """State of the running decode batch, on the device: row i is the i-th running sequence.
+
+    Rows past `num_rows` keep positions 0 and all-zero block tables, so the padded rows of a
+    graph bucket read and write only the scratch block.
+    """
+
+    def __init__(self, max_rows: int, table_width: int, device: torch.device) -> None:
+        self.max_rows = max_rows
+        self.num_rows = 0
+        self.input_ids = torch.zeros(max_rows, dtype=torch.long, device=device)
+        self.positions = torch.zeros(max_rows, dtype=torch.long, device=device)
+        self.tables = torch.zeros((max_rows, table_width), dtype=torch.int32, device=device)
+        self.temperatures = torch.zeros(max_rows, dtype=torch.float32, device=device)
+        self.top_ps = torch.ones(max_rows, dtype=torch.float32, device=device)
+        self.seeds = torch.zeros(max_rows, dtype=torch.long, device=device)
+        self.num_generated = torch.zeros(max_rows, dtype=torch.long, device=device)
+
+    def append(
+        self,
+        input_ids: list[int],
+        positions: list[int],
+        tables: list[list[int]],
+        temperatures: list[float],
+        top_ps: list[float],
+        seeds: list[int],
+    ) -> None:
+        """Add rows (sequences that have just sampled their first token) at the end."""
+        start, count = self.num_rows, len(input_ids)
+        assert start + count <= self.max_rows, "the scheduler admitted more rows than fit"
+        rows = slice(start, start + count)
+        device = self.input_ids.device
+        self.input_ids[rows] = torch.tensor(input_ids, device=device)
+        self.positions[rows] = torch.tensor(positions, device=device)
+        width = self.tables.shape[1]
+        padded = [table + [0] * (width - len(table)) for table in tables]
+        self.tables[rows] = torch.tensor(padded, dtype=torch.int32, device=device)
+        self.temperatures[rows] = torch.tensor(temperatures, device=device)
+        self.top_ps[rows] = torch.tensor(top_ps, device=device)
+        self.seeds[rows] = torch.tensor(seeds, device=device)
+        self.num_generated[rows] = 1
+        self.num_rows += count
+
+    def advance(self, token_ids: torch.Tensor) -> None:
+        """Every row's next input is the token it just sampled, one position further on."""
+        n = self.num_rows
+        self.input_ids[:n] = token_ids
+        self.positions[:n] += 1
+        self.num_generated[:n] += 1
+
+    def keep(self, rows: list[int]) -> None:
+        """Keep only `rows` (in this order) as rows 0.., clearing the rows left behind."""
+        old = self.num_rows
+        index = torch.tensor(rows, dtype=torch.long, device=self.input_ids.device)
+        for buffer in self._buffers():
+            buffer[: len(rows)] = buffer[index]
+        self.positions[len(rows) : old] = 0
+        self.tables[len(rows) : old] = 0
+        self.num_rows = len(rows)
+
+    def clear(self) -> None:
+        """No rows (after a failed step)."""
+        self.positions.zero_()
+        self.tables.zero_()
+        self.num_rows = 0
+
+    def _buffers(self) -> list[torch.Tensor]:
+        return [
+            self.input_ids,
+            self.positions,
+            self.tables,
+            self.temperatures,
+            self.top_ps,
+            self.seeds,
+            self.num_generated,
+        ]
+
+
+class PagedModelRunner:
+    """Forward passes of a Llama/Qwen2 model over a `PagedKVCache`."""
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        cache: PagedKVCache,
+        max_rows: int,
+        table_width: int,
+        use_cuda_graphs: bool,
+    ) -> None:
+        check_architecture(model)
+        config = model.config
+        self.model = model
+        self.decoder: Any = model.model  # LlamaModel / Qwen2Model (checked above)
+        self.cache = cache
+        self.block_size = cache.layout.block_size
+        self.head_dim = int(
+            getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        )
+        self.scale = self.head_dim**-0.5
+        self.device = model.device
+        self.rows = DecodeRows(max_rows, table_width, self.device)
+        # The Triton kernel needs a power-of-two head size; otherwise decode runs in torch.
+        power_of_two = self.head_dim & (self.head_dim - 1) == 0
+        self.use_kernel = self.device.type == "cuda" and HAS_TRITON and power_of_two
+        self.buckets = [b for b in DECODE_BUCKETS if b < max_rows] + [max_rows]
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        if use_cuda_graphs:
+            if not self.use_kernel:
+                raise ValueError("CUDA graphs need a CUDA device with Triton")
+            self._capture_graphs()
+
+    def prefill(self, chunks: Sequence[PrefillChunk]) -> torch.Tensor:
+        """Write the chunks' K and V into the cache; logits [len(chunks), V] of each chunk's
+        last token (the next-token distribution once a chunk ends its prompt)."""
+        device, size = self.device, self.block_size
+        ids = [token for chunk in chunks for token in chunk.token_ids]
+        positions = [chunk.start + i for chunk in chunks for i in range(len(chunk.token_ids))]
+        slots = [
+            chunk.blocks[(chunk.start + i) // size] * size + (chunk.start + i) % size
+            for chunk in chunks
+            for i in range(len(chunk.token_ids))
+        ]
+        width = max((chunk.start + len(chunk.token_ids) - 1) // size + 1 for chunk in chunks)
+        tables = [
+            list(chunk.blocks[:width]) + [0] * (width - len(chunk.blocks)) for chunk in chunks
+        ]
+        lengths = torch.tensor([len(chunk.token_ids) for chunk in chunks], device=device)
+        starts = torch.tensor([chunk.start for chunk in chunks], device=device)
+        plan = AttentionPlan.build(starts, lengths, torch.tensor(tables, device=device), size)
+
+        def attend(layer: int, q: torch.Tensor) -> torch.Tensor:
+            return chunk_attention(q, self.cache.k[layer], self.cache.v[layer], plan, self.scale)
+
+        hidden = self._forward(
+            torch.tensor(ids, device=device),
+            torch.tensor(positions, device=device),
+            torch.tensor(slots, device=device),
+            attend,
+        )
+        last = lengths.cumsum(0) - 1
+        return self.model.lm_head(hidden[last])
+
+    def decode(self) -> torch.Tensor:
+        """Logits [rows, V] of the next token of every running row (`self.rows`)."""
+        n = self.rows.num_rows
+        if self._graphs:
+            bucket = next(b for b in self.buckets if b >= n)
+            graph, logits = self._graphs[bucket]
+            graph.replay()
+            return logits[:n]
+        return self._decode_logits(n)
+
+    def _decode_logits(self, n: int) -> torch.Tensor:
+        """The decode step of rows [0, n) as plain torch calls (what a graph captures)."""
+        rows, size = self.rows, self.block_size
+        positions, tables = rows.positions[:n], rows.tables[:n]
+        pages = tables.gather(1, (positions // size).unsqueeze(1)).squeeze(1).long()
+        slots = pages * size + positions % size
+        if self.use_kernel:
+
+            def attend(layer: int, q: torch.Tensor) -> torch.Tensor:
+                k, v = self.cache.k[layer], self.cache.v[layer]
+                return decode_attention(q, k, v, tables, positions, size, self.scale)
+
+        else:
+            plan = AttentionPlan.build(positions, torch.ones_like(positions), tables, size)
+
+            def attend(layer: int, q: torch.Tensor) -> torch.Tensor:
+                k, v = self.cache.k[layer], self.cache.v[layer]
+                return chunk_attention(q, k, v, plan, self.scale)
+
+        hidden = self._forward(rows.input_ids[:n], positions, slots, attend)
+        return self.model.lm_head(hidden)
+
+    def _capture_graphs(self) -> None:
+        """One CUDA graph of the decode step per batch bucket, largest first, one memory pool."""
+        pool = torch.cuda.graph_pool_handle()
+        with torch.no_grad():
+            for bucket in reversed(self.buckets):
+                self._decode_logits(bucket)  # warm-up: Triton compiles, cuBLAS picks kernels
+                torch.cuda.synchronize(self.device)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    logits = self._decode_logits(bucket)
+                self._graphs[bucket] = (graph, logits)
+        torch.cuda.synchronize(self.device)
+
+    def _forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, attend: Attend
+    ) -> torch.Tensor:
+        """Final hidden states [N, hidden] of flat tokens `input_ids` [N] at `positions` [N],
+        whose K and V go to cache `slots` [N]; the same layer order as transformers'."""
+        hidden = self.decoder.embed_tokens(input_ids)
+        cos, sin = self.decoder.rotary_emb(hidden[None], positions[None])  # [1, N, D] each
+        rotary = (cos[0, :, None, :], sin[0, :, None, :])
+        for index, layer in enumerate(self.decoder.layers):
+            normed = layer.input_layernorm(hidden)
+            hidden = hidden + self._attention(index, layer.self_attn, normed, rotary, slots, attend)
+            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        return self.decoder.norm(hidden)
+
+    def _attention(
+        self,
+        index: int,
+        attention: Any,
+        hidden: torch.Tensor,
+        rotary: tuple[torch.Tensor, torch.Tensor],
+        slots: torch.Tensor,
+        attend: Attend,
+    ) -> torch.Tensor:
+        """One layer's self-attention of flat tokens [N, hidden]: project, rotate, cache, attend."""
+        n, cos, sin = hidden.shape[0], rotary[0], rotary[1]
+        q = attention.q_proj(hidden).view(n, -1, self.head_dim)
+        k = attention.k_proj(hidden).view(n, -1, self.head_dim)
+        v = attention.v_proj(hidden).view(n, -1, self.head_dim)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        self.cache.k[index].index_copy_(0, slots, k)
+        self.cache.v[index].index_copy_(0, slots, v)
+        out = attend(index, q)
+        return attention.o_proj(out.reshape(n, -1))

@@ -1,0 +1,388 @@
+"""The `paged` engine: continuous batching over a paged KV cache, decode steps as CUDA graphs.
+
+For GPUs (it also runs, eagerly, on CPU). Every `generate` call, from any thread, adds its
+sequences to one running batch: they join at the next step and leave when they finish, so
+one agent's next turn starts at once instead of waiting for another call's slowest row.
+One driver thread runs the steps while there is work (see `libs.engine.scheduler`): admit,
+prefill a chunk, decode a token for every running row (`libs.engine.model_runner`), sample
+with per-row parameters and seeds (`libs.engine.row_sampling`). The KV cache is allocated
+once, sized from free GPU memory, and shares prefixes (a GRPO group's prompt, an episode's
+earlier turns) between sequences (`libs.engine.kv_cache`).
+
+    engine = PagedEngine(build_policy(PolicyConfig(preset="qwen2-0.5b")), tokenizer, 256)
+    completions = engine.generate([prompt_ids], SamplingParams(max_tokens=256), 16)
+
+Or through the factory: `EngineConfig(type="paged")` (rollout-worker: ROLLOUT_ENGINE_TYPE).
+
+Weights: `write_in_place` and `update_weights` wait until no `generate` call is running
+(so every completion still comes from exactly one version), write into the model's own
+parameter storage (the captured graphs read it), and drop the prefix cache (its KV came
+from the old weights). The pause reported is the write alone, as for `hf`.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections.abc import Callable, Mapping
+
+import torch
+from transformers import PreTrainedModel
+
+from libs.engine.base import (
+    Completion,
+    ContinuationScores,
+    InferenceEngine,
+    SamplingParams,
+    T,
+)
+from libs.engine.hf import HFEngine
+from libs.engine.kv_cache import BlockPool, CacheLayout, PagedKVCache, blocks_for_memory
+from libs.engine.model_runner import PagedModelRunner, PrefillChunk, check_architecture
+from libs.engine.row_sampling import row_seed, sample_rows, step_seeds
+from libs.engine.sampling import SampledTokens
+from libs.engine.scheduler import Request, Scheduler, Sequence, blocks_needed
+from libs.tokenizer import Tokenizer
+
+# Extra tokens decoded before a stop string's own length when looking for it (as `hf`).
+STOP_STRING_CONTEXT_TOKENS = 4
+CPU_KV_CACHE_TOKENS = 65_536
+"""KV cache tokens on CPU when not given (allocated lazily: untouched pages cost nothing)."""
+GPU_TOKENS_PER_ROW = 4096
+"""On a GPU the cache holds at most this many tokens per decode row when not given."""
+
+
+class PagedEngine(InferenceEngine):
+    """`InferenceEngine` with continuous batching, a paged KV cache and CUDA-graph decoding."""
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        tokenizer: Tokenizer,
+        max_batch_rows: int = 64,
+        policy_version: int = 0,
+        *,
+        block_size: int = 16,
+        kv_cache_tokens: int | None = None,
+        kv_cache_memory_fraction: float = 0.3,
+        prefill_chunk_tokens: int = 2048,
+        use_cuda_graphs: bool | None = None,
+    ) -> None:
+        if max_batch_rows < 1:
+            raise ValueError(f"max_batch_rows must be >= 1, got {max_batch_rows}")
+        check_architecture(model)
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.max_batch_rows = max_batch_rows
+        self._version = policy_version
+        self._tensors: dict[str, torch.Tensor] = dict(model.state_dict(keep_vars=True))
+        layout = self._layout(block_size, kv_cache_tokens, kv_cache_memory_fraction)
+        self.cache = PagedKVCache(layout, model.device)
+        self.pool = BlockPool(layout.num_blocks, block_size)
+        positions = int(model.config.max_position_embeddings)
+        self._max_context = min(positions, self.pool.capacity * block_size)
+        graphs = model.device.type == "cuda" if use_cuda_graphs is None else use_cuda_graphs
+        table_width = blocks_needed(self._max_context, block_size)
+        with torch.no_grad():
+            self.runner = PagedModelRunner(model, self.cache, max_batch_rows, table_width, graphs)
+        self.scheduler = Scheduler(self.pool, max_batch_rows, prefill_chunk_tokens)
+        self._scorer = HFEngine(model, tokenizer, max_batch_rows, policy_version)
+        self._lock = threading.Lock()  # the scheduler's queues, the driver, request counts
+        self._changed = threading.Condition(self._lock)
+        self._step_lock = threading.Lock()  # one step, or one weight write, at a time
+        self._write_lock = threading.Lock()  # one weight write at a time
+        self._num_running_calls = 0
+        self._writing = False
+        self._driver: threading.Thread | None = None
+        self._entropy = random.SystemRandom()
+        self.num_steps = 0
+        self.num_prefill_tokens = 0  # prompt tokens computed (not shared from the prefix cache)
+
+    @property
+    def policy_version(self) -> int:
+        return self._version
+
+    @property
+    def max_context_tokens(self) -> int:
+        return self._max_context
+
+    @property
+    def continuous_batching(self) -> bool:
+        return True
+
+    @property
+    def device(self) -> torch.device:
+        """Device the model runs on."""
+        return self.model.device
+
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams, num_samples: int = 1
+    ) -> list[Completion]:
+        self._check_request(prompts, params, num_samples)
+        with self._lock:
+            while self._writing:
+                self._changed.wait()
+            request = self._request(prompts, params, num_samples)
+            self._num_running_calls += 1
+            self.scheduler.waiting.extend(request.sequences)
+            self._start_driver()
+        try:
+            request.done.wait()
+        finally:
+            with self._lock:
+                self._num_running_calls -= 1
+                self._changed.notify_all()
+        if request.error is not None:
+            raise request.error
+        return request.completions()
+
+    def update_weights(self, state: Mapping[str, torch.Tensor], version: int) -> float:
+        staged = self._stage(state)  # device transfer and casts happen before the pause
+
+        def copy() -> None:
+            for name, tensor in staged.items():
+                self._tensors[name].copy_(tensor)
+
+        return self.write_in_place(copy, version)[1]
+
+    def live_tensors(self) -> dict[str, torch.Tensor] | None:
+        return {name: tensor.detach() for name, tensor in self._tensors.items()}
+
+    def write_in_place(self, write: Callable[[], T], version: int) -> tuple[T, float]:
+        with self._write_lock:
+            with self._lock:
+                self._check_version(version)
+                self._writing = True  # new calls wait; running ones finish on the old weights
+                while self._num_running_calls:
+                    self._changed.wait()
+            try:
+                with self._step_lock, torch.no_grad():
+                    start_s = time.perf_counter()
+                    result = write()
+                    if self.device.type == "cuda":
+                        torch.cuda.synchronize(self.device)
+                    self.pool.forget_all()  # cached prefixes hold the old weights' KV
+                    self._version = version
+                    return result, time.perf_counter() - start_s
+            finally:
+                with self._lock:
+                    self._writing = False
+                    self._changed.notify_all()
+
+    def score(self, prompts: list[list[int]], continuations: list[list[int]]) -> ContinuationScores:
+        with self._step_lock:
+            scores = self._scorer.score(prompts, continuations)
+            return ContinuationScores(scores.logprobs, self._version)
+
+    def _layout(
+        self, block_size: int, kv_cache_tokens: int | None, memory_fraction: float
+    ) -> CacheLayout:
+        """The cache's shape: `kv_cache_tokens` if given, else sized from free memory."""
+        config = self.model.config
+        head_dim = (
+            getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        )
+        layout = CacheLayout(
+            num_layers=config.num_hidden_layers,
+            num_kv_heads=config.num_key_value_heads,
+            head_dim=int(head_dim),
+            block_size=block_size,
+            num_blocks=0,
+            dtype=next(self.model.parameters()).dtype,
+        )
+        if kv_cache_tokens is not None:
+            num_blocks = blocks_needed(kv_cache_tokens, block_size) + 1
+        elif self.model.device.type == "cuda":
+            free_bytes, _ = torch.cuda.mem_get_info(self.model.device)
+            budget = int(free_bytes * memory_fraction)
+            num_blocks = blocks_for_memory(budget, layout.bytes_per_token, block_size)
+            cap = blocks_needed(self.max_batch_rows * GPU_TOKENS_PER_ROW, block_size) + 1
+            num_blocks = min(num_blocks, cap)
+        else:
+            num_blocks = blocks_needed(CPU_KV_CACHE_TOKENS, block_size) + 1
+        return CacheLayout(**{**layout.__dict__, "num_blocks": num_blocks})
+
+    def _request(
+        self, prompts: list[list[int]], params: SamplingParams, num_samples: int
+    ) -> Request:
+        """A request of `num_samples` sequences per prompt, each with its own seed."""
+        request = Request(params, num_samples, self._version)
+        for index in range(len(prompts) * num_samples):
+            prompt = prompts[index // num_samples]
+            seed = row_seed(params.seed, index, self._entropy.getrandbits(62))
+            request.sequences.append(Sequence(request, list(prompt), len(prompt), seed))
+        request.num_unfinished = len(request.sequences)
+        return request
+
+    def _start_driver(self) -> None:
+        """Start the step loop unless it runs (called with `_lock` held). Not a daemon: it
+        exits by itself once no sequence is left, and interpreter exit waits for that."""
+        if self._driver is None:
+            self._driver = threading.Thread(target=self._drive, name="paged-engine")
+            self._driver.start()
+
+    def _drive(self) -> None:
+        """Run steps while any sequence is unfinished; a failed step fails every request."""
+        while True:
+            with self._lock:
+                if not self.scheduler.has_work():
+                    self._driver = None
+                    return
+            try:
+                with self._step_lock, torch.no_grad():
+                    self._step()
+            except Exception as exc:  # the callers waiting on their requests re-raise it
+                with self._lock:
+                    self.scheduler.fail_all(exc)
+                    self.runner.rows.clear()
+
+    def _step(self) -> None:
+        """Admit, prefill one chunk budget, decode one token for every running row."""
+        with self._lock:
+            self.scheduler.admit()
+        chunks = self.scheduler.plan_prefill()
+        if chunks:
+            self._prefill(chunks)
+        if self.scheduler.decoding:
+            self._decode()
+        self.num_steps += 1
+
+    def _prefill(self, chunks: list[tuple[Sequence, PrefillChunk]]) -> None:
+        """Run the chunks; sequences whose prompt is now computed sample their first token."""
+        logits = self.runner.prefill([chunk for _, chunk in chunks])
+        self.num_prefill_tokens += sum(len(chunk.token_ids) for _, chunk in chunks)
+        finishing = []
+        for row, (seq, chunk) in enumerate(chunks):
+            self.scheduler.on_computed(seq, chunk.start + len(chunk.token_ids))
+            if seq.num_computed == seq.prompt_len:
+                finishing.append(row)
+        if not finishing:
+            return
+        seqs = [chunks[row][0] for row in finishing]
+        sampled = self._sample(logits[finishing], seqs, [0] * len(seqs))
+        joined: list[Sequence] = []
+        for seq, (token, logprob, raw) in zip(seqs, _host_rows(sampled), strict=True):
+            self.scheduler.prefilling.remove(seq)
+            self.scheduler.record(seq, token, logprob, raw)
+            if not self._stop_if_done(seq):
+                joined.append(seq)
+        if joined:
+            self._join_decoding(joined)
+
+    def _join_decoding(self, seqs: list[Sequence]) -> None:
+        """Add sequences that sampled their first token to the running decode rows."""
+        self.runner.rows.append(
+            input_ids=[seq.token_ids[-1] for seq in seqs],
+            positions=[len(seq.token_ids) - 1 for seq in seqs],
+            tables=[seq.blocks for seq in seqs],
+            temperatures=[seq.params.temperature for seq in seqs],
+            top_ps=[seq.params.top_p for seq in seqs],
+            seeds=[seq.seed for seq in seqs],
+        )
+        self.scheduler.decoding.extend(seqs)
+
+    def _decode(self) -> None:
+        """One token for every running row; finished rows leave the batch."""
+        rows, decoding = self.runner.rows, self.scheduler.decoding
+        n = rows.num_rows
+        logits = self.runner.decode()
+        seeds = step_seeds(rows.seeds[:n], rows.num_generated[:n])
+        all_top_p_one = all(seq.params.top_p >= 1.0 for seq in decoding)
+        sampled = sample_rows(
+            logits, rows.temperatures[:n], rows.top_ps[:n], seeds, all_top_p_one=all_top_p_one
+        )
+        rows.advance(sampled.token_ids)
+        keep: list[int] = []
+        for index, (seq, (token, logprob, raw)) in enumerate(
+            zip(decoding, _host_rows(sampled), strict=True)
+        ):
+            self.scheduler.on_computed(seq, seq.num_computed + 1)  # the input token's KV
+            self.scheduler.record(seq, token, logprob, raw)
+            if not self._stop_if_done(seq):
+                keep.append(index)
+        if len(keep) < n:
+            rows.keep(keep)
+            self.scheduler.decoding = [decoding[index] for index in keep]
+
+    def _sample(
+        self, logits: torch.Tensor, seqs: list[Sequence], counts: list[int]
+    ) -> SampledTokens:
+        """One token for each of `seqs` from `logits` [len(seqs), V] (prefill's first token)."""
+        device = logits.device
+        temperatures = torch.tensor([seq.params.temperature for seq in seqs], device=device)
+        top_ps = torch.tensor([seq.params.top_p for seq in seqs], device=device)
+        row_seeds = torch.tensor([seq.seed for seq in seqs], device=device)
+        seeds = step_seeds(row_seeds, torch.tensor(counts, device=device))
+        all_top_p_one = all(seq.params.top_p >= 1.0 for seq in seqs)
+        return sample_rows(logits, temperatures, top_ps, seeds, all_top_p_one=all_top_p_one)
+
+    def _stop_if_done(self, seq: Sequence) -> bool:
+        """Finish `seq` if its newest token ends it; True if it did."""
+        if self._hits_stop(seq.generated, seq.params):
+            self.scheduler.finish(seq, "stop")
+        elif len(seq.generated) >= seq.params.max_tokens:
+            self.scheduler.finish(seq, "length")
+        else:
+            return False
+        return True
+
+    def _hits_stop(self, token_ids: list[int], params: SamplingParams) -> bool:
+        """True when the newest token is a stop id or completes a stop string."""
+        last = token_ids[-1]
+        if last == self.tokenizer.eos_id or last in params.stop_token_ids:
+            return True
+        if not params.stop_strings:
+            return False
+        window = max(len(text.encode()) for text in params.stop_strings)
+        tail = self.tokenizer.decode(token_ids[-(window + STOP_STRING_CONTEXT_TOKENS) :])
+        return any(text in tail for text in params.stop_strings)
+
+    def _check_version(self, version: int) -> None:
+        if version < self._version:
+            raise ValueError(
+                f"weight version {version} is older than the loaded version {self._version}"
+            )
+
+    def _stage(self, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """`state` checked against the model and moved to its device and dtypes."""
+        unknown = sorted(set(state) - set(self._tensors))
+        if unknown:
+            raise ValueError(f"weight update names tensors the model lacks: {unknown[:5]}")
+        staged: dict[str, torch.Tensor] = {}
+        for name, tensor in state.items():
+            target = self._tensors[name]
+            if tensor.shape != target.shape:
+                raise ValueError(
+                    f"weight update {name!r} has shape {tuple(tensor.shape)}, "
+                    f"the model has {tuple(target.shape)}"
+                )
+            staged[name] = tensor.to(device=target.device, dtype=target.dtype)
+        return staged
+
+    def _check_request(
+        self, prompts: list[list[int]], params: SamplingParams, num_samples: int
+    ) -> None:
+        """Raise ValueError naming the problem if the request cannot be served."""
+        if num_samples < 1:
+            raise ValueError(f"num_samples must be >= 1, got {num_samples}")
+        if not prompts or any(len(prompt) == 0 for prompt in prompts):
+            raise ValueError("prompts must be a non-empty list of non-empty token-id lists")
+        vocab_size = self.model.config.vocab_size
+        if any(not 0 <= token < vocab_size for prompt in prompts for token in prompt):
+            raise ValueError(f"prompt token ids must lie in [0, {vocab_size})")
+        longest = max(len(prompt) for prompt in prompts)
+        if longest + params.max_tokens > self._max_context:
+            raise ValueError(
+                f"longest prompt ({longest}) + max_tokens ({params.max_tokens}) exceeds the "
+                f"{self._max_context} tokens one sequence may hold (model positions and KV "
+                "cache size); lower max_tokens, shorten the prompt or give the cache more memory"
+            )
+
+
+def _host_rows(sampled: SampledTokens) -> list[tuple[int, float, float]]:
+    """(token, logprob, raw logprob) per row, read from the device in one transfer."""
+    stacked = torch.stack(
+        [sampled.token_ids.double(), sampled.logprobs.double(), sampled.raw_logprobs.double()], 1
+    )
+    return [(int(token), logprob, raw) for token, logprob, raw in stacked.tolist()]

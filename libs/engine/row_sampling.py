@@ -1,0 +1,200 @@
+"""Sampling with per-row parameters and per-row seeds, for a batch whose rows come and go.
+
+In a continuously batched engine each row belongs to its own request, so temperature, top-p
+and the random stream are per row: a row's tokens must not depend on which other rows share
+its step. Sampling uses the Gumbel-max trick: argmax(logprobs + Gumbel noise) is an exact
+draw from softmax(logprobs), and the noise of row r at its k-th token is a pure function of
+(row seed, k), so a seeded request gives the same tokens alone or in any batch.
+
+The recorded logprob is the token's logprob under the very distribution the noise was added
+to (temperature, then nucleus renormalized, in fp32): what the trainer's importance weights
+need. Greedy rows (temperature 0) take the argmax of the raw logits and record 0.0.
+
+Two implementations of one contract:
+- `sample_rows_torch`: any device; counter-hash noise; handles top-p < 1 (a sort per row group).
+- `sample_rows_triton` (CUDA): one fused pass over each row's logits: raw and tempered
+  log-normalizers, Philox noise (`tl.rand`) and the running argmax, for rows with top_p = 1.
+The two draw different noise, so on CPU and GPU seeded samples differ (greedy does not).
+
+    seeds = step_seeds(row_seeds, tokens_so_far)          # [B] int64, one per row and step
+    sampled = sample_rows(logits, temperatures, top_ps, seeds)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from libs.engine.paged_attention import HAS_TRITON
+from libs.engine.sampling import SampledTokens, nucleus_logprobs
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+_MASK_31 = (1 << 31) - 1
+_MASK_53 = (1 << 53) - 1
+
+
+def _signed64(value: int) -> int:
+    """`value` (< 2**64) as the int64 with the same bits, so torch can multiply by it."""
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+_MIX_A = _signed64(0xBF58476D1CE4E5B9)
+_MIX_B = _signed64(0x94D049BB133111EB)
+_GOLDEN = _signed64(0x9E3779B97F4A7C15)
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finalizer on int64 tensors (wrapping multiplies, logical shifts)."""
+    x = x ^ ((x >> 30) & ((1 << 34) - 1))
+    x = x * _MIX_A
+    x = x ^ ((x >> 27) & ((1 << 37) - 1))
+    x = x * _MIX_B
+    return x ^ ((x >> 31) & ((1 << 33) - 1))
+
+
+def step_seeds(row_seeds: torch.Tensor, num_generated: torch.Tensor) -> torch.Tensor:
+    """Seed [B] (int64 in [0, 2**31)) of each row's next draw, from its seed and token count."""
+    return _mix(row_seeds * _GOLDEN + num_generated) & _MASK_31
+
+
+def row_seed(request_seed: int | None, row: int, fresh: int) -> int:
+    """The seed of row `row` of a request: derived from the request's seed, else `fresh`."""
+    if request_seed is None:
+        return fresh & ((1 << 62) - 1)
+    mixed = _mix(torch.tensor([request_seed * 1_000_003 + row], dtype=torch.int64))
+    return int(mixed.item()) & ((1 << 62) - 1)
+
+
+def _uniform_noise(seeds: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Uniform (0, 1) noise [B, V] in fp64, a pure function of (seed, column)."""
+    columns = torch.arange(vocab_size, device=seeds.device, dtype=torch.int64)
+    bits = _mix(seeds[:, None] * _GOLDEN + columns[None, :] * _MIX_B + 1)
+    return (((bits >> 11) & _MASK_53).double() + 0.5) / float(1 << 53)
+
+
+def sample_rows_torch(
+    logits: torch.Tensor,
+    temperatures: torch.Tensor,
+    top_ps: torch.Tensor,
+    seeds: torch.Tensor,
+) -> SampledTokens:
+    """One token per row of `logits` [B, V] under each row's temperature and top-p [B]."""
+    raw = logits.float().log_softmax(dim=-1)
+    greedy = temperatures == 0
+    safe_t = torch.where(greedy, torch.ones_like(temperatures), temperatures)
+    dist = (logits.float() / safe_t[:, None].float()).log_softmax(dim=-1)
+    for top_p in top_ps.unique().tolist():
+        if top_p < 1.0:
+            rows = (top_ps == top_p).nonzero().squeeze(-1)
+            dist[rows] = nucleus_logprobs(dist[rows], top_p)
+    gumbel = -torch.log(-torch.log(_uniform_noise(seeds, logits.shape[-1])))
+    drawn = (dist.double() + gumbel).argmax(dim=-1)
+    token_ids = torch.where(greedy, raw.argmax(dim=-1), drawn)
+    picked = dist.gather(-1, token_ids[:, None]).squeeze(-1)
+    picked_raw = raw.gather(-1, token_ids[:, None]).squeeze(-1)
+    return SampledTokens(token_ids, torch.where(greedy, 0.0, picked), picked_raw)
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _sample_kernel(  # type: ignore[no-untyped-def]
+        logits_ptr,  # [B, V], any float dtype
+        temperatures_ptr,  # [B] fp32, 0 = greedy
+        seeds_ptr,  # [B] int64 in [0, 2**31)
+        token_ptr,  # [B] int64 out
+        logprob_ptr,  # [B] fp32 out
+        raw_logprob_ptr,  # [B] fp32 out
+        vocab_size,
+        logits_stride,
+        TILE: tl.constexpr,
+    ):
+        row = tl.program_id(0)
+        temperature = tl.load(temperatures_ptr + row)
+        greedy = temperature == 0.0
+        inv_t = tl.where(greedy, 1.0, 1.0 / tl.where(greedy, 1.0, temperature))
+        seed = tl.load(seeds_ptr + row).to(tl.int32)
+        raw_max = tl.full([TILE], float("-inf"), tl.float32)
+        raw_sum = tl.zeros([TILE], tl.float32)
+        t_max = tl.full([TILE], float("-inf"), tl.float32)
+        t_sum = tl.zeros([TILE], tl.float32)
+        best_score = tl.full([TILE], float("-inf"), tl.float32)
+        best_index = tl.full([TILE], -1, tl.int32)  # -1: a lane with no valid column never wins
+        best_logit = tl.zeros([TILE], tl.float32)
+        for start in range(0, vocab_size, TILE):
+            columns = start + tl.arange(0, TILE)
+            valid = columns < vocab_size
+            x = tl.load(
+                logits_ptr + row * logits_stride + columns, mask=valid, other=float("-inf")
+            ).to(tl.float32)
+            # Per lane online log-sum-exp, for the raw and the tempered distribution.
+            new_max = tl.maximum(raw_max, x)
+            raw_sum = raw_sum * tl.exp(raw_max - new_max) + tl.where(
+                valid, tl.exp(x - new_max), 0.0
+            )
+            raw_sum = tl.where(new_max == float("-inf"), 0.0, raw_sum)
+            raw_max = new_max
+            xt = x * inv_t
+            new_t_max = tl.maximum(t_max, xt)
+            t_sum = t_sum * tl.exp(t_max - new_t_max) + tl.where(valid, tl.exp(xt - new_t_max), 0.0)
+            t_sum = tl.where(new_t_max == float("-inf"), 0.0, t_sum)
+            t_max = new_t_max
+            uniform = tl.rand(seed, columns)
+            uniform = tl.minimum(tl.maximum(uniform, 1e-12), 1.0 - 1e-7)
+            gumbel = -tl.log(-tl.log(uniform))
+            score = tl.where(greedy, x, xt + gumbel)
+            score = tl.where(valid, score, float("-inf"))
+            better = score > best_score  # strict: the first column wins a tie within a lane
+            best_score = tl.where(better, score, best_score)
+            best_index = tl.where(better, columns, best_index)
+            best_logit = tl.where(better, x, best_logit)
+        # Combine the lanes: the best score, lowest column on ties (as torch.argmax).
+        top = tl.max(best_score, axis=0)
+        winner = tl.min(tl.where(best_score == top, best_index, vocab_size), axis=0)
+        logit = tl.max(tl.where(best_index == winner, best_logit, float("-inf")), axis=0)
+        lane_max = tl.max(raw_max, axis=0)
+        raw_lse = lane_max + tl.log(tl.sum(raw_sum * tl.exp(raw_max - lane_max), axis=0))
+        lane_t_max = tl.max(t_max, axis=0)
+        t_lse = lane_t_max + tl.log(tl.sum(t_sum * tl.exp(t_max - lane_t_max), axis=0))
+        tl.store(token_ptr + row, winner.to(tl.int64))
+        tl.store(raw_logprob_ptr + row, logit - raw_lse)
+        tl.store(logprob_ptr + row, tl.where(greedy, 0.0, logit * inv_t - t_lse))
+
+
+def sample_rows_triton(
+    logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor
+) -> SampledTokens:
+    """`sample_rows_torch` for rows with top_p = 1, fused into one pass on a CUDA device."""
+    num_rows, vocab_size = logits.shape
+    token_ids = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
+    logprobs = torch.empty(num_rows, dtype=torch.float32, device=logits.device)
+    raw_logprobs = torch.empty_like(logprobs)
+    _sample_kernel[(num_rows,)](
+        logits,
+        temperatures,
+        seeds,
+        token_ids,
+        logprobs,
+        raw_logprobs,
+        vocab_size,
+        logits.stride(0),
+        TILE=2048,
+        num_warps=8,
+    )
+    return SampledTokens(token_ids, logprobs, raw_logprobs)
+
+
+def sample_rows(
+    logits: torch.Tensor,
+    temperatures: torch.Tensor,
+    top_ps: torch.Tensor,
+    seeds: torch.Tensor,
+    *,
+    all_top_p_one: bool,
+) -> SampledTokens:
+    """One token per row: the fused kernel on CUDA when no row uses top-p, else torch."""
+    if HAS_TRITON and logits.is_cuda and all_top_p_one:
+        return sample_rows_triton(logits, temperatures, seeds)
+    return sample_rows_torch(logits, temperatures, top_ps, seeds)

@@ -1,0 +1,194 @@
+"""The `paged` engine's scheduler: which sequences prefill, which decode, at every step.
+
+A sequence moves waiting -> prefilling -> decoding -> finished. At each step:
+
+1. admit: waiting sequences (oldest first) take KV blocks, as long as the running rows stay
+   within `max_rows` and the blocks for prompt + max_tokens are lendable. The longest
+   registered prefix of the prompt is shared (see `libs.engine.kv_cache`), leaving at least
+   its last token to compute (its logits give the first sampled token); the prompt's own
+   full blocks are registered at once, so the rest of a GRPO group admitted in the same step
+   shares them and waits (one step) until they are computed.
+2. prefill: up to `prefill_tokens` prompt tokens, in chunks, so a long prompt takes several
+   steps and never stalls the decoding rows for long;
+3. decode: every decoding row one token.
+
+Blocks for the whole of `max_tokens` are taken at admission, so a running sequence never
+waits for memory and nothing is ever preempted.
+
+Sequences hold their own results; a `Request` (one `generate` call) is done when all of its
+sequences are.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+
+from libs.engine.base import Completion, FinishReason, SamplingParams
+from libs.engine.kv_cache import NO_PARENT, BlockPool
+from libs.engine.model_runner import PrefillChunk
+
+
+@dataclass(eq=False)
+class Request:
+    """One `generate` call: its sequences, in (prompt, sample) order, and its outcome."""
+
+    params: SamplingParams
+    num_samples: int
+    version: int
+    sequences: list[Sequence] = field(default_factory=list)
+    num_unfinished: int = 0
+    done: threading.Event = field(default_factory=threading.Event)
+    error: BaseException | None = None
+
+    def completions(self) -> list[Completion]:
+        """The finished sequences as completions, in (prompt, sample) order."""
+        return [
+            Completion(
+                prompt_index=index // self.num_samples,
+                sample_index=index % self.num_samples,
+                token_ids=seq.generated,
+                logprobs=seq.logprobs,
+                raw_logprobs=seq.raw_logprobs,
+                finish_reason=seq.finish_reason or "length",
+                policy_version=self.version,
+            )
+            for index, seq in enumerate(self.sequences)
+        ]
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One completion being generated: its tokens, its blocks, how much KV it has."""
+
+    request: Request
+    token_ids: list[int]
+    """Prompt, then the generated tokens."""
+    prompt_len: int
+    seed: int
+    blocks: list[int] = field(default_factory=list)
+    content_ids: list[int] = field(default_factory=list)
+    """Content id of each leading full block registered so far (the prefix-cache chain)."""
+    num_shared: int = 0
+    """Prompt tokens whose KV came from the prefix cache."""
+    num_computed: int = 0
+    """Tokens whose K and V are in the cache (a prefix of token_ids)."""
+    generated: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    raw_logprobs: list[float] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+
+    @property
+    def params(self) -> SamplingParams:
+        """The request's sampling rule."""
+        return self.request.params
+
+
+def blocks_needed(num_tokens: int, block_size: int) -> int:
+    """Blocks that hold `num_tokens` tokens."""
+    return -(-num_tokens // block_size)
+
+
+class Scheduler:
+    """Queues of sequences and the block bookkeeping between steps (no tensors)."""
+
+    def __init__(self, pool: BlockPool, max_rows: int, prefill_tokens: int) -> None:
+        self.pool = pool
+        self.block_size = pool.block_size
+        self.max_rows = max_rows
+        self.prefill_tokens = prefill_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.prefilling: list[Sequence] = []
+        self.decoding: list[Sequence] = []
+        """Running rows, in the order of the runner's `DecodeRows`."""
+
+    def has_work(self) -> bool:
+        """True while any sequence is not finished."""
+        return bool(self.waiting or self.prefilling or self.decoding)
+
+    def admit(self) -> None:
+        """Move waiting sequences to prefilling while rows and blocks allow, oldest first."""
+        while self.waiting and len(self.prefilling) + len(self.decoding) < self.max_rows:
+            if not self._take_blocks(self.waiting[0]):
+                return
+            self.prefilling.append(self.waiting.popleft())
+
+    def plan_prefill(self) -> list[tuple[Sequence, PrefillChunk]]:
+        """This step's prompt chunks, within the token budget; sequences whose shared blocks
+        are still being computed by another sequence wait."""
+        budget = self.prefill_tokens
+        chunks: list[tuple[Sequence, PrefillChunk]] = []
+        for seq in self.prefilling:
+            if budget <= 0:
+                break
+            shared = seq.blocks[: seq.num_shared // self.block_size]
+            if not all(self.pool.is_computed(block) for block in shared):
+                continue
+            start = seq.num_computed
+            length = min(seq.prompt_len - start, budget)
+            chunks.append(
+                (seq, PrefillChunk(seq.token_ids[start : start + length], start, seq.blocks))
+            )
+            budget -= length
+        return chunks
+
+    def on_computed(self, seq: Sequence, num_computed: int) -> None:
+        """`seq` now has K and V for its first `num_computed` tokens: mark and register the
+        blocks that became full."""
+        first_new = seq.num_computed // self.block_size
+        seq.num_computed = num_computed
+        for index in range(first_new, num_computed // self.block_size):
+            self.pool.mark_computed(seq.blocks[index])
+        self._register_full_blocks(seq, num_computed)
+
+    def record(self, seq: Sequence, token: int, logprob: float, raw_logprob: float) -> None:
+        """Append one sampled token to `seq`."""
+        seq.token_ids.append(token)
+        seq.generated.append(token)
+        seq.logprobs.append(logprob)
+        seq.raw_logprobs.append(raw_logprob)
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        """`seq` is done: give its blocks back and tell its request."""
+        seq.finish_reason = reason
+        self.pool.release(seq.blocks)
+        seq.blocks = []
+        request = seq.request
+        request.num_unfinished -= 1
+        if request.num_unfinished == 0:
+            request.done.set()
+
+    def fail_all(self, error: BaseException) -> None:
+        """Fail every unfinished request with `error` and free everything they held."""
+        for seq in [*self.waiting, *self.prefilling, *self.decoding]:
+            if seq.blocks:
+                self.pool.release(seq.blocks)
+                seq.blocks = []
+            seq.request.error = error
+            seq.request.done.set()
+        self.waiting.clear()
+        self.prefilling.clear()
+        self.decoding.clear()
+
+    def _take_blocks(self, seq: Sequence) -> bool:
+        """Give `seq` its blocks (shared prefix + fresh ones); False if they do not fit now."""
+        shared = self.pool.match(seq.token_ids, limit_tokens=seq.prompt_len - 1)
+        total = blocks_needed(seq.prompt_len + seq.params.max_tokens, self.block_size)
+        if total - len(shared) > self.pool.num_lendable:
+            self.pool.release([block for block, _ in shared])
+            return False
+        seq.blocks = [block for block, _ in shared]
+        seq.blocks += [self.pool.allocate() for _ in range(total - len(shared))]
+        seq.content_ids = [content_id for _, content_id in shared]
+        seq.num_shared = seq.num_computed = len(shared) * self.block_size
+        self._register_full_blocks(seq, seq.prompt_len)
+        return True
+
+    def _register_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
+        """Register the full blocks among `seq`'s first `num_tokens` tokens not yet registered."""
+        size = self.block_size
+        for index in range(len(seq.content_ids), num_tokens // size):
+            parent = seq.content_ids[-1] if seq.content_ids else NO_PARENT
+            tokens = seq.token_ids[index * size : (index + 1) * size]
+            seq.content_ids.append(self.pool.register(seq.blocks[index], parent, tokens))

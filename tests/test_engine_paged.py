@@ -1,0 +1,317 @@
+"""The `paged` engine: same tokens as `hf`, continuous batching, prefix sharing, weight swaps.
+
+CPU tests run the engine's eager path on the tiny preset; `gpu` tests (CUDA graphs, the
+Triton kernels, bf16 qwen2-0.5b) skip without a CUDA device.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from libs.engine.base import Completion, SamplingParams
+from libs.engine.hf import HFEngine
+from libs.engine.paged import PagedEngine
+from libs.engine.paged_attention import AttentionPlan, chunk_attention, decode_attention
+from libs.engine.row_sampling import sample_rows_torch, sample_rows_triton, step_seeds
+from libs.policy import PolicyConfig, build_policy, sequence_logprobs
+from libs.tokenizer import ByteTokenizer
+
+TOKENIZER = ByteTokenizer()
+PROMPTS = [
+    TOKENIZER.encode(text)
+    for text in ("Q: 2+2=", "hello", "a longer prompt that spans more than two KV blocks: x=1")
+]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def make_paged(seed: int = 0, **kwargs: object) -> PagedEngine:
+    model = build_policy(PolicyConfig(device="cpu", seed=seed))
+    return PagedEngine(model, TOKENIZER, 64, **kwargs)  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def engine() -> PagedEngine:
+    return make_paged()
+
+
+def tokens(completions: list[Completion]) -> list[list[int]]:
+    return [c.token_ids for c in completions]
+
+
+def wait_for(condition: object, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():  # type: ignore[operator]
+        assert time.monotonic() < deadline, "condition not reached before the deadline"
+        time.sleep(0.001)
+
+
+def test_greedy_completions_equal_the_hf_engines(engine: PagedEngine) -> None:
+    reference = HFEngine(engine.model, TOKENIZER, max_batch_rows=64)
+    expected = reference.generate(PROMPTS, GREEDY, num_samples=2)
+    got = engine.generate(PROMPTS, GREEDY, num_samples=2)
+    assert tokens(got) == tokens(expected)
+    assert [(c.prompt_index, c.sample_index) for c in got] == [
+        (p, s) for p in range(3) for s in range(2)
+    ]
+    for mine, theirs in zip(got, expected, strict=True):
+        assert mine.raw_logprobs == pytest.approx(theirs.raw_logprobs, abs=1e-4)
+        assert mine.logprobs == [0.0] * len(mine.token_ids)
+
+
+def test_a_row_that_joins_mid_batch_decodes_as_it_would_alone(engine: PagedEngine) -> None:
+    alone = tokens(engine.generate(PROMPTS[2:], SamplingParams(temperature=0.0, max_tokens=8)))
+    long_params = SamplingParams(temperature=0.0, max_tokens=200, stop_token_ids=())
+    results: dict[str, list[Completion]] = {}
+    first = threading.Thread(
+        target=lambda: results.setdefault("long", engine.generate(PROMPTS[:2], long_params, 3))
+    )
+    first.start()
+    steps_before = engine.num_steps
+    wait_for(lambda: engine.num_steps >= steps_before + 5)
+    assert "long" not in results, "the long request must still be running when the next joins"
+    joined = engine.generate(PROMPTS[2:], SamplingParams(temperature=0.0, max_tokens=8))
+    assert "long" not in results, "the short request left while the long one kept decoding"
+    first.join()
+    assert tokens(joined) == alone
+    long_alone = engine.generate(PROMPTS[:2], long_params, 3)
+    assert tokens(results["long"]) == tokens(long_alone)
+
+
+def test_seeded_samples_do_not_depend_on_the_rest_of_the_batch(engine: PagedEngine) -> None:
+    params = SamplingParams(temperature=0.8, max_tokens=12, seed=7)
+    alone = engine.generate(PROMPTS[:1], params, num_samples=4)
+    again = engine.generate(PROMPTS[:1], params, num_samples=4)
+    crowd: list[list[Completion]] = []
+    other = threading.Thread(
+        target=lambda: crowd.append(engine.generate(PROMPTS, SamplingParams(max_tokens=40), 8))
+    )
+    other.start()
+    together = engine.generate(PROMPTS[:1], params, num_samples=4)
+    other.join()
+    assert tokens(alone) == tokens(again) == tokens(together)
+    assert len({tuple(t) for t in tokens(alone)}) > 1, "a group's samples must differ"
+
+
+def test_sampled_logprobs_are_the_trainers_recomputation(engine: PagedEngine) -> None:
+    completions = engine.generate(PROMPTS, SamplingParams(max_tokens=16, seed=3), num_samples=4)
+    sequences = [PROMPTS[c.prompt_index] + c.token_ids for c in completions]
+    width = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), width), TOKENIZER.pad_id)
+    mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    for row, sequence in enumerate(sequences):
+        ids[row, : len(sequence)] = torch.tensor(sequence)
+        mask[row, : len(sequence)] = 1
+    with torch.no_grad():
+        trainer = sequence_logprobs(engine.model, ids, mask)
+    for row, c in enumerate(completions):
+        start = len(PROMPTS[c.prompt_index]) - 1
+        recomputed = trainer[row, start : start + len(c.token_ids)].tolist()
+        assert c.raw_logprobs == pytest.approx(recomputed, abs=1e-4)
+        assert c.logprobs == pytest.approx(c.raw_logprobs, abs=1e-5)  # T=1, top_p=1
+
+
+def test_temperature_and_top_p_logprobs_are_under_the_sampling_distribution() -> None:
+    logits = torch.randn(6, 50, dtype=torch.float64).float() * 3
+    temperatures = torch.tensor([0.0, 0.5, 1.0, 1.0, 2.0, 0.7])
+    top_ps = torch.tensor([1.0, 1.0, 1.0, 0.5, 1.0, 0.9])
+    sampled = sample_rows_torch(
+        logits, temperatures, top_ps, step_seeds(torch.arange(6), torch.zeros(6, dtype=torch.long))
+    )
+    assert sampled.token_ids[0] == logits[0].argmax() and sampled.logprobs[0] == 0.0
+    for row in range(1, 6):
+        dist = (logits[row] / temperatures[row]).log_softmax(-1)
+        if top_ps[row] < 1:
+            from libs.engine.sampling import nucleus_logprobs
+
+            dist = nucleus_logprobs(dist[None], float(top_ps[row]))[0]
+        token = sampled.token_ids[row]
+        assert torch.isfinite(dist[token]), "a token outside the nucleus was drawn"
+        assert sampled.logprobs[row] == pytest.approx(float(dist[token]), abs=1e-5)
+        assert sampled.raw_logprobs[row] == pytest.approx(
+            float(logits[row].log_softmax(-1)[token]), abs=1e-5
+        )
+
+
+def test_the_gumbel_draws_follow_the_distribution() -> None:
+    logits = torch.tensor([[0.0, 1.0, 2.0, -1.0]]).repeat(20000, 1)
+    seeds = step_seeds(torch.arange(20000), torch.zeros(20000, dtype=torch.long))
+    sampled = sample_rows_torch(logits, torch.ones(20000), torch.ones(20000), seeds)
+    freq = torch.bincount(sampled.token_ids, minlength=4).double() / 20000
+    assert torch.allclose(freq, logits[0].double().softmax(-1), atol=0.015)
+
+
+def test_prefix_sharing_gives_the_same_tokens_and_skips_the_shared_prompt() -> None:
+    prompt = TOKENIZER.encode("a GRPO group shares this prompt of many bytes: " * 3)
+    unshared = make_paged()
+    expected = [unshared.generate([prompt], GREEDY)[0].token_ids for _ in range(1)]
+    sharing = make_paged()
+    computed_before = sharing.num_prefill_tokens
+    group = sharing.generate([prompt], GREEDY, num_samples=8)
+    assert tokens(group) == expected * 8
+    computed = sharing.num_prefill_tokens - computed_before
+    assert computed < 2 * len(prompt), f"8 samples computed {computed} prompt tokens"
+    # An episode's next turn: the earlier turn (prompt + completion) is shared.
+    turn = prompt + group[0].token_ids + TOKENIZER.encode(" tool says 4. ")
+    before = sharing.num_prefill_tokens
+    second = sharing.generate([turn], GREEDY)
+    assert sharing.num_prefill_tokens - before <= len(turn) - len(prompt)
+    assert tokens(second) == tokens(make_paged().generate([turn], GREEDY))
+
+
+def test_a_weight_update_between_steps_acts_as_a_fresh_model(engine: PagedEngine) -> None:
+    local = make_paged(seed=0)
+    prompt = [PROMPTS[2]]
+    local.generate(prompt, GREEDY, num_samples=2)  # leaves the prompt's blocks cached
+    new_state = build_policy(PolicyConfig(device="cpu", seed=1)).state_dict()
+    pause_s = local.update_weights(new_state, version=1)
+    assert pause_s >= 0 and local.policy_version == 1
+    fresh = make_paged(seed=1)
+    after = local.generate(prompt, GREEDY, num_samples=2)
+    assert tokens(after) == tokens(fresh.generate(prompt, GREEDY, num_samples=2))
+    assert all(c.policy_version == 1 for c in after)
+    # In place through live_tensors, as the weights follower writes.
+    back = build_policy(PolicyConfig(device="cpu", seed=0)).state_dict()
+    live = local.live_tensors()
+    assert live is not None
+    _, pause_s = local.write_in_place(lambda: [live[k].copy_(v) for k, v in back.items()], 2)
+    assert tokens(local.generate(prompt, GREEDY, num_samples=2)) == tokens(
+        engine.generate(prompt, GREEDY, num_samples=2)
+    )
+    with pytest.raises(ValueError, match="older"):
+        local.update_weights(back, version=1)
+
+
+def test_a_weight_write_waits_for_running_calls(engine: PagedEngine) -> None:
+    local = make_paged()
+    live = local.live_tensors()
+    assert live is not None
+    done: list[list[Completion]] = []
+    runner = threading.Thread(
+        target=lambda: done.append(
+            local.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=150))
+        )
+    )
+    runner.start()
+    wait_for(lambda: local.num_steps > 2)
+    local.write_in_place(lambda: None, version=5)
+    assert done, "the write started before the running call finished"
+    runner.join()
+    assert all(c.policy_version == 0 for c in done[0])
+
+
+def test_stops_and_lengths_are_reported(engine: PagedEngine) -> None:
+    free = engine.generate(PROMPTS[:1], GREEDY)[0].token_ids
+    stopped = engine.generate(
+        PROMPTS[:1], SamplingParams(temperature=0.0, max_tokens=24, stop_token_ids=(free[5],))
+    )[0]
+    assert stopped.token_ids == free[: free.index(free[5]) + 1] and stopped.finish_reason == "stop"
+    text = TOKENIZER.decode(free[3:6])
+    by_string = engine.generate(
+        PROMPTS[:1], SamplingParams(temperature=0.0, max_tokens=24, stop_strings=(text,))
+    )[0]
+    assert (
+        TOKENIZER.decode(by_string.token_ids).endswith(text) and by_string.finish_reason == "stop"
+    )
+    capped = engine.generate(PROMPTS[:1], SamplingParams(temperature=0.0, max_tokens=3))[0]
+    assert capped.token_ids == free[:3] and capped.finish_reason == "length"
+
+
+def test_requests_that_cannot_fit_are_refused_clearly() -> None:
+    small = make_paged(kv_cache_tokens=64)
+    with pytest.raises(ValueError, match="max_tokens"):
+        small.generate(PROMPTS[:1], SamplingParams(max_tokens=100))
+    assert len(small.generate(PROMPTS[:1], SamplingParams(max_tokens=20), num_samples=6)) == 6
+    with pytest.raises(ValueError, match="paged engine runs"):
+        config = AutoConfig.for_model("gpt2", n_layer=1, n_embd=32, n_head=2, vocab_size=300)
+        PagedEngine(AutoModelForCausalLM.from_config(config), TOKENIZER)
+
+
+def test_the_batcher_hands_requests_over_as_they_come(engine: PagedEngine) -> None:
+    from libs.rollout.batcher import GenerationBatcher  # the bus stack; GPU runs skip this
+
+    async def scenario() -> tuple[list[Completion], list[Completion]]:
+        batcher = GenerationBatcher(engine)
+        batcher.open.set()
+        running = asyncio.create_task(batcher.run())
+        long = asyncio.create_task(
+            batcher.generate([PROMPTS[0]] * 2, SamplingParams(temperature=0.0, max_tokens=120))
+        )
+        await asyncio.sleep(0.05)
+        short = await batcher.generate([PROMPTS[2]], SamplingParams(temperature=0.0, max_tokens=8))
+        assert not long.done(), "the short request waited for the long one"
+        async with batcher.gate:  # the weights follower's swap: waits for the running calls
+            assert long.done()
+        result = await long
+        running.cancel()
+        return short, result
+
+    short, long = asyncio.run(scenario())
+    assert tokens(short) == tokens(
+        engine.generate([PROMPTS[2]], SamplingParams(temperature=0.0, max_tokens=8))
+    )
+    assert tokens(long) == tokens(
+        engine.generate([PROMPTS[0]] * 2, SamplingParams(temperature=0.0, max_tokens=120))
+    )
+
+
+@CUDA
+def test_gpu_kernels_match_the_torch_paths() -> None:
+    torch.manual_seed(0)
+    block, kv_heads, heads, dim = 16, 2, 14, 64
+    k_cache = torch.randn(64 * block, kv_heads, dim, device="cuda", dtype=torch.bfloat16)
+    v_cache = torch.randn_like(k_cache)
+    tables = torch.randperm(63, device="cuda")[:60].add(1).view(4, 15).int()
+    positions = torch.tensor([0, 17, 100, 239], device="cuda")
+    q = torch.randn(4, heads, dim, device="cuda", dtype=torch.bfloat16)
+    plan = AttentionPlan.build(positions, torch.ones_like(positions), tables, block)
+    reference = chunk_attention(q.float(), k_cache.float(), v_cache.float(), plan, dim**-0.5)
+    out = decode_attention(q, k_cache, v_cache, tables, positions, block, dim**-0.5)
+    assert ((out.float() - reference).norm() / reference.norm()) < 1e-2
+    logits = torch.randn(8, 151936, device="cuda", dtype=torch.bfloat16) * 4
+    temperatures = torch.tensor([0.0, 1.0, 0.7, 1.0, 0.0, 1.3, 1.0, 1.0], device="cuda")
+    seeds = step_seeds(
+        torch.arange(8, device="cuda"), torch.zeros(8, dtype=torch.long, device="cuda")
+    )
+    fused = sample_rows_triton(logits, temperatures, seeds)
+    raw = logits.float().log_softmax(-1)
+    picked = raw.gather(-1, fused.token_ids[:, None]).squeeze(-1)
+    assert torch.allclose(fused.raw_logprobs, picked, atol=1e-4)
+    assert fused.token_ids[0] == raw[0].argmax() and fused.token_ids[4] == raw[4].argmax()
+    for row in (1, 2, 3, 5):
+        dist = (logits[row].float() / temperatures[row]).log_softmax(-1)
+        assert float(fused.logprobs[row]) == pytest.approx(
+            float(dist[fused.token_ids[row]]), abs=1e-3
+        )
+
+
+@CUDA
+def test_gpu_greedy_completions_equal_the_hf_engines_in_fp32() -> None:
+    model = build_policy(PolicyConfig(device="cuda", dtype="float32"))
+    torch.backends.cuda.matmul.allow_tf32 = False
+    expected = HFEngine(model, TOKENIZER, 64).generate(PROMPTS, GREEDY, num_samples=3)
+    paged = PagedEngine(model, TOKENIZER, 64, kv_cache_tokens=65536)
+    assert tokens(paged.generate(PROMPTS, GREEDY, num_samples=3)) == tokens(expected)
+
+
+@CUDA
+def test_gpu_sampled_logprobs_match_the_trainer_in_bf16() -> None:
+    model = build_policy(PolicyConfig(preset="qwen2-0.5b", device="cuda"))
+    paged = PagedEngine(model, TOKENIZER, 64, kv_cache_tokens=65536)
+    prompts = [list(range(10 + p, 74 + p)) for p in range(4)]
+    completions = paged.generate(prompts, SamplingParams(max_tokens=64, seed=0), num_samples=16)
+    diffs = []
+    for c in completions:
+        sequence = torch.tensor([prompts[c.prompt_index] + c.token_ids], device="cuda")
+        with torch.no_grad():
+            trainer = sequence_logprobs(model, sequence, torch.ones_like(sequence))[0]
+        start = len(prompts[c.prompt_index]) - 1
+        recomputed = trainer[start : start + len(c.token_ids)].float().cpu()
+        diffs.append((torch.tensor(c.logprobs) - recomputed).abs())
+    assert float(torch.cat(diffs).mean()) <= 0.0098
