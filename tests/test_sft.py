@@ -8,6 +8,7 @@ import json
 import random
 from dataclasses import replace
 from pathlib import Path
+from unittest.mock import patch
 
 import pytest
 import torch
@@ -20,10 +21,12 @@ from libs.envs.local_client import LocalEnvClient
 from libs.experts.demos import EXPERTS, DemoConfig, harness_settings, write_demonstrations
 from libs.experts.recall import RecallExpert
 from libs.experts.record import record_episode
-from libs.policy import load_policy
+from libs.launcher.episode_report import first_last_report
+from libs.policy import PolicyConfig, build_policy, load_policy
 from libs.rollout.agent import AgentRunner
 from libs.rollout.episode import RunnerSettings
-from libs.sft.train import SftConfig, SftStep, train_sft
+from libs.sft.loss import MIN_SHARED_PREFIX_TOKENS, sft_loss, shared_prefix_length
+from libs.sft.train import SftConfig, SftStep, load_examples, train_sft
 from libs.sft.transcript import (
     Transcript,
     TranscriptError,
@@ -33,6 +36,7 @@ from libs.sft.transcript import (
     transcript_to_json,
 )
 from libs.tokenizer import ByteTokenizer
+from proto import messages as m
 from proto.messages import Rollout
 
 TOKENIZER = ByteTokenizer()
@@ -107,7 +111,7 @@ async def test_recall_needs_its_summaries() -> None:
     task = env.task_source(difficulty=0, group_size=1, seed=1).task(0)
     settings = harness_settings("recall")
     for summarize, solved in ((True, True), (False, False)):
-        agent = replace(settings, summarize=summarize)
+        agent = settings.model_copy(update={"summarize": summarize})
         _, info = await record_episode(env, task, RecallExpert(), agent, TEMPLATE, random.Random(0))
         assert bool(info.get("answer_correct")) is solved
 
@@ -202,3 +206,63 @@ def test_tool_latency_is_heavy_tailed_and_configurable() -> None:
         parse_tool_latency("lognormal:sigma=wide")
     env = make_env("calc")
     assert with_tool_latency(env, ToolLatency()) is env
+
+
+def test_the_shared_prefix_loss_is_the_plain_forward_loss(tmp_path: Path) -> None:
+    data = tmp_path / "demos.jsonl"
+    asyncio.run(write_demonstrations(DemoConfig(env="calc", num_tasks=4), data))
+    config = SftConfig(data=data, out=tmp_path / "out")
+    examples = load_examples(config, TOKENIZER)
+    assert shared_prefix_length(examples) > 1000, "calc transcripts share their long opening"
+    model = build_policy(PolicyConfig(device="cpu"))
+    losses, grads = [], []
+    for prefix_floor in (MIN_SHARED_PREFIX_TOKENS, 10**9):  # shared prefix, then plain forward
+        model.zero_grad()
+        with patch("libs.sft.loss.MIN_SHARED_PREFIX_TOKENS", prefix_floor):
+            loss, _ = sft_loss(model, examples, TOKENIZER.pad_id)
+        loss.backward()
+        losses.append(float(loss.detach()))
+        grads.append(
+            torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+        )
+    assert losses[0] == pytest.approx(losses[1], rel=1e-5)
+    assert torch.allclose(grads[0], grads[1], atol=1e-5)
+
+
+async def test_slow_tools_delay_the_step_not_the_answer() -> None:
+    env = with_tool_latency(make_env("calc"), parse_tool_latency("constant:seconds=0.2"))
+    task = env.task_source(difficulty=0, group_size=1, seed=0).task(0)
+    episode, _ = await env.reset(task)
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    await episode.step("", [m.ToolCall(call_id="c-0", name="add", arguments={"a": 1, "b": 2})])
+    assert loop.time() - started >= 0.2
+    started = loop.time()
+    result = await episode.step("3")
+    assert result.done and loop.time() - started < 0.1
+
+
+def test_the_demo_report_compares_the_first_and_last_steps() -> None:
+    def scored(rollout_id: str, correct: bool, calls: int) -> m.ScoredRollout:
+        rollout = Rollout(
+            rollout_id=rollout_id,
+            task_id="t",
+            group_id="t",
+            sample_index=0,
+            env="calc",
+            turns=[],
+            finish_reason="stop",
+            worker_id="w",
+            env_info={"answer_correct": correct},
+            stats={m.EPISODE_STAT_TOOL_CALLS: calls, m.EPISODE_STAT_TURNS: calls + 1},
+        )
+        return m.ScoredRollout(rollout=rollout, reward=float(correct))
+
+    steps = [["a", "b"], ["c", "d"], ["e", "f"]]
+    samples = [scored("a", False, 0), scored("b", False, 1), scored("c", True, 1)]
+    samples += [scored("d", False, 1), scored("e", True, 1), scored("f", True, 2)]
+    report = first_last_report(steps, samples, window=1)
+    assert report["episodes_first_steps"]["success"] == 0.0
+    assert report["episodes_last_steps"]["success"] == 1.0
+    assert report["episodes_first_steps"]["episodes_with_tool_calls"] == 0.5
+    assert report["episodes_last_steps"]["turns_per_episode"] == 2.5

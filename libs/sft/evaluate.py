@@ -17,7 +17,6 @@ import json
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import replace
 from typing import Any
 
 from libs.engine.base import SamplingParams
@@ -86,7 +85,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     model = build_policy(PolicyConfig(path=args.policy_path, device="cpu"))
     agent = harness_settings(args.env)
     if args.no_summarize:
-        agent = replace(agent, summarize=False)
+        agent = agent.model_copy(update={"summarize": False})
     figures = asyncio.run(
         evaluate(
             HFEngine(model, tokenizer),

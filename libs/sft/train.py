@@ -30,7 +30,8 @@ import torch
 from transformers import PreTrainedModel
 
 from libs.chat.template import chat_template_for
-from libs.policy import PolicyConfig, build_policy, load_policy, save_policy, sequence_logprobs
+from libs.policy import PolicyConfig, build_policy, load_policy, save_policy
+from libs.sft.loss import Example, sft_loss
 from libs.sft.transcript import read_transcripts, render_transcript
 from libs.tokenizer import HFTokenizer, Tokenizer, load_tokenizer
 
@@ -73,14 +74,6 @@ class SftStep:
     learning_rate: float
 
 
-@dataclass
-class Example:
-    """One rendered transcript: ids and the assistant-token mask, same length."""
-
-    ids: list[int]
-    mask: list[int]
-
-
 ProgressFn = Callable[[SftStep], None]
 
 
@@ -96,31 +89,6 @@ def load_examples(config: SftConfig, tokenizer: Tokenizer) -> list[Example]:
     if not examples:
         raise ValueError(f"{config.data}: no transcript has assistant tokens to train on")
     return examples
-
-
-def batch_tensors(examples: Sequence[Example], pad_id: int) -> tuple[torch.Tensor, ...]:
-    """(input_ids, attention_mask, loss_mask), each [B, T], right-padded."""
-    width = max(len(e.ids) for e in examples)
-    ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
-    attention = torch.zeros((len(examples), width), dtype=torch.long)
-    loss = torch.zeros((len(examples), width), dtype=torch.float32)
-    for row, example in enumerate(examples):
-        n = len(example.ids)
-        ids[row, :n] = torch.tensor(example.ids)
-        attention[row, :n] = 1
-        loss[row, :n] = torch.tensor(example.mask, dtype=torch.float32)
-    return ids, attention, loss
-
-
-def sft_loss(model: PreTrainedModel, batch: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, float]:
-    """Mean NLL of the masked (assistant) tokens, and the share of them the model gives more
-    than half its probability (a lower bound of greedy token accuracy)."""
-    ids, attention, loss_mask = batch
-    logprobs = sequence_logprobs(model, ids, attention)  # [B, T-1], entry t scores ids[:, t+1]
-    targets = loss_mask[:, 1:]
-    loss = -(logprobs * targets).sum() / targets.sum()
-    confident = ((logprobs.detach() > math.log(0.5)).float() * targets).sum() / targets.sum()
-    return loss, float(confident)
 
 
 def learning_rate_at(config: SftConfig, step: int) -> float:
@@ -172,13 +140,12 @@ def _optimize(
     rate = learning_rate_at(config, step)
     for group in optimizer.param_groups:
         group["lr"] = rate
-    tensors = batch_tensors(batch, tokenizer.pad_id)
-    loss, accuracy = sft_loss(model, tensors)
+    loss, confident = sft_loss(model, batch, tokenizer.pad_id)
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     optimizer.step()
-    return SftStep(step + 1, float(loss.detach()), accuracy, rate)
+    return SftStep(step + 1, float(loss.detach()), confident, rate)
 
 
 def _setup(

@@ -1,0 +1,78 @@
+"""The demo's learning figures: episodes of the first and last trainer steps, side by side.
+
+At the end of `rlpipe demo` (before NATS stops) the launcher reads every scored rollout from
+the bus and the trainer's step records (`<run>/trainer/steps.jsonl`, which name the samples
+each step trained on), and reports for the first and the last `window` steps: task success,
+mean reward, tool-call validity, and turns, tool calls and segments per episode
+(libs.rollout.figures). These become `episodes_first_steps` / `episodes_last_steps` in the
+summary line.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from libs.bus import wire
+from libs.bus.connection import connect_bus
+from libs.rollout.figures import episode_figures
+from proto import streams
+from proto.messages import ScoredRollout
+
+STEPS_FILE = Path("trainer") / "steps.jsonl"
+
+
+async def read_scored(nats_url: str) -> list[ScoredRollout]:
+    """Every scored rollout on the bus at `nats_url`, in stream order."""
+    bus = await connect_bus(nats_url, "launcher-report", max_attempts=2)
+    try:
+        name = streams.ROLLOUTS_SCORED.name
+        info = await bus.js.stream_info(name)
+        if info.state.messages == 0:
+            return []
+        out = []
+        for seq in range(info.state.first_seq, info.state.last_seq + 1):
+            raw = await bus.js.get_msg(name, seq)
+            out.append(wire.decode(ScoredRollout, raw.data or b"", dict(raw.headers or {})))
+        return out
+    finally:
+        await bus.close()
+
+
+def step_sample_ids(run_dir: Path) -> list[list[str]]:
+    """The sample ids each offline trainer step trained on, in step order."""
+    path = run_dir / STEPS_FILE
+    if not path.exists():
+        return []
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r["sample_ids"] for r in records if r.get("stream", "offline") == "offline"]
+
+
+def first_last_report(
+    steps: Sequence[Sequence[str]], scored: Sequence[ScoredRollout], window: int = 5
+) -> dict[str, Any]:
+    """Episode figures of the first and last `window` steps (they overlap on a short run)."""
+    if not steps:
+        return {}
+    by_id = {s.rollout.rollout_id: s for s in scored}
+
+    def figures(chosen: Sequence[Sequence[str]]) -> dict[str, Any]:
+        found = [by_id[i] for ids in chosen for i in ids if i in by_id]
+        return episode_figures(found)
+
+    window = min(window, len(steps))
+    return {
+        "episode_window_steps": window,
+        "episodes_first_steps": figures(steps[:window]),
+        "episodes_last_steps": figures(steps[-window:]),
+    }
+
+
+async def episode_report(run_dir: Path, nats_url: str, window: int = 5) -> dict[str, Any]:
+    """`first_last_report` of this run's steps and the bus's scored rollouts."""
+    steps = step_sample_ids(run_dir)
+    if not steps:
+        return {}
+    return first_last_report(steps, await read_scored(nats_url), window)
