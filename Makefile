@@ -36,6 +36,7 @@ bench: $(INSTALLED)
 	@mkdir -p bench/results
 	$(BIN)/python bench/bus_bench.py
 	$(BIN)/python bench/weights_codec_bench.py
+	$(BIN)/python bench/weights_codec_bench.py --lr 5e-4 --out bench/results/weights_codec_dense.json
 	$(BIN)/python bench/weights_transport_bench.py
 	$(BIN)/python bench/weights_relay_bench.py
 	$(BIN)/python bench/sandbox_bench.py

@@ -130,9 +130,11 @@ class ScoredRollout(Message, kw_only=True):
 # --- Weights -------------------------------------------------------------------------------
 # The delta codec (libs/weights) uses these structs as its manifest: one definition, here.
 # Hashes are XXH3-128 (16 bytes), as lowercase hex ("xxh3-128"): integrity against
-# corruption, not against forgery. Format 1 used sha256 truncated to 16 bytes.
+# corruption, not against forgery. Format 1 used sha256 truncated to 16 bytes; format 3 adds
+# the dense_add piece encoding (format 2 readers would meet it mid-version: they refuse it
+# at the manifest instead).
 
-WEIGHT_FORMAT_VERSION = 2
+WEIGHT_FORMAT_VERSION = 3
 WEIGHT_HASH_NAME = "xxh3-128"
 
 # same: identical to the base (costs this entry only); delta: patched from the base;

@@ -173,6 +173,41 @@ def test_sparse_bf16_update_compresses_well_and_round_trips_torch() -> None:
     assert {p.encoding for c in chunks for p in c.header.pieces} == {"sparse_add"}
 
 
+def dense_bf16_step(numel: int, lr: float = 5e-4) -> tuple[dict, dict]:
+    """bf16 weights before and after an Adam-sized step at the demo's rate: nearly every
+    element moves by several units in the last place."""
+    gen = torch.Generator().manual_seed(3)
+    master = torch.randn(numel, generator=gen) * 0.02
+    step = torch.randn(numel, generator=gen).sign() * lr
+    return {"w": master.to(torch.bfloat16)}, {"w": (master + step).to(torch.bfloat16)}
+
+
+def test_a_dense_bf16_step_travels_as_dense_add_smaller_than_raw_and_exact() -> None:
+    base, new = dense_bf16_step(400_000)
+    manifest, chunks = encode(base, new, base_version=1, version=2, options=SMALL)
+    assert {p.encoding for c in chunks for p in c.header.pieces} == {"dense_add"}
+    out = decode(base, manifest, chunks)
+    assert torch.equal(out["w"].view(torch.int16), new["w"].view(torch.int16))
+    changed = int((base["w"].view(torch.int16) != new["w"].view(torch.int16)).sum())
+    assert manifest.tensors[0].num_changed == changed > 0.9 * 400_000
+    payload = sum(len(c.payload) for c in chunks)
+    assert payload * 2 < 400_000 * 2  # under half the raw bf16 bytes
+
+
+@pytest.mark.parametrize("dtype", sorted(DTYPE_WIDTHS))
+def test_a_mostly_changed_tensor_of_any_dtype_round_trips_through_dense_add(dtype: str) -> None:
+    rng = np.random.default_rng(DTYPE_WIDTHS[dtype])
+    base = {"w": random_raw(rng, dtype, (5_000,)), "same": random_raw(rng, dtype, (300,))}
+    units = base["w"].units().copy()
+    units[:4_500] ^= 1  # 90% of the elements change (a bool stays a bool)
+    changed = RawTensor(dtype, (5_000,), units.view(np.uint8))
+    new = {"w": changed, "same": base["same"]}
+    manifest, chunks, out = roundtrip(base, new)
+    assert {p.encoding for c in chunks for p in c.header.pieces} == {"dense_add"}
+    assert [e.change for e in manifest.tensors] == ["delta", "same"]
+    assert_same_bytes(out, new)
+
+
 def test_in_place_apply_touches_the_given_tensors_in_any_chunk_order() -> None:
     base, new = bf16_step(300_000)
     manifest, chunks = encode(

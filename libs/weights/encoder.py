@@ -19,7 +19,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from libs.weights.chunking import PiecePlan, TensorJob, plan_chunks, split_plan
-from libs.weights.encodings import encode_delta, encode_whole, hash_written, written_by
+from libs.weights.encodings import (
+    encode_delta,
+    encode_dense_add,
+    encode_whole,
+    hash_written,
+    written_by,
+)
 from libs.weights.format import (
     FORMAT_VERSION,
     Change,
@@ -44,6 +50,10 @@ from libs.weights.tensors import RawTensor, State, check_dtype, raw_state
 
 DEFAULT_MAX_CHUNK_BYTES = 1 << 20  # NATS max_payload default
 HEADROOM_BYTES = 64 << 10  # room for the chunk header and estimate error below the maximum
+# A tensor whose sampled elements changed at least this often is sent as a dense delta
+# (every element, no positions) without scanning it for changes.
+DENSE_FRACTION = 0.5
+DENSITY_SAMPLE = 1 << 16  # elements compared to estimate a tensor's changed fraction
 
 
 @dataclass(frozen=True)
@@ -121,11 +131,26 @@ def _classify(
             jobs.append(TensorJob(name, tensor.width, tensor.numel, None))
             changes[name] = "whole"
             continue
+        if sampled_density(before, tensor) >= DENSE_FRACTION:
+            # No scan: nearly every element is sent anyway (encode_dense_add).
+            jobs.append(TensorJob(name, tensor.width, tensor.numel, None, dense=True))
+            changes[name] = "delta"
+            continue
         found = changed_elements(before.data, tensor.data, tensor.width, threads)
         changes[name] = "delta" if found.positions.size else "same"
         if found.positions.size:
             jobs.append(TensorJob(name, tensor.width, tensor.numel, found))
     return jobs, changes
+
+
+def sampled_density(old: RawTensor, new: RawTensor) -> float:
+    """Fraction of changed elements among up to DENSITY_SAMPLE evenly spaced ones."""
+    old_units, new_units = old.units(), new.units()
+    step = max(1, old_units.size // DENSITY_SAMPLE)
+    sample_old, sample_new = old_units[::step], new_units[::step]
+    if not sample_old.size:
+        return 0.0
+    return float(np.count_nonzero(sample_old != sample_new)) / sample_old.size
 
 
 def _finish(
@@ -141,7 +166,11 @@ def _finish(
 ) -> tuple[Manifest, list[Chunk]]:
     """Hash the target, encode the chunks and assemble the manifest."""
     digests = tensor_digests(new.values(), opts.threads)
-    counts = {job.name: job.count(0, job.numel) for job in jobs}
+    bodies = _encode_bodies(old, new, plan_chunks(jobs, opts.target()), opts)
+    counts: dict[str, int] = {}
+    for body in bodies:
+        for piece in body.pieces:
+            counts[piece.name] = counts.get(piece.name, 0) + piece.num_changed
     entries = [
         TensorEntry(
             name=n,
@@ -154,7 +183,6 @@ def _finish(
         for (n, t), d in zip(new.items(), digests, strict=True)
     ]
     target_hash = version_hash((e.name, e.dtype, e.shape, e.digest) for e in entries)
-    bodies = _encode_bodies(old, new, plan_chunks(jobs, opts.target()), opts)
     chunks = [_assemble(i, b, version, base_version, target_hash) for i, b in enumerate(bodies)]
     refs = [_chunk_ref(chunk) for chunk in chunks]
     manifest = Manifest(
@@ -210,7 +238,10 @@ def _encode_body(
     for piece in plan:
         name, start, stop = piece.job.name, piece.start, piece.stop
         new_units = new[name].units()[start:stop]
-        if piece.job.changes is None:
+        if piece.job.dense:
+            encoded = encode_dense_add(old[name].units()[start:stop], new_units, level)
+            written = written_by(new_units, encoded, new_units[:0], new_units[:0])
+        elif piece.job.changes is None:
             encoded = encode_whole(new_units, level)
             written = written_by(new_units, encoded, new_units[:0], new_units[:0])
         else:

@@ -46,7 +46,7 @@ __all__ = [
 # sparse_add: gap-coded positions + zigzag (new - old mod 2^bits) values;
 # sparse_xor: gap-coded positions + byte planes of (new ^ old);
 # dense_xor: byte planes of (new ^ old) over the whole range; raw: byte planes of new.
-Encoding = Literal["sparse_add", "sparse_xor", "dense_xor", "raw"]
+Encoding = Literal["sparse_add", "sparse_xor", "dense_add", "dense_xor", "raw"]
 
 
 class PieceHeader(msgspec.Struct, frozen=True, kw_only=True):

@@ -34,7 +34,7 @@ import torch
 
 from libs.weights.applier import DeltaApplier, PreparedChunk
 from libs.weights.chunking import TensorJob
-from libs.weights.encoder import EncodeOptions, _finish
+from libs.weights.encoder import DENSE_FRACTION, DENSITY_SAMPLE, EncodeOptions, _finish
 from libs.weights.encodings import Written
 from libs.weights.errors import BaseMismatchError, CorruptDeltaError
 from libs.weights.format import Change, Chunk, Manifest, TensorEntry, VersionInfo
@@ -149,6 +149,7 @@ def encode_device(
     if base_hash is None:
         base_hash = state_hash({n: as_raw(mirror[n]) for n in base}, opts.threads)
     target, changes = _host_targets(base, new, mirror)
+    dense, copies = _dense_deltas(base, new, target, changes)
     found = device_diff(base, new, [n for n in new if n not in changes])
     jobs: list[TensorJob] = []
     for name, raw in target.items():  # jobs in manifest order, as `encode` plans them
@@ -156,11 +157,45 @@ def encode_device(
             raw.units()[found[name].positions] = found[name].new
             changes[name] = "delta" if found[name].positions.size else "same"
         if changes[name] != "same":
-            jobs.append(TensorJob(name, raw.width, raw.numel, found.get(name)))
+            jobs.append(TensorJob(name, raw.width, raw.numel, found.get(name), name in dense))
     removed = [name for name in base if name not in new]
     for name in removed:
         mirror.pop(name, None)
-    return _finish({}, target, jobs, changes, removed, base_version, base_hash, version, opts)
+    encoded = _finish(dense, target, jobs, changes, removed, base_version, base_hash, version, opts)
+    mirror.update(copies)  # the mirror now holds the target of every tensor
+    return encoded
+
+
+def _dense_deltas(
+    base: Mapping[str, torch.Tensor],
+    new: Mapping[str, torch.Tensor],
+    target: dict[str, RawTensor],
+    changes: dict[str, Change],
+) -> tuple[dict[str, RawTensor], dict[str, torch.Tensor]]:
+    """The tensors `encode` sends as dense deltas (sampled density, compared on the device):
+    every element crosses to the host anyway. Their host target becomes a fresh copy of the
+    new tensor and the mirror's bytes the base they are encoded against; marked in
+    `changes`. Returns those bases and the copies (the mirror's next content) by name."""
+    bases: dict[str, RawTensor] = {}
+    copies: dict[str, torch.Tensor] = {}
+    for name, tensor in new.items():
+        if name in changes or _device_density(base[name], tensor) < DENSE_FRACTION:
+            continue
+        bases[name] = target[name]
+        copies[name] = tensor.detach().to("cpu", copy=True).contiguous()
+        target[name] = as_raw(copies[name])
+        changes[name] = "delta"
+    return bases, copies
+
+
+def _device_density(base: torch.Tensor, new: torch.Tensor) -> float:
+    """`encoder.sampled_density` on device tensors: the same elements, the same fraction."""
+    old_bits, new_bits = int_view(base.contiguous()), int_view(new.contiguous())
+    step = max(1, old_bits.numel() // DENSITY_SAMPLE)
+    sample_old, sample_new = old_bits[::step], new_bits[::step]
+    if not sample_old.numel():
+        return 0.0
+    return int(torch.count_nonzero(sample_old != sample_new)) / sample_old.numel()
 
 
 def _host_targets(
