@@ -24,7 +24,7 @@ something newer has been available for longer than `limit_s` without being taken
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 class FailureWatch:
@@ -65,9 +65,9 @@ class LagWatch:
 
     what: str
     limit_s: float
-    held: int | None = None
-    available: int | None = None
-    _behind_since_s: float | None = None
+    held: int | None = field(default=None, init=False)
+    available: int | None = field(default=None, init=False)
+    _behind_since_s: float | None = field(default=None, init=False)
 
     def observe(self, held: int | None, available: int | None, now_s: float) -> None:
         """Record what is held and the newest available (None: nothing); a change of what

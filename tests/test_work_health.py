@@ -9,6 +9,7 @@ Run: .venv/bin/python -m pytest tests/test_work_health.py -q
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
@@ -21,10 +22,21 @@ import pytest
 import torch
 
 from libs.bus.connection import Bus
+from libs.bus.provision import provision
 from libs.bus.publisher import Publisher
+from libs.engine.hf import HFEngine
 from libs.nats_server import NatsServer, free_port
+from libs.policy import PolicyConfig, build_policy
+from libs.rollout import weights_follower
+from libs.rollout.batcher import GenerationBatcher
+from libs.rollout.weights_follower import WeightsFollower
+from libs.tokenizer import ByteTokenizer
 from libs.weights.handoff import stage_weights
+from libs.weights.receiver import WeightReceiver
 from libs.work_health import FailureWatch, LagWatch
+from proto import streams
+from services.weight_broadcaster.service import WeightBroadcasterService
+from services.weight_broadcaster.settings import WeightBroadcasterSettings
 from tests.compose_support import http_get
 from tests.conftest import wait_for
 
@@ -118,3 +130,42 @@ async def test_a_broadcaster_that_cannot_read_staged_weights_is_unhealthy_with_t
     await stage_weights(publisher, tmp_path / "broadcaster" / "weights-staging", state, 1)
     await wait_for(lambda: health(broadcaster)[0] == 200, 30.0, "/healthz answers 200 again")
     assert health(broadcaster)[1]["latest_version"] == 1
+
+
+async def test_a_worker_that_cannot_get_an_announced_version_says_why(
+    bus: Bus, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Version 0 is announced but its chunks are gone: after the stall limit (shortened
+    here from minutes) the follower names the version, what it holds and the last failure,
+    which the rollout-worker's /healthz reports as "failing"."""
+    monkeypatch.setattr(weights_follower, "WEIGHTS_STALL_S", 0.5)
+    monkeypatch.setattr(weights_follower, "LAG_POLL_S", 0.05)
+    await provision(bus.js)
+    staging = tmp_path / "staging"
+    broadcaster = WeightBroadcasterService(WeightBroadcasterSettings(staging_dir=staging))
+    await broadcaster.start(bus)
+    broadcasting = asyncio.create_task(broadcaster.run())
+    model = build_policy(PolicyConfig(preset="tiny", seed=0))
+    try:
+        await stage_weights(Publisher(bus.js), staging, model.state_dict(), 0)
+        await wait_for(lambda: broadcaster.health()["latest_version"] == 0, 30.0, "announced")
+    finally:
+        await broadcaster.stop()
+        await asyncio.wait_for(broadcasting, timeout=10)
+    await bus.js.purge_stream(streams.WEIGHT_CHUNKS.name)
+
+    engine = HFEngine(build_policy(PolicyConfig(preset="tiny", seed=1)), ByteTokenizer())
+    follower = WeightsFollower(
+        engine, WeightReceiver(bus, fetch_timeout_s=2.0), GenerationBatcher(engine)
+    )
+    await follower.start(bus.js)
+    following = asyncio.create_task(follower.run())
+    try:
+        await wait_for(lambda: "last failure" in (follower.problem() or ""), 30.0, "a problem")
+    finally:
+        following.cancel()
+        await asyncio.gather(following, return_exceptions=True)
+    problem = follower.problem() or ""
+    print(f"follower problem: {problem}")
+    assert "while version 0 is available (holding none)" in problem, problem
+    assert "last failure: MissingChunkError" in problem, problem
