@@ -6,7 +6,8 @@
 #   [MODE=sync|async] bash bench/gpu_loop.sh [SECONDS] [OUT_DIR]
 #
 # Writes the trainer's step records, the run summary and the tails of the service logs to
-# OUT_DIR (default bench/results/gpu_loop), and prints a table of step time, tokens/s,
+# OUT_DIR (default bench/results/gpu_loop) with the version latency by part
+# (version_latency.json, bench/version_latency.py), and prints a table of step time, tokens/s,
 # swap pause and train/inference mismatch. Needs the project importable (PYTHONPATH or an
 # installed venv) and a CUDA device.
 set -euo pipefail
@@ -30,6 +31,8 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
 python3 -c 'import torch; print("device:", torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")'
 python3 -m services.cli demo --duration-s "$seconds" --run-dir "$run" ${DEMO_ARGS:-} > "$out/summary.json" || true
 cp "$run/trainer/steps.jsonl" "$out/steps.jsonl" || true
+# Version latency (optimizer step end -> swapped in the worker), part by part.
+python3 bench/version_latency.py "$run" --json "$out/version_latency.json" || true
 if [ "${KEEP_LOGS:-1}" = 1 ]; then
   for s in trainer rollout-worker weight-broadcaster; do
     tail -n 40 "$run/logs/$s.log" > "$out/$s.log.txt" || true
@@ -44,6 +47,10 @@ if not rows:
 steady = rows[len(rows) // 4:] or rows
 def mean(k): return sum(r[k] for r in steady) / len(steady)
 same = [r for r in rows if r["mismatch_tokens"]]
+trained = sum(r["num_samples"] for r in rows)
+dropped = sum(r["num_dropped"] for r in rows)
+print(f"samples trained {trained}, dropped as stale {dropped} "
+      f"({dropped / max(trained + dropped, 1):.1%} of those generated)")
 print(f"steps {len(rows)}, step_s {mean('step_s'):.3f}, trained tokens/s {mean('tokens_per_s'):.0f}, "
       f"busy {rows[-1]['busy_fraction']:.2f}, reward first/last10 "
       f"{sum(r['mean_reward'] for r in rows[:10])/min(10,len(rows)):.3f}/"

@@ -210,18 +210,25 @@ class WeightsFollower:
     async def apply(self, update: PreparedUpdate) -> float:
         """Verify and decode `update` off the lock, then write it; returns the pause in s."""
         state = self._state_for(update)
+        started_s = time.monotonic()
         await asyncio.to_thread(self.receiver.decode, update, state)  # generation goes on
+        decoded_s = time.monotonic()
         async with self.batcher.gate:
+            # Entered once the engine calls running now have finished (gate_wait_s).
+            gate_wait_s = time.monotonic() - decoded_s
             try:
                 pause_s = await self._write(update, state)
             except CorruptDeltaError:
                 self._set_unusable()
                 raise
         self._state = state
-        self._swapped(update.version, update.kind, pause_s)
+        timings = {"decode_s": decoded_s - started_s, "gate_wait_s": gate_wait_s}
+        self._swapped(update.version, update.kind, pause_s, timings)
         return pause_s
 
-    def _swapped(self, version: int, kind: str, pause_s: float) -> None:
+    def _swapped(
+        self, version: int, kind: str, pause_s: float, timings: dict[str, float] | None = None
+    ) -> None:
         """The engine now generates with `version`: open the gate, export, tell waiters."""
         self.usable = True
         self.batcher.open.set()
@@ -237,6 +244,7 @@ class WeightsFollower:
             kind=kind,
             pause_s=round(pause_s, 6),
             in_place=self.in_place,
+            **{name: round(value, 4) for name, value in (timings or {}).items()},
         )
         self._notify()
 

@@ -25,11 +25,15 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import structlog
+
 from libs.bus.publisher import Publisher
 from libs.weights.safetensors_io import read_safetensors, write_safetensors
 from libs.weights.tensors import RawTensor, raw_state
 from proto.messages import WeightsStaged
 from proto.subjects import WEIGHTS_STAGED
+
+log = structlog.get_logger(__name__)
 
 _FILE_RE = re.compile(r"^v(\d+)\.safetensors$")
 
@@ -59,7 +63,9 @@ async def stage_weights(
     directory = Path(staging_dir)
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / staged_file_name(version)
+    started_s = time.monotonic()
     await asyncio.to_thread(write_safetensors, path, raw_state(_on_cpu(state)))
+    stage_s = time.monotonic() - started_s
     message = WeightsStaged(
         version=version,
         file_name=path.name,
@@ -68,6 +74,9 @@ async def stage_weights(
         created_at=time.time(),
     )
     await publisher.publish(WEIGHTS_STAGED, message, msg_id=f"staged.{version}")
+    # The first part of a version's latency (bench/version_latency.py reads this line).
+    mb = round(message.num_bytes / 1e6, 2)
+    log.info("weights staged", version=version, mb=mb, stage_s=round(stage_s, 4))
     return message
 
 

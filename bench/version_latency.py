@@ -1,0 +1,163 @@
+"""How long each policy version took from the trainer's optimizer step to the worker's swap.
+
+Reads a run folder of `rlpipe demo` (or bench/gpu_loop.sh): the trainer's step records and
+the JSON log lines of the trainer, the weight-broadcaster and the rollout-worker, joined by
+version. Per version, in order:
+
+    stage     optimizer step end -> staged file written and announced to the broadcaster
+              (gathering the state to the host and writing safetensors)
+    queue     staged -> the broadcaster starts on it (the previous version still encoding)
+    encode    load the staged file, diff against the base, encode the chunks
+    store     chunks onto the bus, announcement published
+    notify    announced -> the worker starts fetching
+    fetch     chunks fetched and verified
+    decode    chunks decoded against the worker's weights (generation goes on)
+    gate_wait the engine calls running when decoding ended finish (the swap waits for them)
+    apply     the swap pause: decoded values written into the live weights
+    total     optimizer step end -> swapped in the worker
+
+    .venv/bin/python bench/version_latency.py RUN_DIR [--json OUT]
+
+Prints the median, p90 and max of each part over the versions found in every log, and
+writes them (with the per-version rows) as JSON when --json is given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+PARTS = (
+    "stage",
+    "queue",
+    "encode",
+    "store",
+    "notify",
+    "fetch",
+    "decode",
+    "gate_wait",
+    "apply",
+    "total",
+)
+
+
+def log_events(path: Path, event: str) -> dict[int, dict[str, Any]]:
+    """The last `event` line per version of a JSON log (other lines are skipped)."""
+    found: dict[int, dict[str, Any]] = {}
+    if not path.exists():
+        return found
+    for line in path.read_text(errors="replace").splitlines():
+        if not line.startswith("{"):
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if record.get("event") == event and isinstance(record.get("version"), int):
+            if event == "weight version announced" and record.get("kind") != "delta":
+                continue  # a snapshot of the same version follows its delta; workers take deltas
+            found[record["version"]] = record
+    return found
+
+
+def timestamp(record: dict[str, Any]) -> float:
+    """Unix time of a structlog line's ISO timestamp."""
+    return datetime.fromisoformat(record["timestamp"].replace("Z", "+00:00")).timestamp()
+
+
+def step_ends(run_dir: Path) -> dict[int, float]:
+    """Unix time at which the step that made each version ended (its record's time)."""
+    path = run_dir / "trainer" / "steps.jsonl"
+    if not path.exists():
+        return {}
+    ends: dict[int, float] = {}
+    for line in path.read_text().splitlines():
+        record = json.loads(line)
+        ends[int(record["version"])] = float(record["time"])
+    return ends
+
+
+def version_rows(run_dir: Path) -> list[dict[str, float]]:
+    """One row of part durations (seconds) per version seen at every stage."""
+    logs = run_dir / "logs"
+    ends = step_ends(run_dir)
+    staged = log_events(logs / "trainer.log", "weights staged")
+    announced = log_events(logs / "weight-broadcaster.log", "weight version announced")
+    fetched = log_events(logs / "rollout-worker.log", "weight version fetched")
+    swapped = log_events(logs / "rollout-worker.log", "weights swapped")
+    rows = []
+    for version in sorted(set(ends) & set(staged) & set(announced) & set(fetched) & set(swapped)):
+        lines = (staged[version], announced[version], fetched[version], swapped[version])
+        rows.append(row(version, ends[version], *lines))
+    return rows
+
+
+def row(
+    version: int,
+    step_end: float,
+    staged: dict[str, Any],
+    announced: dict[str, Any],
+    fetched: dict[str, Any],
+    swapped: dict[str, Any],
+) -> dict[str, float]:
+    """The parts of one version's latency, from its log lines."""
+    encode_s, store_s = float(announced["encode_s"]), float(announced["store_s"])
+    fetch_s = float(fetched["mb"]) / max(float(fetched["mb_per_s"]), 1e-9)
+    decode_s = float(swapped.get("decode_s", 0.0))
+    gate_wait_s = float(swapped.get("gate_wait_s", 0.0))
+    t_staged, t_announced = timestamp(staged), timestamp(announced)
+    t_fetched, t_swapped = timestamp(fetched), timestamp(swapped)
+    return {
+        "version": version,
+        "stage": t_staged - step_end,
+        "queue": t_announced - t_staged - encode_s - store_s,
+        "encode": encode_s,
+        "store": store_s,
+        "notify": t_fetched - fetch_s - t_announced,
+        "fetch": fetch_s,
+        "decode": decode_s,
+        "gate_wait": gate_wait_s,
+        "apply": float(swapped["pause_s"]),
+        "total": t_swapped - step_end,
+    }
+
+
+def summarize(rows: list[dict[str, float]]) -> dict[str, Any]:
+    """Median, p90 and max of every part, in seconds."""
+    if not rows:
+        return {"versions": 0}
+    summary: dict[str, Any] = {"versions": len(rows)}
+    for part in PARTS:
+        values = sorted(r[part] for r in rows)
+        p90 = values[min(len(values) - 1, int(0.9 * len(values)))]
+        summary[part] = {
+            "median_s": round(statistics.median(values), 4),
+            "p90_s": round(p90, 4),
+            "max_s": round(values[-1], 4),
+        }
+    return summary
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("run_dir", type=Path)
+    parser.add_argument("--json", type=Path, help="write the summary and rows here")
+    args = parser.parse_args()
+    rows = version_rows(args.run_dir)
+    summary = summarize(rows)
+    print(f"version latency over {summary['versions']} versions (seconds: median / p90 / max)")
+    for part in PARTS if rows else ():
+        figures = summary[part]
+        median, p90, most = figures["median_s"], figures["p90_s"], figures["max_s"]
+        print(f"  {part:<10} {median:>8.3f} {p90:>8.3f} {most:>8.3f}")
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"summary": summary, "rows": rows}, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
