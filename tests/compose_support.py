@@ -53,6 +53,9 @@ COMPOSE_FILE = ROOT / "compose.yaml"
 DOCKERFILE = ROOT / "Dockerfile"
 NATS_CONF = ROOT / "deploy" / "nats" / "nats.conf"
 VENV_BIN = Path(sys.executable).parent
+# A `store_dir: <path>` line of a NATS config (the one container path NATS configs name).
+STORE_DIR = r"^(\s*store_dir:\s*)(\S+)"
+QUOTES = "\"'"
 
 # The passwords compose requires (letters and digits, as SECURITY.md asks).
 PASSWORDS = {
@@ -304,25 +307,23 @@ class ComposeProcesses:
         container.env = image.env | {
             k: self.translate(container, v) for k, v in environment.items()
         }
-        container.env["HOME"] = str(container.host_path("/home/rlpipe" if not is_nats else "/"))
+        container.env["HOME"] = str(container.host_path(image.workdir))
         container.cwd = container.host_path(image.workdir)
 
     def _copy_nats_config(self, container: Container) -> None:
         """The mounted config folder, copied with its store_dir mapped through the volumes
         (the only container path the NATS config names)."""
+
+        def mapped(match: re.Match[str]) -> str:
+            return f'{match.group(1)}"{container.host_path(match.group(2).strip(QUOTES))}"'
+
         for source, target in mounts(container.definition):
             if source in self.volume_dirs or not Path(source).is_dir():
                 continue
             copy = container.root / "binds" / target.strip("/")
             shutil.copytree(source, copy, dirs_exist_ok=True)
             for conf in copy.glob("*.conf"):
-                text = re.sub(
-                    r"^(\s*store_dir:\s*)(\S+)",
-                    lambda m: f'{m.group(1)}"{container.host_path(m.group(2).strip(chr(34)))}"',
-                    conf.read_text(),
-                    flags=re.M,
-                )
-                conf.write_text(text)
+                conf.write_text(re.sub(STORE_DIR, mapped, conf.read_text(), flags=re.M))
             container.binds[source] = copy
 
     def _nats_overrides(self, container: Container) -> list[str]:

@@ -97,16 +97,21 @@ def fail(compose: ComposeProcesses, what: str) -> None:
 
 
 def wait_until(compose: ComposeProcesses, done: object, timeout_s: float, what: str) -> None:
-    """Poll `done()` every second; fail with the diagnosis after `timeout_s` or when a
-    container exits."""
+    """Poll `done()` every second; fail with the diagnosis after `timeout_s`, when a
+    container exits, or when a service's /healthz says its core work is failing."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         assert callable(done)
         if done():
             return
-        exited = [c.name for cs in compose.containers.values() for c in cs if not c.running]
+        services = [c for n in compose.names if n != "nats" for c in compose.containers[n]]
+        exited = [c.name for c in services + compose.containers["nats"] if not c.running]
         if exited:
             fail(compose, f"{', '.join(exited)} exited while waiting until {what}")
+        failing = [(c.name, compose.health(c)) for c in services]
+        failing = [(name, h["detail"]) for name, h in failing if h.get("status") == "failing"]
+        if failing:
+            fail(compose, f"failing while waiting until {what}: {failing}")
         time.sleep(1.0)
     fail(compose, f"not done after {timeout_s:.0f} s: {what}")
 
