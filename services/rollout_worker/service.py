@@ -6,7 +6,9 @@ newest at start (or, on a fresh bus, the first one), and only then pulls tasks, 
 `max_batch_tasks` at a time, their generation merged into shared engine calls. Each task's
 rollouts are published to `rl.rollouts.raw.<env>` with msg id = rollout id before the task
 is acked, so a redelivered task stores nothing twice. A task tagged `min_policy_version`
-(the synchronous baseline) waits in its handler for that version. `stop` stops pulling,
+(the synchronous baseline) waits in its handler for that version, at most
+`min_version_wait_s`: then it is nak'd (retried later) and dead-lettered after the
+consumer's attempts, so a version that never comes holds no slot forever. `stop` stops pulling,
 lets in-flight tasks finish (drain_timeout_s), then ends the background loops.
 
 Serve mode (`serve_port` set): the same engine also answers an OpenAI-compatible API
@@ -65,6 +67,10 @@ TASKS_WAITING_FOR_VERSION = Gauge(
 
 # Reset errors after which the same task can never start: reject it (dead letter).
 PERMANENT_ENV_ERRORS = frozenset({m.ENV_ERROR_BAD_REQUEST})
+
+
+class VersionWaitTimeout(Exception):
+    """A task's min_policy_version did not arrive in time: its slot is given back."""
 
 
 class RolloutWorkerService(Service):
@@ -205,6 +211,7 @@ class RolloutWorkerService(Service):
         assert self.bus is not None and self.identity is not None
         self.detail = f"worker {self.settings.worker_id}: waiting for the trainer's policy"
         check_same_policy(self.identity, await wait_for_identity(self.bus.js))
+        self.detail = f"worker {self.settings.worker_id}: following weight announcements"
 
     async def stop(self) -> None:
         await super().stop()
@@ -346,8 +353,17 @@ class RolloutWorkerService(Service):
             min_policy_version=task.min_policy_version,
             held=self.engine_version,
         )
+        wait_s = self.settings.min_version_wait_s
         try:
-            await self.follower.wait_for_version(task.min_policy_version)
+            async with asyncio.timeout(wait_s):
+                await self.follower.wait_for_version(task.min_policy_version)
+        except TimeoutError as exc:
+            # Retried after a backoff (another worker, a later version); dead-lettered once
+            # the consumer's attempts are spent.
+            raise VersionWaitTimeout(
+                f"task {task.task_id}: no weights of version >= {task.min_policy_version} "
+                f"within {wait_s:.0f} s (holding {self.engine_version})"
+            ) from exc
         finally:
             self.num_waiting_for_version -= 1
             TASKS_WAITING_FOR_VERSION.dec()
