@@ -42,6 +42,11 @@ class RolloutWorkerSettings(ServiceSettings, RunnerSettings, AgentSettings):
     )
     # Bus and environment.
     fetch_timeout_s: float = Field(1.0, gt=0, description="Longest wait of one task fetch")
+    # A task waiting longer gives its slot back (retried later, dead-lettered after the
+    # consumer's max_deliver attempts): a version that never comes cannot hold a slot forever.
+    min_version_wait_s: float = Field(
+        300.0, gt=0, description="Longest wait of a task for weights of its min_policy_version"
+    )
     # Weights.
     weights_fetch_parallel: int = Field(8, ge=1, description="Chunk fetches in flight")
     weights_fetch_timeout_s: float = Field(10.0, gt=0, description="Longest wait for one chunk")
