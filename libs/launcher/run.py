@@ -2,14 +2,23 @@
 
     python -m services.cli demo                     # until Ctrl-C
     python -m services.cli demo --duration-s 60     # a bounded run for scripts
+    python -m services.cli demo --env calc          # tool use: warm start (SFT), then RL
 
 Everything lives in the run folder (`runs/<UTC timestamp>/` unless `--run-dir`):
 `nats/` (JetStream store), `logs/<service>.log`, `pids.json` (every pid started, for
-leak checks) and `summary.json`. The summary is also the last line on stdout.
+leak checks) and `summary.json`. The summary is also the last line on stdout; for a tool
+environment it holds task success, reward, tool-call validity and turns per episode of the
+first and last trainer steps (libs.launcher.episode_report).
+
+On an environment with a scripted expert (calc, recall) the policy starts from its warm start
+(libs.launcher.warm_start: demonstrations -> SFT, built once and cached) unless
+`--no-warm-start`; `RLPIPE_TRAINER_POLICY_PATH` / `RLPIPE_ROLLOUT_WORKER_POLICY_PATH` set in
+the environment win over it.
 
 Exit codes: 0 after a bounded stop with every service seen healthy, or after Ctrl-C /
-SIGTERM; 2 when NATS did not start; 3 when a service never became healthy; 4 when
-provisioning the bus failed; 130 when a second Ctrl-C forced everything down.
+SIGTERM; 2 when NATS did not start, or died and could not be restarted on its data folder
+(libs.launcher.nats_watch restarts it; the services ride through); 3 when a service never
+became healthy; 4 when provisioning the bus failed; 130 when a second Ctrl-C forced everything down.
 """
 
 from __future__ import annotations
@@ -23,12 +32,15 @@ import signal
 import sys
 import time
 from collections.abc import Awaitable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from libs.launcher import warm_start
+from libs.launcher.episode_report import episode_report
 from libs.launcher.health import HealthMonitor
+from libs.launcher.nats_watch import NatsWatch
 from libs.launcher.status_view import LauncherLog, StatusView
 from libs.launcher.summary import build_summary
 from libs.launcher.supervisor import Backoff, ChildSpec, Supervisor
@@ -66,6 +78,9 @@ class LaunchOptions:
     max_restarts_unhealthy: int = 5
     stop_grace_s: float = 30.0
     backoff: Backoff = field(default_factory=Backoff)
+    # Environment whose warm-start policy the trainer and workers load (built when missing).
+    warm_start_env: str | None = None
+    warm_start_root: Path = field(default_factory=warm_start.default_cache_root)
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.services) - set(ALL_SERVICES))
@@ -105,7 +120,20 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
         "--env",
         default=None,
         help="environment whose tasks the feeder publishes: arith (default, learns in minutes "
-        "on a CPU), calc (multi-turn calculator tools) or coding (Python tasks in sandboxes)",
+        "on a CPU), calc (multi-turn calculator tools), recall (long episodes that need "
+        "self-summarization) or coding (Python tasks in sandboxes)",
+    )
+    parser.add_argument(
+        "--no-warm-start",
+        action="store_true",
+        help="start calc/recall from the random-init policy instead of the SFT warm start",
+    )
+    parser.add_argument(
+        "--warm-start-dir",
+        type=Path,
+        default=None,
+        help="cache of warm-start policies (default: $RLPIPE_CACHE_DIR/warm_start or "
+        "~/.cache/rlpipe/warm_start)",
     )
 
 
@@ -130,18 +158,43 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
         extra_env["trainer"] = {
             name: os.environ.get(name, value) for name, value in trainer.items()
         }
+    warm = bool(args.env) and warm_start.has_warm_start(args.env) and not args.no_warm_start
     return LaunchOptions(
         run_dir=args.run_dir,
         duration_s=args.duration_s,
         max_trainer_steps=args.max_trainer_steps,
         services=services,
         extra_env=extra_env,
+        warm_start_env=args.env if warm else None,
+        warm_start_root=args.warm_start_dir or warm_start.default_cache_root(),
     )
+
+
+def with_warm_start(options: LaunchOptions) -> LaunchOptions:
+    """`options` with the trainer and workers loading the warm-start policy (built first when
+    missing) and the workers' harness set for the environment."""
+    env = options.warm_start_env
+    if env is None:
+        return options
+    path = str(warm_start.ensure_warm_start(env, options.warm_start_root))
+    trainer = {"RLPIPE_TRAINER_POLICY_PATH": path}
+    worker = {"RLPIPE_ROLLOUT_WORKER_POLICY_PATH": path, **warm_start.worker_harness_env(env)}
+    extra = {name: dict(values) for name, values in options.extra_env.items()}
+    for name, values in (("trainer", trainer), ("rollout-worker", worker)):
+        extra[name] = {
+            **{k: os.environ.get(k, v) for k, v in values.items()},
+            **extra.get(name, {}),
+        }
+    return replace(options, extra_env=extra)
 
 
 def run_local(options: LaunchOptions) -> int:
     """Run everything until Ctrl-C/SIGTERM or a bound; print the summary; return the exit code."""
-    return asyncio.run(LocalRun(options, LauncherLog()).run())
+    log = LauncherLog()
+    if options.warm_start_env:
+        log.info("warm start", env=options.warm_start_env, cache=str(options.warm_start_root))
+    options = with_warm_start(options)
+    return asyncio.run(LocalRun(options, log).run())
 
 
 def default_run_dir() -> Path:
@@ -186,6 +239,7 @@ class LocalRun:
         self.forced = False
         self._stop = asyncio.Event()
         self._started_at = time.monotonic()
+        self.episode_figures: dict[str, Any] = {}
 
     async def run(self) -> int:
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
@@ -252,6 +306,7 @@ class LocalRun:
             self._fail("unhealthy", f"cannot start a service: {exc}")
             return
         health_task = asyncio.create_task(monitor.run(self._live_pids))
+        nats_task = asyncio.create_task(self._nats_watch(self.nats).run())
         with StatusView(self.log, supervisor, monitor, self.nats.url, self.run_dir) as view:
             try:
                 await self._watch(view)
@@ -260,6 +315,16 @@ class LocalRun:
                 stopping = supervisor.stop(self.options.stop_grace_s, first=STOP_FIRST)
                 await self._with_view(view, stopping)
                 health_task.cancel()
+                nats_task.cancel()  # before NATS itself is stopped
+
+    def _nats_watch(self, server: NatsServer) -> NatsWatch:
+        """Restarts NATS on its data folder if it dies; a run it cannot keep up fails (2)."""
+        return NatsWatch(
+            server,
+            on_event=self.log.info,
+            on_restart=self._write_pids,
+            on_give_up=lambda why: self._fail("nats_failed", why),
+        )
 
     async def _watch(self, view: StatusView) -> None:
         """Until a signal, a bound, or a service that will not become healthy."""
@@ -282,8 +347,19 @@ class LocalRun:
     async def _stop_everything(self) -> None:
         if self.supervisor:
             await self.supervisor.stop(self.options.stop_grace_s, first=STOP_FIRST)
+        await self._read_episode_figures()
         if self.nats:
             await asyncio.to_thread(self.nats.stop)
+
+    async def _read_episode_figures(self) -> None:
+        """First and last steps' episode figures, read from the bus while it still runs."""
+        if self.nats is None or not self.nats.url or "trainer" not in self.options.services:
+            return
+        try:
+            report = episode_report(self.run_dir, self.nats.url)
+            self.episode_figures = await asyncio.wait_for(report, timeout=60)
+        except Exception as exc:  # a report is a nicety: the run's outcome does not depend on it
+            self.log.error("episode figures unavailable", reason=f"{type(exc).__name__}: {exc}")
 
     # --- bounds and health ---------------------------------------------------------------
 
@@ -391,6 +467,7 @@ class LocalRun:
             duration_s=round(time.monotonic() - self._started_at, 1),
             nats_url=self.nats.url if self.nats else None,
         )
+        summary.update(self.episode_figures)
         if self.error:
             summary["error"] = self.error
         line = json.dumps(summary)
