@@ -8,6 +8,7 @@ from typing import TypeVar
 import msgspec
 
 from proto.messages import Message
+from proto.validation import InvalidValue, check_message
 
 SCHEMA_HEADER = "Rlpipe-Schema"
 MSG_ID_HEADER = "Nats-Msg-Id"
@@ -44,7 +45,9 @@ def decode(message_type: type[M], data: bytes, headers: Mapping[str, str] | None
     """Decode `data` as `message_type`, refusing a schema the header says is different.
 
     A missing header is accepted (other-language producers may omit it); a header naming
-    another type, or a newer major version than this code knows, is refused.
+    another type, or a newer major version than this code knows, is refused. A decoded
+    message is then checked against its type's invariants (proto.validation): one that
+    breaks them is "invalid" like one of the wrong shape.
     """
     schema = (headers or {}).get(SCHEMA_HEADER)
     if schema is not None and schema != message_type.schema_id():
@@ -53,8 +56,10 @@ def decode(message_type: type[M], data: bytes, headers: Mapping[str, str] | None
             f"expected {message_type.schema_id()}, message says {schema}",
         )
     try:
-        return msgspec.msgpack.decode(data, type=message_type)
-    except msgspec.ValidationError as exc:
+        message = msgspec.msgpack.decode(data, type=message_type)
+        check_message(message)
+    except (msgspec.ValidationError, InvalidValue) as exc:
         raise InvalidMessage("invalid", f"{message_type.__name__}: {exc}") from exc
     except msgspec.DecodeError as exc:
         raise InvalidMessage("undecodable", f"not msgpack: {exc}") from exc
+    return message
