@@ -13,6 +13,14 @@ from proto import subjects
 
 DAY_S = 24 * 3600.0
 MIB = 1024 * 1024
+# Exactly-once by construction: a message redelivered after a crash between publish and ack
+# is republished within its first copy's duplicate window, so it is dropped as a duplicate.
+# A consumer redelivers at most ack_wait after its last in-progress ack, and a failing
+# handler at most max_deliver times with naks of up to 30 s in between: with ack_wait <= 30 s
+# and max_deliver 5 that is under 5 * (30 + 30) = 300 s. Streams that services publish to
+# keep ids for twice that (tests/test_bus.py checks every consumer against every stream).
+REDELIVERY_WINDOW_S = 10 * 60.0
+MAX_ACK_WAIT_S = 30.0
 
 
 class StreamSpec(msgspec.Struct, kw_only=True, frozen=True):
@@ -27,7 +35,7 @@ class StreamSpec(msgspec.Struct, kw_only=True, frozen=True):
     max_bytes: int = -1
     max_msg_bytes: int = -1
     # Window in which a repeated Nats-Msg-Id is dropped as a duplicate.
-    duplicate_window_s: float = 120.0
+    duplicate_window_s: float = REDELIVERY_WINDOW_S
     discard: Literal["old", "new"] = "old"
     allow_direct: bool = False
 
@@ -40,8 +48,9 @@ class ConsumerSpec(msgspec.Struct, kw_only=True, frozen=True):
     description: str
     filter_subject: str | None = None
     # Time a delivered message may stay unacked before redelivery (handlers extend it
-    # with in-progress acks while they work).
-    ack_wait_s: float = 30.0
+    # with in-progress acks while they work): also how long the work a dead process held
+    # waits before another takes it, so short.
+    ack_wait_s: float = 15.0
     # Attempts a handler gets before the message is dead-lettered (see libs.bus.consume).
     max_deliver: int = 5
     max_ack_pending: int = 1000
@@ -145,15 +154,16 @@ ROLLOUT_WORKER_TASKS = ConsumerSpec(
     stream=TASKS.name,
     durable="rollout-worker",
     description="Shared by all rollout workers: each task goes to one of them.",
-    # A group of long episodes can take minutes; workers send in-progress acks.
-    ack_wait_s=120.0,
+    # A group of long episodes can take minutes; workers send in-progress acks (every
+    # ack_wait / 3), so a short wait costs nothing and a dead worker's tasks move on quickly.
+    ack_wait_s=MAX_ACK_WAIT_S,
     max_ack_pending=256,
 )
 REWARD_ROLLOUTS = ConsumerSpec(
     stream=ROLLOUTS_RAW.name,
     durable="reward",
     description="Reward scores every raw rollout.",
-    ack_wait_s=120.0,
+    ack_wait_s=MAX_ACK_WAIT_S,
 )
 # The trainer has no durable consumer: it reads ROLLOUTS_SCORED (and ROLLOUTS_ONLINE) from
 # the position stored in its own checkpoint (libs.trainer.cursor), so the model and how far
@@ -174,7 +184,9 @@ WEIGHT_BROADCASTER_STAGED = ConsumerSpec(
     durable="weight-broadcaster",
     description="Staged versions, encoded one at a time and in order.",
     # Encoding a large model takes minutes; the handler sends in-progress acks meanwhile.
-    ack_wait_s=60.0,
+    # Short: one version at a time, so a dead broadcaster's version blocks all later ones
+    # until it is redelivered.
+    ack_wait_s=10.0,
     max_ack_pending=1,
 )
 
