@@ -9,7 +9,7 @@ import pytest
 
 from libs.bus import wire
 from libs.bus.connection import Bus, BusConnectError, check_server_version, connect_bus
-from libs.bus.consumer import Delivery, PermanentError, PullConsumer
+from libs.bus.consumer import DEFAULT_BACKOFF_S, Delivery, PermanentError, PullConsumer
 from libs.bus.provision import ProvisionError, ensure_consumer, ensure_stream, provision
 from libs.bus.publisher import Outgoing, Publisher
 from libs.nats_server import NatsServer, free_port
@@ -315,3 +315,16 @@ def test_old_server_is_refused_with_the_reason() -> None:
     with pytest.raises(BusConnectError, match=r"needs >= 2\.11\.0.*batch direct get"):
         check_server_version("2.9.10", "nats://example:4222")
     check_server_version("2.11.0", "nats://example:4222")
+
+
+def test_a_redelivered_message_is_republished_inside_the_duplicate_window() -> None:
+    # The longest a consumer can take to hand a message out again: every attempt waiting out
+    # its ack_wait plus the longest nak delay. A handler that published and died before its
+    # ack republishes with the same id within that time, so the copy must be dropped.
+    worst_redelivery_s = max(
+        spec.max_deliver * (spec.ack_wait_s + max(DEFAULT_BACKOFF_S))
+        for spec in streams.ALL_CONSUMERS
+    )
+    for stream in streams.ALL_STREAMS:
+        assert stream.duplicate_window_s > worst_redelivery_s, stream.name
+    assert all(spec.ack_wait_s <= streams.MAX_ACK_WAIT_S for spec in streams.ALL_CONSUMERS)
