@@ -19,6 +19,13 @@ until the next snapshot. A new or late worker therefore catches up with the late
 plus the deltas after it, and a worker that is one version behind takes only the delta
 (a snapshot point announces the delta first, then the snapshot).
 
+Every announcement read is checked before it is considered (proto.validation: it must say
+what its manifest says, and its version must not be above the newest the trainer recorded in
+the state bucket, which the trainer writes before staging any version); one that is
+unreadable, inconsistent or implausible is dead-lettered on `rl.dead.rl_weights_announce`
+with the reason and never taken. Its chunks are then fetched by the manifest's version and
+verified against the manifest's hashes, and the whole state against the version hash.
+
 `next_update` fetches every chunk with many direct gets in flight (libs/weights/transport.py)
 and raises MissingChunkError / CorruptDeltaError, applying nothing, when the version cannot
 be had intact; the next call moves on (to the snapshot of the same version, or the next one).
@@ -55,6 +62,8 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from libs.bus import wire
 from libs.bus.connection import Bus
+from libs.bus.dead_letter import Delivery, publish_dead_letter
+from libs.bus.publisher import Publisher
 from libs.weights.applier import DeltaApplier, PreparedChunk
 from libs.weights.errors import BaseMismatchError, CorruptDeltaError
 from libs.weights.format import Chunk, VersionInfo
@@ -70,6 +79,7 @@ from libs.weights.transport import (
 from proto import streams
 from proto.messages import WeightAnnouncement
 from proto.subjects import WEIGHTS_ANNOUNCE_ALL, weights_announce_subject
+from proto.validation import InvalidValue, check_announcement_plausible
 
 log = structlog.get_logger(__name__)
 
@@ -147,6 +157,9 @@ class WeightReceiver:
         self._poll_timeout_s = poll_timeout_s
         self._sub: JetStreamContext.PullSubscription | None = None
         self._next_seq: int | None = None  # where a re-created consumer resumes
+        self._publisher = Publisher(bus.js)
+        self._newest_known = -1  # the trainer's newest version, as last read from the KV
+        self.num_refused = 0
         self.last_pause_s: float | None = None
         RECEIVED_VERSION.set(_gauge_version(current))
 
@@ -248,11 +261,42 @@ class WeightReceiver:
             msg = msgs[0]
             self._next_seq = msg.metadata.sequence.stream + 1
             try:
-                return wire.decode(WeightAnnouncement, msg.data, msg.headers)
+                announcement = wire.decode(WeightAnnouncement, msg.data, msg.headers)
+                await self._check_plausible(announcement)
             except wire.InvalidMessage as exc:
-                log.error(
-                    "unreadable weight announcement skipped", seq=self._next_seq - 1, error=str(exc)
-                )
+                await self._refuse(msg, exc.reason, str(exc))
+                continue
+            except InvalidValue as exc:
+                await self._refuse(msg, "invalid", str(exc))
+                continue
+            return announcement
+
+    async def _check_plausible(self, announcement: WeightAnnouncement) -> None:
+        """InvalidValue for a version above the newest the trainer recorded (re-read from
+        the state bucket only when an announcement is above the last value read)."""
+        if announcement.version <= self._newest_known:
+            return
+        newest = await newest_policy_version(self._bus.js)
+        if newest is None:  # no state bucket here (a region's relay server): manifests only
+            return
+        self._newest_known = newest
+        check_announcement_plausible(announcement, newest)
+
+    async def _refuse(self, msg: Any, reason: str, error: str) -> None:
+        """Dead-letter an announcement no receiver may take (every receiver refuses the same
+        one; the dead letter's id is its stream sequence, so it is stored once)."""
+        self.num_refused += 1
+        UPDATES.labels("unknown", "refused").inc()
+        meta = msg.metadata
+        log.error("weight announcement refused", seq=meta.sequence.stream, error=error[:300])
+        headers = dict(msg.headers or {})
+        delivery = Delivery(msg.subject, meta.stream, meta.sequence.stream, 1, headers)
+        try:
+            await publish_dead_letter(
+                self._publisher, msg.data, delivery, "weight-receiver", reason, error
+            )
+        except Exception as exc:  # the refusal stands; only its record is missing
+            log.error("dead-letter publish failed", seq=meta.sequence.stream, error=repr(exc))
 
     async def _subscription(self) -> JetStreamContext.PullSubscription:
         if self._sub is None:
@@ -406,4 +450,26 @@ async def latest_announcement(
         return None
     if raw.data is None or raw.seq is None:
         return None
-    return raw.seq, wire.decode(WeightAnnouncement, raw.data, raw.headers)
+    try:
+        announcement = wire.decode(WeightAnnouncement, raw.data, raw.headers)
+        newest = await newest_policy_version(js)
+        if newest is not None:
+            check_announcement_plausible(announcement, newest)
+    except (wire.InvalidMessage, InvalidValue) as exc:
+        # A bad last announcement (dead-lettered by the receivers that read it) hides the
+        # ones before it until the next real one: "none known" meanwhile.
+        log.warning("latest announcement refused", kind=kind, seq=raw.seq, error=str(exc))
+        return None
+    return raw.seq, announcement
+
+
+async def newest_policy_version(js: JetStreamContext) -> int | None:
+    """The newest version the trainer recorded as made (it writes it before staging any),
+    or None where the state bucket or the key is absent (a region's relay server)."""
+    try:
+        kv = await js.key_value(streams.STATE.bucket)
+        entry = await kv.get(streams.POLICY_VERSION_KEY)
+        return int((entry.value or b"-1").decode())
+    except (NotFoundError, ValueError, nats.errors.Error, TimeoutError) as exc:
+        log.debug("newest policy version unknown", error=repr(exc))
+        return None
