@@ -49,6 +49,7 @@ from libs.weights.handoff import stage_weights
 from libs.weights.receiver import WeightReceiver
 from proto import streams, subjects
 from proto.messages import (
+    DeadLetter,
     FeedbackEvent,
     OnlineSample,
     PromotionDecision,
@@ -312,22 +313,37 @@ async def test_online_steps_move_the_policy_toward_accepted_and_away_from_reject
     assert (await kv.get(streams.PROMOTED_VERSION_KEY)).value == b"3"
 
 
-async def test_stale_and_untrainable_online_samples_are_dropped_and_counted(
+async def test_stale_online_samples_are_dropped_and_impossible_ones_dead_lettered(
     bus: Bus, tmp_path: Path
 ) -> None:
     await provision(bus.js)
+    kv = await bus.js.key_value(streams.STATE.bucket)
+    await kv.put(streams.POLICY_VERSION_KEY, b"10")  # the trainer resumes at version 11
     online = OnlineConfig(fraction=1.0, stream_wait_s=0.0, batch_samples=4, max_staleness=0)
     trainer = Trainer(online_trainer_config(online=online), tmp_path, bus, Publisher(bus.js))
     await trainer.setup()
-    await publish_online(bus, sample("future", version=3))  # no trainer version matches it
-    await publish_online(bus, sample("no-logprobs", logprobs=[-1.0]))
-    await publish_online(bus, sample("fresh", signal="thumbs_down"))
+    await publish_online(bus, sample("future", version=30))  # no trainer made version 30
+    await publish_online(bus, sample("no-logprobs", version=11, logprobs=[-1.0]))
+    await publish_online(bus, sample("stale", version=5))
+    await publish_online(bus, sample("fresh", version=11, signal="thumbs_down"))
     await trainer.run()
     (step,) = read_steps(tmp_path)
     assert step["sample_ids"] == ["fresh"] and step["mean_reward"] == -0.5
-    assert step["num_dropped"] == 1 and step["num_online_invalid"] == 1
-    assert step["dropped_ids"] == ["future", "no-logprobs"]
-    assert step["staleness"] == {"-3": 1, "0": 1}
+    assert step["num_dropped"] == 1 and step["dropped_ids"] == ["stale"]
+    assert step["staleness"] == {"6": 1, "0": 1}
+    # The impossible ones are consumed too, each with a dead letter saying why.
+    assert trainer.state.online_cursor.floor == 4
+    dead = await bus.js.stream_info(streams.DEAD_LETTERS.name)
+    assert dead.state.messages == 2
+    letters = [
+        wire.decode(DeadLetter, (await bus.js.get_msg(streams.DEAD_LETTERS.name, seq=s)).data, None)
+        for s in (dead.state.first_seq, dead.state.last_seq)
+    ]
+    assert sorted((d.stream_sequence, d.consumer, d.reason) for d in letters) == [
+        (1, "trainer-online", "invalid"),
+        (2, "trainer-online", "invalid"),
+    ]
+    assert any("above the trainer's 11" in d.error for d in letters)
 
 
 async def test_the_gate_records_promotions_and_rejections_with_scores(

@@ -66,19 +66,37 @@ def scored(
 def test_cursor_floor_rises_over_contiguous_runs_and_remembers_gaps() -> None:
     cursor = ConsumedCursor()
     cursor.mark_done([2, 3, 5])
-    assert (cursor.floor, cursor.done) == (0, [2, 3, 5])
+    assert (cursor.floor, cursor.done_runs) == (0, [(2, 3), (5, 5)])
     cursor.mark_done([1])
-    assert (cursor.floor, cursor.done) == (3, [5])
+    assert (cursor.floor, cursor.done_runs) == (3, [(5, 5)])
     assert cursor.is_done(2) and cursor.is_done(5) and not cursor.is_done(4)
     restored = msgspec.json.decode(msgspec.json.encode(cursor), type=ConsumedCursor)
     assert restored == cursor
+
+
+def test_cursor_stays_small_behind_one_sequence_held_back() -> None:
+    # Sequence 1 waits in an open group while 100,000 later ones are consumed: one run.
+    cursor = ConsumedCursor()
+    for first in range(2, 100_002, 256):
+        cursor.mark_done(range(first, first + 256))
+    last = first + 255
+    assert cursor.floor == 0 and cursor.num_runs == 1
+    assert len(msgspec.json.encode(cursor)) < 100
+    cursor.mark_done([1])
+    assert cursor.floor == last and cursor.num_runs == 0
+
+
+def test_cursor_of_an_older_checkpoint_loads_as_runs() -> None:
+    cursor = msgspec.json.decode(b'{"floor": 3, "done": [5, 6, 8]}', type=ConsumedCursor)
+    assert (cursor.floor, cursor.done_runs) == (3, [(5, 6), (8, 8)])
 
 
 def test_groups_complete_at_their_size_ignore_duplicates_and_expire() -> None:
     buffer = GroupBuffer(incomplete_timeout_s=10)
     for index in range(3):
         buffer.add(index + 1, scored(1, index, 0.0), now_s=0.0)
-    buffer.add(9, scored(1, 0, 1.0), now_s=0.0)  # a redelivered duplicate of sample 0
+    # A redelivered duplicate of sample 0 is reported, not buffered.
+    assert buffer.add(9, scored(1, 0, 1.0), now_s=0.0) == "duplicate"
     buffer.add(4, scored(2, 0, 0.0), now_s=5.0)
     assert buffer.num_ready == 0
     buffer.add(10, scored(1, 3, 1.0), now_s=1.0)
@@ -87,6 +105,19 @@ def test_groups_complete_at_their_size_ignore_duplicates_and_expire() -> None:
     groups = buffer.take(5)
     assert [g.group_id for g in groups] == ["g1", "g2"]
     assert groups[0].sequences == [1, 2, 3, 10] and buffer.num_expired == 1
+    # A copy of a sample of a group already taken is a duplicate too, also after a resume.
+    assert buffer.add(11, scored(1, 2, 1.0), now_s=20.0) == "duplicate"
+    resumed = GroupBuffer(incomplete_timeout_s=10, taken=buffer.recently_taken)
+    assert resumed.add(12, scored(2, 1, 1.0), now_s=20.0) == "duplicate"
+
+
+def test_a_refused_sample_counts_toward_its_group() -> None:
+    buffer = GroupBuffer(incomplete_timeout_s=10)
+    for index in range(3):
+        buffer.add(index + 1, scored(1, index, 0.0), now_s=0.0)
+    buffer.refuse(scored(1, 3, 0.0), now_s=0.0)
+    (group,) = buffer.take(1)
+    assert len(group.rollouts) == 3 and group.refused == {3}
 
 
 def test_a_step_on_engine_samples_has_no_mismatch_and_favors_the_rewarded_answer() -> None:
@@ -141,6 +172,12 @@ async def publish_scored(bus: Bus, samples: list[ScoredRollout]) -> None:
     )
 
 
+async def announce_version(bus: Bus, version: int) -> None:
+    """Record `version` as the newest made, as an earlier trainer run would have."""
+    kv = await bus.js.key_value(streams.STATE.bucket)
+    await kv.put(streams.POLICY_VERSION_KEY, str(version).encode())
+
+
 def read_steps(run_dir: Path) -> list[dict[str, object]]:
     path = run_dir / "trainer" / "steps.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
@@ -150,28 +187,29 @@ async def test_trainer_steps_on_groups_drops_stale_samples_and_stages_each_versi
     bus: Bus, tmp_path: Path
 ) -> None:
     await provision(bus.js)
+    await announce_version(bus, 10)  # a trainer resumed after version 10 starts at 11
     trainer = Trainer(trainer_config(max_steps=2), tmp_path, bus, Publisher(bus.js))
     await trainer.setup()
-    assert trainer.state.version == 0
-    samples = [scored(g, i, float(i % 2)) for g in range(3) for i in range(4)]
-    samples += [scored(3, i, float(i % 2), version=-5) for i in range(4)]  # far too stale
-    samples += [scored(4, i, float(i % 2)) for i in range(4)]
+    assert trainer.state.version == 11
+    samples = [scored(g, i, float(i % 2), version=11) for g in range(3) for i in range(4)]
+    samples += [scored(3, i, float(i % 2), version=6) for i in range(4)]  # far too stale
+    samples += [scored(4, i, float(i % 2), version=11) for i in range(4)]
     await publish_scored(bus, samples)
     await trainer.run()
 
     steps = read_steps(tmp_path)
-    assert [s["step"] for s in steps] == [1, 2] and [s["version"] for s in steps] == [1, 2]
+    assert [s["step"] for s in steps] == [1, 2] and [s["version"] for s in steps] == [12, 13]
     assert steps[0]["sample_ids"] == [f"g{g}.{i}" for g in (0, 1) for i in range(4)]
     # A stale group does not shrink the step: it is dropped and the next fresh one taken.
     assert steps[1]["sample_ids"] == [f"g{g}.{i}" for g in (2, 4) for i in range(4)]
     assert steps[1]["dropped_ids"] == [f"g3.{i}" for i in range(4)]
     assert steps[1]["staleness"] == {"1": 8, "6": 4} and steps[1]["num_dropped"] == 4
     info = await bus.js.stream_info(streams.WEIGHTS_STAGED.name)
-    assert info.state.messages == 3  # versions 0, 1, 2
+    assert info.state.messages == 3  # versions 11, 12, 13
     last = await bus.js.get_last_msg(streams.WEIGHTS_STAGED.name, subjects.WEIGHTS_STAGED)
-    assert msgspec.msgpack.decode(last.data or b"", type=WeightsStaged).version == 2
+    assert msgspec.msgpack.decode(last.data or b"", type=WeightsStaged).version == 13
     kv = await bus.js.key_value(streams.STATE.bucket)
-    assert (await kv.get("policy_version")).value == b"2"
+    assert (await kv.get("policy_version")).value == b"13"
     assert (await kv.get("trainer_groups_taken")).value == b"5"
     assert (tmp_path / "trainer" / "checkpoints" / "step-00000002" / "model.safetensors").exists()
 
@@ -236,9 +274,10 @@ async def test_groups_dropped_while_waiting_are_reported_to_the_feeder(
     bus: Bus, tmp_path: Path
 ) -> None:
     await provision(bus.js)
+    await announce_version(bus, 10)
     trainer = Trainer(trainer_config(), tmp_path, bus, Publisher(bus.js))
     await trainer.setup()
-    await publish_scored(bus, [scored(g, i, 1.0, version=-9) for g in range(2) for i in range(4)])
+    await publish_scored(bus, [scored(g, i, 1.0, version=0) for g in range(2) for i in range(4)])
     running = asyncio.create_task(trainer.run())
     kv = await bus.js.key_value(streams.STATE.bucket)
 

@@ -3,14 +3,21 @@
 For a consumer whose progress must be part of its own checkpoint (the trainer): it stores
 how far it consumed, and after a restart reads again from there. The server-side consumer
 is ephemeral, acks nothing, and is recreated from the last sequence seen when it is lost.
-Undecodable or invalid messages are dead-lettered and returned as `skipped` so the owner
-can count them as consumed.
+Undecodable or invalid messages (libs.bus.wire, proto.validation) are dead-lettered and
+their sequences returned in `StreamRead.skipped`, so the owner counts them as consumed; a
+message the owner refuses after decoding (a check that needs its own state) goes the same
+way through `refuse`. Nothing read is dropped without a dead letter.
+
+    reader = StreamReader(js, stream, subject, ScoredRollout, publisher, start_sequence=n)
+    read = await reader.read(256, timeout_s=0.5)
+    read.records, read.skipped       # decoded, in order; sequences dead-lettered
+    await reader.refuse(record, "token id 70000 outside the vocabulary")
 """
 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 import nats.errors
@@ -35,6 +42,14 @@ class StreamRecord(Generic[M]):
 
     sequence: int
     message: M
+
+
+@dataclass
+class StreamRead(Generic[M]):
+    """What one read returned: decoded records, and the sequences it dead-lettered."""
+
+    records: list[StreamRecord[M]] = field(default_factory=list)
+    skipped: list[int] = field(default_factory=list)
 
 
 class StreamReader(Generic[M]):
@@ -66,24 +81,38 @@ class StreamReader(Generic[M]):
         """The sequence the next read starts from."""
         return self._next_sequence
 
-    async def read(self, max_messages: int, timeout_s: float) -> list[StreamRecord[M]]:
-        """Up to `max_messages` decoded messages in stream order; [] when none came in time."""
-        sub = await self._subscription()
+    async def read(self, max_messages: int, timeout_s: float) -> StreamRead[M]:
+        """Up to `max_messages` messages in stream order, decoded or dead-lettered; nothing
+        when none came in time."""
+        read: StreamRead[M] = StreamRead()
         try:
+            sub = await self._subscription()
             msgs = await sub.fetch(max_messages, timeout=timeout_s)
         except (nats.errors.TimeoutError, TimeoutError):  # fetch raises either
-            return []
+            return read
         except (nats.errors.Error, nats.js.errors.Error) as exc:
             log.warning("stream read failed; recreating the consumer", error=repr(exc))
             await self.close()
-            return []
-        records = []
+            return read
         for msg in msgs:
             record = await self._decode(msg)
             self._next_sequence = msg.metadata.sequence.stream + 1
-            if record is not None:
-                records.append(record)
-        return records
+            if record is None:
+                read.skipped.append(msg.metadata.sequence.stream)
+            else:
+                read.records.append(record)
+        return read
+
+    async def refuse(self, record: StreamRecord[M], error: str, reason: str = "invalid") -> None:
+        """Dead-letter a decoded message its owner cannot use (`reason`: "invalid", or
+        "rejected" for one valid but unwanted, e.g. a duplicate); the payload stored is the
+        message re-encoded. Raises if it could not be stored."""
+        payload = wire.encode(record.message)
+        headers = {wire.SCHEMA_HEADER: record.message.schema_id()}
+        delivery = Delivery(self._subject, self._stream, record.sequence, 1, headers)
+        await publish_dead_letter(self._publisher, payload, delivery, self._name, reason, error)
+        self.num_skipped += 1
+        log.warning("dead-lettered", reader=self._name, seq=record.sequence, error=error[:200])
 
     async def _decode(self, msg: Msg) -> StreamRecord[M] | None:
         headers = dict(msg.headers or {})

@@ -40,6 +40,9 @@ class TrainerState(msgspec.Struct, kw_only=True):
     # (defaults: checkpoints written before online training load as "nothing consumed").
     online_cursor: ConsumedCursor = msgspec.field(default_factory=ConsumedCursor)
     online_baselines: OnlineBaselines = msgspec.field(default_factory=OnlineBaselines)
+    # Group ids taken lately (bounded, oldest first): a copy of a sample of one of them read
+    # after a resume is a duplicate, consumed without training (libs.trainer.groups).
+    recent_groups: list[str] = msgspec.field(default_factory=list)
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,14 @@
 
 Exactly-once: the scored and online streams are read from the checkpoint's cursors; a sample
 is marked consumed when its step (or its drop) is recorded, and the cursor is saved with the model.
+A sample copied twice on the stream is consumed once: the groups taken lately are remembered
+(and checkpointed), and a later copy is dead-lettered as a duplicate.
+
+No sample can stop the loop: what the stream reader cannot decode or validate, what the trainer
+refuses as it reads (token ids outside the vocabulary, versions it never made, nothing to
+train: libs.trainer.refusals), duplicates, and the samples that make an optimizer step fail on
+their own are dead-lettered with the reason and consumed; the step trains the rest. Only a
+failure no sample reproduces (the trainer's own bug) ends the process.
 After a crash, everything the last checkpoint had not consumed is read again, and nothing
 it had is. Versions never repeat: a resumed trainer publishes its checkpoint's weights as a
 version above every version announced before (read from the KV bucket), so workers roll
@@ -28,13 +36,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import nats.errors
 import structlog
 import torch
 from nats.js.errors import KeyNotFoundError
 
-from libs.bus.connection import Bus
+from libs.bus.connection import Bus, ride_through
 from libs.bus.publisher import Publisher
-from libs.bus.stream_reader import StreamReader
+from libs.bus.stream_reader import StreamReader, StreamRecord
 from libs.envs.client import EnvClient
 from libs.logs import bind_context
 from libs.policy import build_policy, check_vocabulary, load_policy_tokenizer, tokenizer_spec
@@ -53,8 +62,15 @@ from libs.trainer.metrics import StepLog, StepRecord
 from libs.trainer.mix import Stream, choose_stream, scheduled_stream
 from libs.trainer.online_source import OnlineSource, OnlineTake
 from libs.trainer.online_step import OnlineStepStats, train_online_step
+from libs.trainer.refusals import (
+    find_failing_samples,
+    model_vocab_size,
+    online_problem,
+    scored_problem,
+)
 from libs.trainer.step import StepStats, train_step
 from libs.weights.handoff import default_staging_dir, stage_weights
+from libs.weights.receiver import latest_announcement
 from proto import streams, subjects
 from proto.messages import OnlineSample, ScoredRollout
 
@@ -101,6 +117,8 @@ class Batch:
     dropped: list[ScoredRollout]
     staleness: dict[int, int]
     wait_s: float
+    # Samples dead-lettered because the step failed on them alone.
+    refused: list[ScoredRollout] = field(default_factory=list)
 
     @property
     def sequences(self) -> list[int]:
@@ -152,6 +170,9 @@ class Trainer:
         if checkpoint is not None:
             await asyncio.to_thread(self._load, checkpoint.path, checkpoint.state)
             self.state.segment += 1
+            self._buffer = GroupBuffer(
+                self.config.incomplete_group_timeout_s, taken=self.state.recent_groups
+            )
             log.info("resumed", step=self.state.step, checkpoint=str(checkpoint.path))
         identity = describe_policy(
             self.model.config,
@@ -189,7 +210,7 @@ class Trainer:
             start_sequence=self.state.online_cursor.floor + 1,
             reader_name="trainer-online",
         )
-        return OnlineSource(reader, self.state.online_cursor)
+        return OnlineSource(reader, self.state.online_cursor, self._online_problem)
 
     async def _setup_gate(self) -> None:
         """Resume the gate; with nothing promoted yet, the weights we start from are judged."""
@@ -278,20 +299,68 @@ class Trainer:
         )
 
     async def _fill_buffer(self) -> bool:
-        """Read until at least one group is ready; False when stopping first."""
-        while self._buffer.num_ready == 0:
+        """Read until at least one group is ready and the workers can have weights fresh
+        enough to train on; False when stopping first."""
+        while self._buffer.num_ready == 0 or not await self._weights_announced():
             if self._stopping.is_set():
                 return False
             await self._poll_scored(timeout_s=0.5)
         return True
 
+    async def _weights_announced(self) -> bool:
+        """False while the newest announced version is so far behind the trainer's that
+        every sample generated now would be dropped as stale (the weight-broadcaster is down
+        or behind): taking groups then would only drop them and let the feeder hand the
+        workers more tasks to waste. True when nothing was announced yet (no broadcaster)."""
+        try:
+            found = [await latest_announcement(self._bus.js, k) for k in ("delta", "snapshot")]
+        except (nats.errors.Error, TimeoutError) as exc:  # the bus is away: reads wait anyway
+            log.warning("cannot read the announced version", error=repr(exc))
+            return True
+        versions = [announcement.version for _, announcement in filter(None, found)]
+        if not versions:
+            return True
+        lag = self.state.version - max(versions)
+        allowed = max(self.config.max_staleness, self.config.publish_every_steps - 1)
+        if lag > allowed:
+            self.detail = f"waiting for version {self.state.version} to reach the workers"
+            return False
+        return True
+
     async def _poll_scored(self, timeout_s: float) -> None:
-        """Buffer what the scored stream has (waits up to `timeout_s` when it has nothing)."""
+        """Buffer what the scored stream has (waits up to `timeout_s` when it has nothing);
+        what the reader dead-lettered, and what is refused here, is consumed at once."""
         assert self._reader is not None, "setup() first"
-        for record in await self._reader.read(READ_BATCH, timeout_s=timeout_s):
-            if not self.state.scored_cursor.is_done(record.sequence):
-                self._buffer.add(record.sequence, record.message)
+        read = await self._reader.read(READ_BATCH, timeout_s=timeout_s)
+        cursor = self.state.scored_cursor
+        cursor.mark_done(read.skipped)
+        for record in read.records:
+            if cursor.is_done(record.sequence):
+                continue
+            problem = scored_problem(
+                record.message,
+                vocab_size=model_vocab_size(self.model),
+                trainer_version=self.state.version,
+            )
+            if problem is not None:
+                await self._refuse(record, problem)
+                self._buffer.refuse(record.message)
+            elif self._buffer.add(record.sequence, record.message) == "duplicate":
+                await self._refuse(record, "duplicate of a sample already taken", "rejected")
         self._buffer.expire()
+
+    async def _refuse(
+        self, record: StreamRecord[ScoredRollout], error: str, reason: str = "invalid"
+    ) -> None:
+        """Dead-letter a scored sample and count it consumed."""
+        assert self._reader is not None, "setup() first"
+        await self._reader.refuse(record, error, reason)
+        self.state.scored_cursor.mark_done([record.sequence])
+
+    def _online_problem(self, sample: OnlineSample) -> str | None:
+        return online_problem(
+            sample, vocab_size=model_vocab_size(self.model), trainer_version=self.state.version
+        )
 
     async def _choose_stream(self) -> Stream | None:
         """The stream this step trains on (libs.trainer.mix); None when stopping first."""
@@ -327,19 +396,56 @@ class Trainer:
     async def _train(self, batch: Batch) -> None:
         self._set_learning_rate()
         started_s = time.monotonic()
-        stats = await asyncio.to_thread(
-            train_step,
-            self.model,
-            self.optimizer,
-            batch.kept,
-            self.state.version,
-            self.config,
-            self.tokenizer.pad_id,
-        )
+        stats = await self._train_step_isolating(batch)
+        if stats is None:  # every fresh sample was refused: consumed, no step
+            self.state.scored_cursor.mark_done(batch.sequences)
+            await self._record_progress()
+            return
         step_s = self._advance(started_s)
         self.state.scored_cursor.mark_done(batch.sequences)
         self._steps.write(self._record(batch, stats, step_s))
         await self._after_step()
+
+    async def _train_step_isolating(self, batch: Batch) -> StepStats | None:
+        """train_step on the batch; when it fails, dead-letter the samples that fail alone
+        and train the rest (None when none is left). Raises when no sample is to blame."""
+        while batch.kept:
+            try:
+                return await asyncio.to_thread(
+                    train_step,
+                    self.model,
+                    self.optimizer,
+                    batch.kept,
+                    self.state.version,
+                    self.config,
+                    self.tokenizer.pad_id,
+                )
+            except Exception as exc:
+                failing = await asyncio.to_thread(
+                    find_failing_samples,
+                    self.model,
+                    batch.kept,
+                    pad_id=self.tokenizer.pad_id,
+                    max_length=self.config.max_sequence_tokens,
+                )
+                if not failing or (len(failing) == len(batch.kept) > 1):
+                    raise  # not one sample's fault: the trainer's own bug
+                log.error("step failed on samples; dead-lettering them", error=repr(exc))
+                await self._refuse_failing(batch, failing)
+        return None
+
+    async def _refuse_failing(self, batch: Batch, failing: list[tuple[ScoredRollout, str]]) -> None:
+        sequence_of = {
+            sample.rollout.rollout_id: seq
+            for g in batch.groups
+            for seq, sample in g.samples.values()
+        }
+        for sample, why in failing:
+            record = StreamRecord(sequence_of[sample.rollout.rollout_id], sample)
+            await self._refuse(record, f"the optimizer step failed on this sample: {why}")
+        bad = {id(sample) for sample, _ in failing}
+        batch.refused += [sample for sample in batch.kept if id(sample) in bad]
+        batch.kept = [sample for sample in batch.kept if id(sample) not in bad]
 
     async def _train_online(self, taken: OnlineTake) -> None:
         assert taken.kept, "an online step is chosen only with fresh samples"
@@ -395,19 +501,27 @@ class Trainer:
         """
         await self._record_progress()
         state = {name: tensor.detach() for name, tensor in self.model.state_dict().items()}
-        await stage_weights(
-            self._publisher,
-            self.paths.staging_dir,
-            state,
-            self.state.version,
-            step=self.state.step,
+        await ride_through(
+            lambda: stage_weights(
+                self._publisher,
+                self.paths.staging_dir,
+                state,
+                self.state.version,
+                step=self.state.step,
+            ),
+            "staging weights",
         )
 
     async def _record_progress(self) -> None:
-        """Publish the version and the groups taken to the KV bucket (the feeder reads them)."""
-        kv = await self._bus.js.key_value(streams.STATE.bucket)
-        await kv.put(streams.POLICY_VERSION_KEY, str(self.state.version).encode())
-        await kv.put(streams.GROUPS_TAKEN_KEY, str(self.state.groups_taken).encode())
+        """Publish the version and the groups taken to the KV bucket (the feeder reads them);
+        rides through a NATS restart."""
+
+        async def write() -> None:
+            kv = await self._bus.js.key_value(streams.STATE.bucket)
+            await kv.put(streams.POLICY_VERSION_KEY, str(self.state.version).encode())
+            await kv.put(streams.GROUPS_TAKEN_KEY, str(self.state.groups_taken).encode())
+
+        await ride_through(write, "trainer progress")
 
     async def _announced_version(self) -> int | None:
         kv = await self._bus.js.key_value(streams.STATE.bucket)
@@ -418,6 +532,7 @@ class Trainer:
         return int((entry.value or b"0").decode())
 
     def _checkpoint(self) -> None:
+        self.state.recent_groups = self._buffer.recently_taken
         path = save_checkpoint(
             self.paths.checkpoint_dir, self.state, self.model, self.optimizer, self.tokenizer
         )
@@ -443,6 +558,7 @@ class Trainer:
             samples_per_s=len(batch.kept) / max(step_s + batch.wait_s, 1e-9),
             sample_ids=[s.rollout.rollout_id for s in batch.kept],
             dropped_ids=[s.rollout.rollout_id for s in batch.dropped],
+            refused_ids=[s.rollout.rollout_id for s in batch.refused],
         )
 
     def _step_fields(

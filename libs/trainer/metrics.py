@@ -74,6 +74,9 @@ class StepRecord(msgspec.Struct, kw_only=True):
     busy_fraction: float
     sample_ids: list[str]
     dropped_ids: list[str]
+    # Samples of the step's groups refused and dead-lettered (invalid for the policy, or a
+    # sample that made the optimizer step fail): neither trained nor dropped as stale.
+    refused_ids: list[str] = msgspec.field(default_factory=list)
     # Which stream the step trained on: "offline" (scored GRPO groups) or "online" (product
     # feedback). For an online step the fields above describe its online samples
     # (mean_reward: the mean mapped reward; num_groups 0), and these add the rest.

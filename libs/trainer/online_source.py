@@ -1,6 +1,6 @@
 """The trainer's online samples: read from RL_ROLLOUTS_ONLINE at its own checkpointed cursor.
 
-    source = OnlineSource(reader, state.online_cursor)
+    source = OnlineSource(reader, state.online_cursor, problem_of)   # problem_of: refusals
     await source.poll(read_batch=256, timeout_s=0.5)     # buffer what arrived
     source.num_fresh(version, max_staleness)             # trainable now
     taken = source.take(32, version, max_staleness)      # fresh ones, plus every drop
@@ -10,11 +10,14 @@ Exactly once, as for scored rollouts (libs.trainer.cursor): a sample is consumed
 step that trained on it (or dropped it) is recorded, and the cursor is saved with the model.
 A take drops every buffered sample outside the staleness bound and every sample that
 cannot be trained on (not training-eligible, no completion, logprobs missing), so drops
-never wait for a fresh sample to come along.
+never wait for a fresh sample to come along. A sample `problem_of` refuses as it is read
+(token ids outside the vocabulary, a version the trainer never made: libs.trainer.refusals),
+and one the reader could not decode or validate, is dead-lettered and consumed at once.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import structlog
@@ -42,9 +45,15 @@ class OnlineTake:
 class OnlineSource:
     """Buffers online samples not yet consumed, in stream order."""
 
-    def __init__(self, reader: StreamReader[OnlineSample], cursor: ConsumedCursor) -> None:
+    def __init__(
+        self,
+        reader: StreamReader[OnlineSample],
+        cursor: ConsumedCursor,
+        problem_of: Callable[[OnlineSample], str | None],
+    ) -> None:
         self._reader = reader
         self._cursor = cursor
+        self._problem_of = problem_of
         self._pending: list[tuple[int, OnlineSample]] = []
         self._invalid: list[tuple[int, OnlineSample]] = []
 
@@ -54,8 +63,15 @@ class OnlineSource:
 
     async def poll(self, read_batch: int, timeout_s: float) -> None:
         """Buffer what the stream has (waits up to `timeout_s` when nothing is there)."""
-        for record in await self._reader.read(read_batch, timeout_s=timeout_s):
+        read = await self._reader.read(read_batch, timeout_s=timeout_s)
+        self._cursor.mark_done(read.skipped)
+        for record in read.records:
             if self._cursor.is_done(record.sequence):
+                continue
+            refusal = self._problem_of(record.message)
+            if refusal is not None:
+                await self._reader.refuse(record, refusal)
+                self._cursor.mark_done([record.sequence])
                 continue
             problem = online_sample_problem(record.message)
             if problem is None:
