@@ -27,6 +27,7 @@ from libs.trainer.config import TrainerConfig
 from libs.trainer.cursor import ConsumedCursor
 from libs.trainer.eval_gate import EvalGateConfig
 from libs.trainer.groups import GroupBuffer
+from libs.trainer.lineage import Lineage
 from libs.trainer.loop import Trainer, learning_rate_at
 from libs.trainer.step import StepConfig, train_step
 from proto import streams, subjects
@@ -299,3 +300,13 @@ def test_learning_rate_decays_linearly_to_its_floor_and_stays() -> None:
     assert rates == pytest.approx([1e-3, 5.5e-4, 1e-4, 1e-4])
     constant = trainer_config(learning_rate=2e-4, learning_rate_decay_steps=None)
     assert learning_rate_at(constant, 10_000) == 2e-4
+
+
+def test_staleness_after_a_resume_counts_updates_not_version_numbers() -> None:
+    # Checkpoint version 10, crashed at 18, resumed as 19 (19 holds 10's weights).
+    lineage = Lineage().resumed(10, 19)
+    staleness = {v: 19 - lineage.equivalent(v) for v in (10, 8, 13, 18, 19)}
+    assert staleness == {10: 0, 8: 2, 13: 3, 18: 8, 19: 0}
+    later = lineage.resumed(25, 31)  # another crash: 31 holds 25's weights
+    assert 31 - later.equivalent(24) == 1 and 31 - later.equivalent(20) == 5
+    assert later.equivalent(5) == 5  # before the earlier resume: counted plainly

@@ -34,7 +34,7 @@ Tested on CPU against hand-computed references in tests/test_online_rl.py.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import get_args
 
@@ -234,9 +234,13 @@ class OnlineSplit:
         return staleness_histogram(self.staleness)
 
 
-def online_staleness(sample: OnlineSample, trainer_version: int) -> int:
-    """trainer_version - the served version; negative for a version the trainer never had."""
-    return trainer_version - sample.generation.policy_version
+def online_staleness(
+    sample: OnlineSample, trainer_version: int, equivalent: Callable[[int], int] | None = None
+) -> int:
+    """trainer_version - the served version; negative for a version the trainer never had.
+    `equivalent` as in libs.rl.staleness.sample_staleness (after a resume)."""
+    version = sample.generation.policy_version
+    return trainer_version - (equivalent(version) if equivalent is not None else version)
 
 
 def split_online_by_staleness(

@@ -12,7 +12,7 @@ samples generated entirely by the trainer's current version (the synchronous bas
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
@@ -39,9 +39,16 @@ def sample_policy_version(sample: Rollout | ScoredRollout) -> int:
     return min(version for version in versions if version is not None)
 
 
-def sample_staleness(sample: Rollout | ScoredRollout, trainer_version: int) -> int:
-    """trainer_version - the sample's (oldest) version; negative for a sample from the future."""
-    return trainer_version - sample_policy_version(sample)
+def sample_staleness(
+    sample: Rollout | ScoredRollout,
+    trainer_version: int,
+    equivalent: Callable[[int], int] | None = None,
+) -> int:
+    """trainer_version - the sample's (oldest) version; negative for a sample from the future.
+    `equivalent` maps a version to the one on the trainer's own line as far from its weights
+    (libs.trainer.lineage: after a resume); none counts versions plainly."""
+    version = sample_policy_version(sample)
+    return trainer_version - (equivalent(version) if equivalent is not None else version)
 
 
 @dataclass
@@ -59,7 +66,10 @@ class StalenessSplit(Generic[SampleT]):
 
 
 def split_by_staleness(
-    samples: Sequence[SampleT], trainer_version: int, max_staleness: int
+    samples: Sequence[SampleT],
+    trainer_version: int,
+    max_staleness: int,
+    equivalent: Callable[[int], int] | None = None,
 ) -> StalenessSplit[SampleT]:
     """Samples with 0 <= staleness <= `max_staleness` kept, the rest dropped, order kept.
 
@@ -71,7 +81,7 @@ def split_by_staleness(
         raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
     split: StalenessSplit[SampleT] = StalenessSplit()
     for sample in samples:
-        staleness = sample_staleness(sample, trainer_version)
+        staleness = sample_staleness(sample, trainer_version, equivalent)
         split.staleness.append(staleness)
         bucket = split.kept if 0 <= staleness <= max_staleness else split.dropped
         bucket.append(sample)

@@ -22,6 +22,7 @@ from libs.policy import save_policy
 from libs.rl.online import OnlineBaselines
 from libs.tokenizer import Tokenizer, save_tokenizer
 from libs.trainer.cursor import ConsumedCursor
+from libs.trainer.lineage import Lineage
 
 STATE_FILE = "state.json"
 
@@ -43,6 +44,8 @@ class TrainerState(msgspec.Struct, kw_only=True):
     # Group ids taken lately (bounded, oldest first): a copy of a sample of one of them read
     # after a resume is a duplicate, consumed without training (libs.trainer.groups).
     recent_groups: list[str] = msgspec.field(default_factory=list)
+    # The latest resume, so staleness counts updates, not version numbers (libs.trainer.lineage).
+    lineage: Lineage = msgspec.field(default_factory=Lineage)
 
 
 @dataclass(frozen=True)

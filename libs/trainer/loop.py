@@ -25,7 +25,9 @@ failure no sample reproduces (the trainer's own bug) ends the process.
 After a crash, everything the last checkpoint had not consumed is read again, and nothing
 it had is. Versions never repeat: a resumed trainer publishes its checkpoint's weights as a
 version above every version announced before (read from the KV bucket), so workers roll
-back to the checkpoint's weights under a new number.
+back to the checkpoint's weights under a new number; staleness then counts updates between
+the sample's weights and the trainer's, not numbers (libs.trainer.lineage), so the samples
+of the steps lost with a crash are not all dropped as stale.
 """
 
 from __future__ import annotations
@@ -184,7 +186,10 @@ class Trainer:
         announced = await self._announced_version()
         if announced is not None:
             # Versions never repeat: these weights go out under a number above any seen.
+            resumed_from = self.state.version
             self.state.version = max(self.state.version, announced) + 1
+            if checkpoint is not None:
+                self.state.lineage = self.state.lineage.resumed(resumed_from, self.state.version)
         await self._publish_weights()
         self._reader = StreamReader(
             self._bus.js,
@@ -210,7 +215,9 @@ class Trainer:
             start_sequence=self.state.online_cursor.floor + 1,
             reader_name="trainer-online",
         )
-        return OnlineSource(reader, self.state.online_cursor, self._online_problem)
+        return OnlineSource(
+            reader, self.state.online_cursor, self._online_problem, self.state.lineage.equivalent
+        )
 
     async def _setup_gate(self) -> None:
         """Resume the gate; with nothing promoted yet, the weights we start from are judged."""
@@ -278,7 +285,10 @@ class Trainer:
             fresh_before = num_fresh_groups
             for group in groups:
                 split = split_by_staleness(
-                    group.rollouts, self.state.version, self.config.max_staleness
+                    group.rollouts,
+                    self.state.version,
+                    self.config.max_staleness,
+                    self.state.lineage.equivalent,
                 )
                 taken.append(group)
                 kept += split.kept

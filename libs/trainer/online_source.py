@@ -1,6 +1,6 @@
 """The trainer's online samples: read from RL_ROLLOUTS_ONLINE at its own checkpointed cursor.
 
-    source = OnlineSource(reader, state.online_cursor, problem_of)   # problem_of: refusals
+    source = OnlineSource(reader, state.online_cursor, problem_of, state.lineage.equivalent)
     await source.poll(read_batch=256, timeout_s=0.5)     # buffer what arrived
     source.num_fresh(version, max_staleness)             # trainable now
     taken = source.take(32, version, max_staleness)      # fresh ones, plus every drop
@@ -50,10 +50,12 @@ class OnlineSource:
         reader: StreamReader[OnlineSample],
         cursor: ConsumedCursor,
         problem_of: Callable[[OnlineSample], str | None],
+        equivalent: Callable[[int], int],
     ) -> None:
         self._reader = reader
         self._cursor = cursor
         self._problem_of = problem_of
+        self._equivalent = equivalent  # versions across a resume (libs.trainer.lineage)
         self._pending: list[tuple[int, OnlineSample]] = []
         self._invalid: list[tuple[int, OnlineSample]] = []
 
@@ -82,7 +84,9 @@ class OnlineSource:
 
     def num_fresh(self, trainer_version: int, max_staleness: int) -> int:
         """Buffered samples within the staleness bound now."""
-        staleness = (online_staleness(s, trainer_version) for _, s in self._pending)
+        staleness = (
+            online_staleness(s, trainer_version, self._equivalent) for _, s in self._pending
+        )
         return sum(0 <= value <= max_staleness for value in staleness)
 
     def take(self, max_samples: int, trainer_version: int, max_staleness: int) -> OnlineTake:
@@ -91,7 +95,7 @@ class OnlineSource:
         taken.sequences = [seq for seq, _ in self._invalid]
         staleness_values, remaining = [], []
         for seq, sample in self._pending:
-            staleness = online_staleness(sample, trainer_version)
+            staleness = online_staleness(sample, trainer_version, self._equivalent)
             if not 0 <= staleness <= max_staleness:
                 taken.stale.append(sample)
             elif len(taken.kept) < max_samples:
