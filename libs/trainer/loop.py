@@ -330,8 +330,10 @@ class Trainer:
         versions = [announcement.version for _, announcement in filter(None, found)]
         if not versions:
             return True
+        # One version short of max_staleness: samples of the newest announced version in
+        # the buffer and in flight stay trainable until the broadcaster is back.
         lag = self.state.version - max(versions)
-        allowed = max(self.config.max_staleness, self.config.publish_every_steps - 1)
+        allowed = max(self.config.max_staleness - 1, self.config.publish_every_steps - 1, 0)
         if lag > allowed:
             self.detail = f"waiting for version {self.state.version} to reach the workers"
             return False
