@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -22,7 +23,7 @@ from libs.service import Service
 from libs.tokenizer import ByteTokenizer
 from libs.weights.handoff import stage_weights
 from proto import streams
-from proto.messages import Rollout, Task
+from proto.messages import DeadLetter, Rollout, Task
 from proto.subjects import task_subject
 from services.env_gateway.service import EnvGatewayService
 from services.env_gateway.settings import EnvGatewaySettings
@@ -63,7 +64,7 @@ class Cluster:
         await service.start(self.bus)
         self.running.append((service, asyncio.create_task(service.run())))
 
-    async def start_all(self) -> RolloutWorkerService:
+    async def start_all(self, **worker_settings: Any) -> RolloutWorkerService:
         await state_trainer_policy(self.bus.js)  # this harness stands in for the trainer
         await self.start(EnvGatewayService(EnvGatewaySettings(feeder_mode="off")))
         settings = WeightBroadcasterSettings(staging_dir=self.staging_dir, encode_threads=1)
@@ -75,6 +76,7 @@ class Cluster:
                 fetch_timeout_s=0.2,
                 drain_timeout_s=5.0,
                 policy=PolicyConfig(device="cpu"),
+                **worker_settings,
             )
         )
         await self.start(self.worker)
@@ -233,6 +235,30 @@ async def test_a_task_waits_for_its_min_policy_version(cluster: Cluster) -> None
     rollouts = await cluster.rollouts()
     assert {r.turns[1].policy_version for r in rollouts} == {1}
     assert worker.health()["tasks_waiting_for_version"] == 0
+
+
+@pytest.mark.slow
+async def test_a_version_that_never_comes_holds_no_slot_and_its_task_is_dead_lettered(
+    cluster: Cluster,
+) -> None:
+    worker = await cluster.start_all(min_version_wait_s=0.2)
+    await cluster.stage(0, trainer_weights(seed=10))
+    await wait_for(cluster.holds_version(0), 20, "version 0")
+    unreachable = TASKS.task(6)
+    unreachable.min_policy_version = 10**6
+    await cluster.publish_task(unreachable)
+
+    async def dead_lettered() -> bool:
+        info = await cluster.bus.js.stream_info(streams.DEAD_LETTERS.name)
+        return info.state.messages == 1
+
+    # Five attempts, each giving the slot back after 0.2 s, with naks of 0.5 to 15 s between.
+    await wait_for(dead_lettered, 60, "the task dead-lettered")
+    raw = await cluster.bus.js.get_msg(streams.DEAD_LETTERS.name, seq=1)
+    letter = wire.decode(DeadLetter, raw.data or b"", None)
+    assert letter.reason == "max_deliver"
+    assert "no weights of version >= 1000000" in letter.error
+    assert worker.health()["tasks_in_progress"] == 0
 
 
 async def test_concurrent_tasks_share_generate_calls(cluster: Cluster) -> None:
