@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from proto.messages import (
+    EnvResetRequest,
     FeedbackEvent,
     Message,
     OnlineSample,
@@ -55,7 +56,7 @@ class InvalidValue(ValueError):
 
 def check_message(message: Message) -> None:
     """Raise InvalidValue when `message` breaks its type's invariants (no-op for types with
-    none: env requests and replies, dead letters, decisions)."""
+    none: env steps and replies, dead letters, decisions)."""
     check = _CHECKS.get(type(message))
     if check is not None:
         check(message)
@@ -320,8 +321,14 @@ def _check_vocab(where: str, token_ids: Sequence[int], vocab_size: int) -> None:
     )
 
 
+def check_env_reset_request(request: EnvResetRequest) -> None:
+    _check_id("episode_id", request.episode_id)
+    check_task(request.task)
+
+
 _CHECKS: dict[type[Message], Callable[[Any], None]] = {
     Task: check_task,
+    EnvResetRequest: check_env_reset_request,
     Rollout: check_rollout,
     ScoredRollout: check_scored_rollout,
     WeightAnnouncement: check_announcement,

@@ -25,6 +25,7 @@ import structlog
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js import api as js_api
+from prometheus_client import Counter
 
 from libs.bus import wire
 from libs.bus.dead_letter import Delivery, publish_dead_letter
@@ -34,6 +35,12 @@ from proto.messages import Message
 log = structlog.get_logger(__name__)
 
 M = TypeVar("M", bound=Message)
+
+DEAD_LETTERED = Counter(
+    "rlpipe_bus_reader_dead_letters_total",
+    "Messages a stream reader dead-lettered (undecodable, invalid, refused by its owner)",
+    ["reader", "reason"],
+)
 
 
 @dataclass(frozen=True)
@@ -112,6 +119,7 @@ class StreamReader(Generic[M]):
         delivery = Delivery(self._subject, self._stream, record.sequence, 1, headers)
         await publish_dead_letter(self._publisher, payload, delivery, self._name, reason, error)
         self.num_skipped += 1
+        DEAD_LETTERED.labels(self._name, reason).inc()
         log.warning("dead-lettered", reader=self._name, seq=record.sequence, error=error[:200])
 
     async def _decode(self, msg: Msg) -> StreamRecord[M] | None:
@@ -125,6 +133,7 @@ class StreamReader(Generic[M]):
                 self._publisher, msg.data, delivery, self._name, exc.reason, str(exc)
             )
             self.num_skipped += 1
+            DEAD_LETTERED.labels(self._name, exc.reason).inc()
             log.warning(
                 "dead-lettered", reader=self._name, seq=meta.sequence.stream, reason=exc.reason
             )
