@@ -78,23 +78,28 @@ def random_prompts(count: int, length: int, vocab: int, seed: int) -> list[list[
 
 def time_generate(
     engine: InferenceEngine, case: Case, vocab: int, device: torch.device
-) -> dict[str, float]:
+) -> dict[str, Any]:
     """Tokens/s of one generate call of `case` (after a short warm-up on other prompts)."""
     warm = random_prompts(case.num_prompts, case.prompt_tokens, vocab, seed=1)
     engine.generate(warm, SamplingParams(max_tokens=4, seed=1), case.num_samples)
     prompts = random_prompts(case.num_prompts, case.prompt_tokens, vocab, seed=2)
     params = SamplingParams(temperature=1.0, max_tokens=case.new_tokens, seed=0)
+    phases_before = dict(getattr(engine, "timings_s", {}))
     sync(device)
     start = time.perf_counter()
     completions = engine.generate(prompts, params, case.num_samples)
     sync(device)
     seconds = time.perf_counter() - start
     tokens = sum(len(c.token_ids) for c in completions)
-    return {
+    result: dict[str, Any] = {
         "tokens": tokens,
         "seconds": round(seconds, 4),
         "tokens_per_s": round(tokens / seconds, 1),
     }
+    phases = getattr(engine, "timings_s", {})
+    if phases:  # the paged engine's split: device work + wait, Python bookkeeping, prefill
+        result["phases_s"] = {k: round(v - phases_before[k], 4) for k, v in phases.items()}
+    return result
 
 
 def time_long_context(
@@ -227,10 +232,18 @@ def multi_turn(
         loop_task.cancel()
         return list(results), wall
 
+    phases_before = dict(getattr(engine, "timings_s", {}))
+    steps_before = getattr(engine, "num_steps", 0)
     results, wall = asyncio.run(run_all())
     latencies = sorted(seconds for _, seconds in results)
     tokens = sum(count for count, _ in results)
+    phases = getattr(engine, "timings_s", {})
+    extra: dict[str, Any] = {}
+    if phases:
+        extra["phases_s"] = {k: round(v - phases_before[k], 4) for k, v in phases.items()}
+        extra["steps"] = getattr(engine, "num_steps", 0) - steps_before
     return {
+        **extra,
         "episodes": episodes,
         "turns": turns,
         "tokens": tokens,

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend
 
 try:  # Triton comes with CUDA builds of torch; CPU machines run the torch path only.
     import triton
@@ -33,30 +34,45 @@ except ImportError:  # pragma: no cover - depends on the machine
     HAS_TRITON = False
 
 
+# All kernels but cuDNN's: it builds a graph for every new (batch, length) shape, and every
+# prefill step has a new one (seen on an H200: prefill steps of tens of ms, as the `hf`
+# engine measured for decoding; see DECODE_SDPA_BACKENDS in libs.engine.hf).
+CHUNK_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
 @dataclass(frozen=True)
 class AttentionPlan:
-    """Index tensors that pad a flat batch of chunks ([N] tokens) into [S, Lq] x [S, Lk].
+    """Index tensors that pad S chunks of a flat batch of tokens into [S, Lq] x [S, Lk].
 
-    Built once per forward and reused by every layer.
+    Built once per forward and reused by every layer. Chunks of very different lengths go
+    into separate plans (see `plan_groups`), so a long prompt does not pad short ones.
     """
 
     query_index: torch.Tensor  # [S, Lq] int64: flat token of (chunk, i), 0 where padding
     key_slots: torch.Tensor  # [S, Lk] int64: cache slot of key position j, 0 past the context
     mask: torch.Tensor  # [S, 1, Lq, Lk] bool: may (chunk, i) attend to key j
-    flat_chunk: torch.Tensor  # [N] int64: chunk of each flat token
-    flat_offset: torch.Tensor  # [N] int64: index of each flat token inside its chunk
+    flat_chunk: torch.Tensor  # [n] int64: chunk of each of the plan's tokens
+    flat_offset: torch.Tensor  # [n] int64: index of each of the plan's tokens in its chunk
+    flat_tokens: torch.Tensor  # [n] int64: the plan's tokens in the flat batch
 
     @classmethod
     def build(
-        cls, starts: torch.Tensor, lengths: torch.Tensor, tables: torch.Tensor, block_size: int
+        cls,
+        starts: torch.Tensor,
+        lengths: torch.Tensor,
+        tables: torch.Tensor,
+        block_size: int,
+        offsets: torch.Tensor | None = None,
     ) -> AttentionPlan:
         """Plan for chunks that cover positions [starts[s], starts[s] + lengths[s]) of
-        sequences whose block tables are the rows of `tables` [S, W] (all on one device)."""
+        sequences whose block tables are the rows of `tables` [S, W], and whose tokens start
+        at `offsets[s]` in the flat batch (default: one after another from 0)."""
         device = starts.device
         ends = starts + lengths
         query_pos = torch.arange(int(lengths.max()), device=device)
         key_pos = torch.arange(int(ends.max()), device=device)
-        offsets = lengths.cumsum(0) - lengths
+        if offsets is None:
+            offsets = lengths.cumsum(0) - lengths
         is_query = query_pos[None, :] < lengths[:, None]
         query_index = torch.where(is_query, offsets[:, None] + query_pos[None, :], 0)
         is_key = key_pos[None, :] < ends[:, None]
@@ -67,9 +83,18 @@ class AttentionPlan:
         # context, so no row of the mask is empty (an empty row would give NaN).
         absolute = starts[:, None] + query_pos[None, :]  # [S, Lq]
         mask = (key_pos[None, None, :] <= absolute[:, :, None]) & is_key[:, None, :]
-        flat_chunk = torch.repeat_interleave(torch.arange(len(starts), device=device), lengths)
-        flat_offset = torch.arange(len(flat_chunk), device=device) - offsets[flat_chunk]
-        return cls(query_index, key_slots, mask.unsqueeze(1), flat_chunk, flat_offset)
+        flat_chunk, flat_offset = is_query.nonzero(as_tuple=True)  # chunk order, then i
+        flat_tokens = query_index[flat_chunk, flat_offset]
+        return cls(query_index, key_slots, mask.unsqueeze(1), flat_chunk, flat_offset, flat_tokens)
+
+
+def plan_groups(lengths: list[int]) -> list[list[int]]:
+    """Chunk indices grouped by the power of two their length rounds up to (16 at least), so
+    padding inside a group costs at most 2x its tokens."""
+    groups: dict[int, list[int]] = {}
+    for index, length in enumerate(lengths):
+        groups.setdefault(max(16, 1 << (length - 1).bit_length()), []).append(index)
+    return list(groups.values())
 
 
 def chunk_attention(
@@ -79,8 +104,9 @@ def chunk_attention(
     plan: AttentionPlan,
     scale: float,
 ) -> torch.Tensor:
-    """Attention output [N, H, D] of flat queries `q` [N, H, D] over one layer's cache
-    ([slots, KVH, D] each), as `plan` lays the chunks out."""
+    """Attention output [n, H, D] of the plan's tokens (`plan.flat_tokens`) among flat
+    queries `q` [N, H, D], over one layer's cache ([slots, KVH, D] each). Call it inside
+    `sdpa_kernel(CHUNK_SDPA_BACKENDS)` (once per forward: entering it costs per call)."""
     num_heads, num_kv_heads = q.shape[1], k_cache.shape[1]
     group = num_heads // num_kv_heads
     queries = q[plan.query_index].transpose(1, 2)  # [S, H, Lq, D]
@@ -98,7 +124,8 @@ if HAS_TRITON:
         q_ptr,  # [B, H, D]
         k_ptr,  # [slots, KVH, D]
         v_ptr,  # [slots, KVH, D]
-        out_ptr,  # [B, H, D]
+        out_ptr,  # [B, H, D] (one split) or partial sums [B, H, SPLITS, D] fp32
+        stats_ptr,  # [B, H, SPLITS, 2] fp32: running max and sum per split (SPLITS > 1)
         tables_ptr,  # [B, W] int32
         positions_ptr,  # [B] int64: position of the query token (context = position + 1)
         table_stride,
@@ -109,23 +136,31 @@ if HAS_TRITON:
         HEAD_DIM: tl.constexpr,
         BLOCK_SIZE: tl.constexpr,
         TILE: tl.constexpr,
+        SPLITS: tl.constexpr,
         IEEE: tl.constexpr,
     ):
         row = tl.program_id(0)
         kv_head = tl.program_id(1)
+        split = tl.program_id(2)
         context = tl.load(positions_ptr + row).to(tl.int32) + 1
+        # Split the context into SPLITS ranges of whole tiles (flash-decoding), so a few
+        # long rows still fill the GPU; the ranges depend on the row's length at run time.
+        split_len = tl.cdiv(tl.cdiv(context, SPLITS), TILE) * TILE
+        begin = split * split_len
+        end = tl.minimum(context, begin + split_len)
         heads = tl.arange(0, GROUP_PAD)
         dims = tl.arange(0, HEAD_DIM)
         is_head = heads < GROUP
         num_heads = NUM_KV_HEADS * GROUP
-        q_offsets = (row * num_heads + kv_head * GROUP + heads)[:, None] * HEAD_DIM + dims[None, :]
+        head_index = kv_head * GROUP + heads
+        q_offsets = (row * num_heads + head_index)[:, None] * HEAD_DIM + dims[None, :]
         q = tl.load(q_ptr + q_offsets, mask=is_head[:, None], other=0.0)
         running_max = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
         running_sum = tl.zeros([GROUP_PAD], dtype=tl.float32)
         acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
-        for start in range(0, context, TILE):
+        for start in range(begin, end, TILE):
             tokens = start + tl.arange(0, TILE)
-            is_token = tokens < context
+            is_token = tokens < end
             pages = tl.load(
                 tables_ptr + row * table_stride + tokens // BLOCK_SIZE, mask=is_token, other=0
             )
@@ -144,11 +179,47 @@ if HAS_TRITON:
             v = tl.load(v_ptr + kv_offsets, mask=is_token[:, None], other=0.0)
             if IEEE:
                 acc = acc * rescale[:, None] + tl.dot(probs, v, input_precision="ieee")
-            else:
-                acc = acc * rescale[:, None] + tl.dot(probs.to(v.dtype), v)
+            else:  # P kept in tf32 (10-bit mantissa), not rounded to bf16 as flash kernels do
+                pv = tl.dot(probs, v.to(tl.float32), input_precision="tf32")
+                acc = acc * rescale[:, None] + pv
             running_max = new_max
-        out = acc / running_sum[:, None]
-        tl.store(out_ptr + q_offsets, out.to(out_ptr.dtype.element_ty), mask=is_head[:, None])
+        if SPLITS == 1:
+            out = acc / running_sum[:, None]
+            tl.store(out_ptr + q_offsets, out.to(out_ptr.dtype.element_ty), mask=is_head[:, None])
+        else:
+            part = (row * num_heads + head_index) * SPLITS + split  # [GROUP_PAD]
+            tl.store(out_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc, mask=is_head[:, None])
+            tl.store(stats_ptr + part * 2, running_max, mask=is_head)
+            tl.store(stats_ptr + part * 2 + 1, running_sum, mask=is_head)
+
+    @triton.jit
+    def _combine_splits_kernel(  # type: ignore[no-untyped-def]
+        partial_ptr,  # [B, H, SPLITS, D] fp32
+        stats_ptr,  # [B, H, SPLITS, 2] fp32
+        out_ptr,  # [B, H, D]
+        HEAD_DIM: tl.constexpr,
+        SPLITS: tl.constexpr,
+    ):
+        row_head = tl.program_id(0)  # row * H + head
+        splits = tl.arange(0, SPLITS)
+        dims = tl.arange(0, HEAD_DIM)
+        base = row_head * SPLITS + splits
+        maxima = tl.load(stats_ptr + base * 2)
+        sums = tl.load(stats_ptr + base * 2 + 1)
+        top = tl.max(maxima, axis=0)
+        weights = tl.where(maxima == float("-inf"), 0.0, tl.exp(maxima - top))  # empty splits
+        total = tl.sum(sums * weights, axis=0)
+        partial = tl.load(partial_ptr + base[:, None] * HEAD_DIM + dims[None, :])
+        out = tl.sum(partial * weights[:, None], axis=0) / total
+        tl.store(out_ptr + row_head * HEAD_DIM + dims, out.to(out_ptr.dtype.element_ty))
+
+
+def decode_splits(num_rows: int, num_kv_heads: int, num_sms: int) -> int:
+    """Context splits per row so that rows x KV heads x splits fills about two waves."""
+    programs = num_rows * num_kv_heads
+    if programs >= num_sms:
+        return 1
+    return min(32, triton.next_power_of_2(-(-2 * num_sms // programs)))
 
 
 def decode_attention(
@@ -159,20 +230,30 @@ def decode_attention(
     positions: torch.Tensor,
     block_size: int,
     scale: float,
+    splits: int = 1,
 ) -> torch.Tensor:
     """Attention output [B, H, D] of one query per row `q` [B, H, D] at `positions` [B],
-    over the row's cache through `tables` [B, W] (int32). CUDA with Triton only."""
+    over the row's cache through `tables` [B, W] (int32), each row's context cut into
+    `splits` ranges computed in parallel and then combined. CUDA with Triton only."""
     if not HAS_TRITON:
         raise RuntimeError("decode_attention needs Triton (a CUDA build of torch)")
     num_rows, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
     out = torch.empty_like(q)
-    _decode_attention_kernel[(num_rows, num_kv_heads)](
+    if splits == 1:
+        partial, stats = out, out
+    else:
+        partial = torch.empty(
+            (num_rows, num_heads, splits, head_dim), dtype=torch.float32, device=q.device
+        )
+        stats = torch.empty((num_rows, num_heads, splits, 2), dtype=torch.float32, device=q.device)
+    _decode_attention_kernel[(num_rows, num_kv_heads, splits)](
         q,
         k_cache,
         v_cache,
-        out,
+        partial,
+        stats,
         tables,
         positions,
         tables.stride(0),
@@ -183,6 +264,11 @@ def decode_attention(
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,
         TILE=64,
+        SPLITS=splits,
         IEEE=q.dtype == torch.float32,
     )
+    if splits > 1:
+        _combine_splits_kernel[(num_rows * num_heads,)](
+            partial, stats, out, HEAD_DIM=head_dim, SPLITS=splits
+        )
     return out

@@ -55,8 +55,11 @@ def _mix(x: torch.Tensor) -> torch.Tensor:
 
 
 def step_seeds(row_seeds: torch.Tensor, num_generated: torch.Tensor) -> torch.Tensor:
-    """Seed [B] (int64 in [0, 2**31)) of each row's next draw, from its seed and token count."""
-    return _mix(row_seeds * _GOLDEN + num_generated) & _MASK_31
+    """Seed [B] (int64 in [0, 2**31)) of each row's next draw, from its seed and token count.
+
+    Three elementwise ops (they run outside the CUDA graph, every step); both samplers mix
+    the seed with the column index themselves (a hash, or Philox keyed by the seed)."""
+    return (row_seeds * _GOLDEN + num_generated) & _MASK_31
 
 
 def row_seed(request_seed: int | None, row: int, fresh: int) -> int:

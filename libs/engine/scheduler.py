@@ -7,9 +7,10 @@ A sequence moves waiting -> prefilling -> decoding -> finished. At each step:
    registered prefix of the prompt is shared (see `libs.engine.kv_cache`), leaving at least
    its last token to compute (its logits give the first sampled token); the prompt's own
    full blocks are registered at once, so the rest of a GRPO group admitted in the same step
-   shares them and waits (one step) until they are computed.
+   shares them, computed in the same forward pass (or, past the chunk budget, a later one).
 2. prefill: up to `prefill_tokens` prompt tokens, in chunks, so a long prompt takes several
-   steps and never stalls the decoding rows for long;
+   steps and never stalls the decoding rows for long (while rows decode, small prefills are
+   gathered for up to PREFILL_INTERVAL_STEPS steps: see `prefill_due`);
 3. decode: every decoding row one token.
 
 Blocks for the whole of `max_tokens` are taken at admission, so a running sequence never
@@ -85,6 +86,10 @@ class Sequence:
         return self.request.params
 
 
+PREFILL_INTERVAL_STEPS = 8
+"""Decode steps a small prefill may wait for others to join it (see `prefill_due`)."""
+
+
 def blocks_needed(num_tokens: int, block_size: int) -> int:
     """Blocks that hold `num_tokens` tokens."""
     return -(-num_tokens // block_size)
@@ -102,6 +107,7 @@ class Scheduler:
         self.prefilling: list[Sequence] = []
         self.decoding: list[Sequence] = []
         """Running rows, in the order of the runner's `DecodeRows`."""
+        self._steps_since_prefill = 0
 
     def has_work(self) -> bool:
         """True while any sequence is not finished."""
@@ -114,22 +120,44 @@ class Scheduler:
                 return
             self.prefilling.append(self.waiting.popleft())
 
+    def prefill_due(self) -> bool:
+        """Whether this step prefills: always when no row decodes or a chunk's worth of
+        prompt tokens waits; otherwise once every `PREFILL_INTERVAL_STEPS` decode steps, so
+        the small prefills of requests arriving one by one (agent turns) share a step's fixed
+        cost instead of each adding it to a decode step."""
+        if not self.prefilling:
+            return False
+        self._steps_since_prefill += 1
+        waiting = sum(seq.prompt_len - seq.num_computed for seq in self.prefilling)
+        due = (
+            not self.decoding
+            or waiting >= self.prefill_tokens
+            or self._steps_since_prefill >= PREFILL_INTERVAL_STEPS
+        )
+        if due:
+            self._steps_since_prefill = 0
+        return due
+
     def plan_prefill(self) -> list[tuple[Sequence, PrefillChunk]]:
-        """This step's prompt chunks, within the token budget; sequences whose shared blocks
-        are still being computed by another sequence wait."""
+        """This step's prompt chunks, within the token budget. A sequence that shares blocks
+        another sequence has not computed yet joins the step that computes them (each
+        layer writes every chunk's K and V before any chunk attends), or waits."""
         budget = self.prefill_tokens
+        size = self.block_size
         chunks: list[tuple[Sequence, PrefillChunk]] = []
+        filled_now: set[int] = set()  # blocks this step's earlier chunks complete
         for seq in self.prefilling:
             if budget <= 0:
                 break
-            shared = seq.blocks[: seq.num_shared // self.block_size]
-            if not all(self.pool.is_computed(block) for block in shared):
+            shared = seq.blocks[: seq.num_shared // size]
+            if not all(self.pool.is_computed(b) or b in filled_now for b in shared):
                 continue
             start = seq.num_computed
             length = min(seq.prompt_len - start, budget)
             chunks.append(
                 (seq, PrefillChunk(seq.token_ids[start : start + length], start, seq.blocks))
             )
+            filled_now.update(seq.blocks[start // size : (start + length) // size])
             budget -= length
         return chunks
 
