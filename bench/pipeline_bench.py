@@ -1,14 +1,19 @@
-"""Pipelined versus synchronous RL on the embedded default, same machine, same wall clock.
+"""Pipelined versus synchronous RL, same machine, same wall clock, on two workloads.
 
-    python bench/pipeline_bench.py [--budget-s 240]
+    python bench/pipeline_bench.py [--budget-s 240] [--scenarios arith,heavy-tail]
 
-Runs `rlpipe demo` twice through the launcher, each for the same budget:
+Each scenario runs `rlpipe demo` twice through the launcher, each for the same budget:
 - sync:  trainer max_staleness=0 and the feeder publishing one batch per policy version, so
          workers wait for each update and the trainer waits for each batch;
 - async: trainer max_staleness=4 and the feeder keeping the task queue full, so both tiers
          work at the same time.
+Scenarios:
+- arith:      the embedded default (two-token episodes, no stragglers);
+- heavy-tail: calc from its warm start (libs.launcher.warm_start), every tool call taking a
+              lognormal latency (median 1 s, sigma 1.2, capped at 20 s: libs.envs.latency),
+              so episodes have the long, uneven durations of agent work.
 From each run's `trainer/steps.jsonl` it reports reward versus time, trained samples/s, the
-time to reach a mean reward of 0.5 and 0.8, and the trainer's busy fraction; then the
+time to reach the scenario's reward thresholds, and the trainer's busy fraction; then the
 async/sync ratios. Results: bench/results/pipeline.json.
 """
 
@@ -21,10 +26,12 @@ import platform
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from libs.launcher.run import LaunchOptions, run_local
+from libs.launcher.warm_start import default_cache_root
 
 RESULTS = Path(__file__).parent / "results" / "pipeline.json"
 
@@ -40,25 +47,89 @@ MODES: dict[str, dict[str, dict[str, str]]] = {
 }
 
 
-def run_mode(mode: str, budget_s: float, root: Path) -> dict[str, Any]:
+HEAVY_TAIL_LATENCY = "lognormal:median_s=1.0,sigma=1.2,max_s=20"
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """A workload: services' variables on top of the mode's, and its reward thresholds."""
+
+    extra_env: dict[str, dict[str, str]]
+    thresholds: tuple[float, float]
+    warm_start_env: str | None = None
+
+
+SCENARIOS: dict[str, Scenario] = {
+    "arith": Scenario(extra_env={}, thresholds=(0.5, 0.8)),
+    "heavy-tail": Scenario(
+        extra_env={
+            "env-gateway": {
+                "RLPIPE_ENV_GATEWAY_ENV": "calc",
+                "RLPIPE_ENV_GATEWAY_GROUP_SIZE": "4",
+                "RLPIPE_ENV_GATEWAY_BATCH_GROUPS": "2",
+                "RLPIPE_ENV_GATEWAY_TOOL_LATENCY": HEAVY_TAIL_LATENCY,
+            },
+            "trainer": {
+                "RLPIPE_TRAINER_BATCH_GROUPS": "2",
+                "RLPIPE_TRAINER_EVAL_EVERY_VERSIONS": "0",
+            },
+        },
+        thresholds=(0.6, 0.7),
+        warm_start_env="calc",
+    ),
+}
+
+
+def scenario_options(
+    scenario: Scenario, mode: str, run_dir: Path, budget_s: float, policy_path: str | None = None
+) -> LaunchOptions:
+    """The launch of one mode; `policy_path` (a model folder) replaces the warm start."""
+    extra: dict[str, dict[str, str]] = {}
+    policy: dict[str, dict[str, str]] = {}
+    if policy_path:
+        policy = {
+            "trainer": {"RLPIPE_TRAINER_POLICY_PATH": policy_path},
+            "rollout-worker": {"RLPIPE_ROLLOUT_WORKER_POLICY_PATH": policy_path},
+        }
+    for layer in (MODES[mode], scenario.extra_env, policy):
+        for service, values in layer.items():
+            extra[service] = {**extra.get(service, {}), **values}
+    return LaunchOptions(
+        run_dir=run_dir,
+        duration_s=budget_s,
+        extra_env=extra,
+        warm_start_env=None if policy_path else scenario.warm_start_env,
+        warm_start_root=default_cache_root(),
+    )
+
+
+def run_mode(
+    scenario: Scenario, mode: str, budget_s: float, root: Path, policy_path: str | None
+) -> dict[str, Any]:
     run_dir = root / mode
     started = time.time()
-    code = run_local(LaunchOptions(run_dir=run_dir, duration_s=budget_s, extra_env=MODES[mode]))
+    code = run_local(scenario_options(scenario, mode, run_dir, budget_s, policy_path))
     steps_path = run_dir / "trainer" / "steps.jsonl"
     records = (
         [json.loads(line) for line in steps_path.read_text().splitlines()]
         if steps_path.exists()
         else []
     )
-    return summarize(mode, code, started, records, budget_s)
+    return summarize(mode, code, started, records, budget_s, scenario.thresholds)
 
 
 def summarize(
-    mode: str, exit_code: int, started: float, records: list[dict[str, Any]], budget_s: float
+    mode: str,
+    exit_code: int,
+    started: float,
+    records: list[dict[str, Any]],
+    budget_s: float,
+    thresholds: tuple[float, float] = (0.5, 0.8),
 ) -> dict[str, Any]:
     curve = [(round(r["time"] - started, 2), round(r["mean_reward"], 4)) for r in records]
     samples = sum(r["num_samples"] for r in records)
     last = records[-10:]
+    low, high = thresholds
     return {
         "mode": mode,
         "exit_code": exit_code,
@@ -67,8 +138,9 @@ def summarize(
         "samples_per_s": round(samples / budget_s, 2),
         "reward_first_10": _mean([r["mean_reward"] for r in records[:10]]),
         "reward_last_10": _mean([r["mean_reward"] for r in last]),
-        "time_to_reward_0.5_s": _first_time(curve, 0.5),
-        "time_to_reward_0.8_s": _first_time(curve, 0.8),
+        "thresholds": list(thresholds),
+        "time_to_reward_low_s": _first_time(curve, low),
+        "time_to_reward_high_s": _first_time(curve, high),
         "trainer_busy_fraction": records[-1]["busy_fraction"] if records else None,
         "dropped_samples": sum(r["num_dropped"] for r in records),
         "mean_staleness": _mean_staleness(records),
@@ -104,8 +176,11 @@ def ratios(sync: dict[str, Any], pipelined: dict[str, Any]) -> dict[str, float |
 
     return {
         "samples_per_s_async_over_sync": ratio(pipelined["samples_per_s"], sync["samples_per_s"]),
-        "time_to_0.8_sync_over_async": ratio(
-            sync["time_to_reward_0.8_s"], pipelined["time_to_reward_0.8_s"]
+        "time_to_high_sync_over_async": ratio(
+            sync["time_to_reward_high_s"], pipelined["time_to_reward_high_s"]
+        ),
+        "time_to_low_sync_over_async": ratio(
+            sync["time_to_reward_low_s"], pipelined["time_to_reward_low_s"]
         ),
     }
 
@@ -116,35 +191,70 @@ def main() -> int:
     )
     parser.add_argument("--budget-s", type=float, default=240.0, help="wall clock per mode")
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--scenarios", default=",".join(SCENARIOS), help="comma-separated")
+    parser.add_argument(
+        "--policy-path",
+        default=None,
+        help="model folder for the tool scenarios instead of the cached warm start",
+    )
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory(prefix="rlpipe-pipeline-") as root:
-        results = {mode: run_mode(mode, args.budget_s, Path(root)) for mode in ("sync", "async")}
-    document = {
-        "benchmark": "pipeline",
-        "machine": {
+    names = [name for name in args.scenarios.split(",") if name]
+    unknown = sorted(set(names) - set(SCENARIOS))
+    if unknown:
+        parser.error(f"unknown scenarios {unknown}; choose from {', '.join(SCENARIOS)}")
+    document: dict[str, Any] = {}
+    if args.out.exists():  # keep the scenarios this run does not repeat
+        document = json.loads(args.out.read_text())
+        if "scenarios" not in document:
+            document = {}
+    scenarios = document.setdefault("scenarios", {})
+    for name in names:
+        scenarios[name] = run_scenario(name, args.budget_s, args.policy_path)
+    document.update(
+        benchmark="pipeline",
+        machine={
             "cpus": os.cpu_count(),
             "python": platform.python_version(),
             "platform": platform.platform(),
         },
-        "budget_s": args.budget_s,
-        "modes": results,
-        "ratios": ratios(results["sync"], results["async"]),
-        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-    }
+        timestamp=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(document, indent=2) + "\n")
+    print(f"wrote {args.out}")
+    codes = [r["exit_code"] for name in names for r in scenarios[name]["modes"].values()]
+    return 0 if all(code == 0 for code in codes) else 1
+
+
+def run_scenario(name: str, budget_s: float, policy_path: str | None) -> dict[str, Any]:
+    """Both modes of one scenario, printed as a table; the scenario's results."""
+    scenario = SCENARIOS[name]
+    with tempfile.TemporaryDirectory(prefix=f"rlpipe-pipeline-{name}-") as root:
+        results = {
+            mode: run_mode(scenario, mode, budget_s, Path(root), policy_path)
+            for mode in ("sync", "async")
+        }
+    outcome = {
+        "budget_s": budget_s,
+        "policy_path": policy_path,
+        "env": scenario.extra_env,
+        "modes": results,
+        "ratios": ratios(results["sync"], results["async"]),
+    }
+    low, high = scenario.thresholds
+    print(f"scenario {name}")
     print(
         f"{'mode':6} {'steps':>6} {'samples/s':>10} {'reward last10':>14} "
-        f"{'t->0.8 s':>9} {'busy':>6}"
+        f"{f't->{low} s':>9} {f't->{high} s':>9} {'busy':>6}"
     )
     for mode, r in results.items():
         print(
             f"{mode:6} {r['steps']:>6} {r['samples_per_s']:>10} {r['reward_last_10']!s:>14} "
-            f"{r['time_to_reward_0.8_s']!s:>9} {r['trainer_busy_fraction']!s:>6}"
+            f"{r['time_to_reward_low_s']!s:>9} {r['time_to_reward_high_s']!s:>9} "
+            f"{r['trainer_busy_fraction']!s:>6}"
         )
-    print(f"pipeline ratios: {json.dumps(document['ratios'])}")
-    print(f"wrote {args.out}")
-    return 0 if all(r["exit_code"] == 0 for r in results.values()) else 1
+    print(f"pipeline ratios: {json.dumps(outcome['ratios'])}")
+    return outcome
 
 
 if __name__ == "__main__":

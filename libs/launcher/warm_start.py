@@ -18,37 +18,47 @@ import asyncio
 import hashlib
 import json
 import os
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from libs.experts.demos import EXPERTS, DemoConfig, harness_settings, write_demonstrations
+from libs.policy import PolicyConfig
 from libs.sft.cli import run_with_progress
 from libs.sft.train import SftConfig, finished_result
 
 DEMOS_FILE = "demos.jsonl"
 MODEL_DIR = "model"
+SHORT_STAGE_DIR = "short_stage"
 
 
 @dataclass(frozen=True)
 class WarmStartRecipe:
-    """How the warm start of one environment is made."""
+    """How the warm start of one environment is made: demonstrations, then SFT in two stages,
+    first on the transcripts without their long system message (where the tiny model learns
+    to copy numbers from the conversation), then on the full transcripts."""
 
     demos: DemoConfig
-    sft_steps: int
-    sft_batch_size: int = 8
-    sft_learning_rate: float = 3e-3
+    short_steps: int
+    full_steps: int
+    short_batch_size: int = 32
+    full_batch_size: int = 16
+    learning_rate: float = 3e-3
 
     def fingerprint(self) -> str:
         text = json.dumps(asdict(self), sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
-# Tuned on a 2-core machine: a policy that writes valid calls but still fails often enough
-# that RL has room (the experts slip on purpose; SFT is kept short).
+# Tuned on a 2-core machine. The tiny model learns to copy operands from the question only
+# after ~500-700 steps of 32 short transcripts (before that it writes well-formed calls with
+# made-up numbers); the full-transcript stage then adapts it to the 1.2K-token opening. The
+# full stage is kept short so the warm start still fails often enough for RL to have room.
 RECIPES: dict[str, WarmStartRecipe] = {
-    "calc": WarmStartRecipe(DemoConfig(env="calc", num_tasks=400, error_rate=0.1), sft_steps=120),
+    "calc": WarmStartRecipe(
+        DemoConfig(env="calc", num_tasks=5000, error_rate=0.05), short_steps=800, full_steps=60
+    ),
     "recall": WarmStartRecipe(
-        DemoConfig(env="recall", num_tasks=300, error_rate=0.1), sft_steps=150
+        DemoConfig(env="recall", num_tasks=2000, error_rate=0.02), short_steps=800, full_steps=60
     ),
 }
 
@@ -68,14 +78,25 @@ def warm_start_dir(env: str, cache_root: Path, recipe: WarmStartRecipe | None = 
     return cache_root / f"{env}-{recipe.fingerprint()}"
 
 
-def sft_config(folder: Path, recipe: WarmStartRecipe) -> SftConfig:
-    return SftConfig(
+def sft_stages(folder: Path, recipe: WarmStartRecipe) -> tuple[SftConfig, SftConfig]:
+    """The short-context stage, then the full-transcript stage that starts from its model."""
+    short = SftConfig(
+        data=folder / DEMOS_FILE,
+        out=folder / SHORT_STAGE_DIR,
+        steps=recipe.short_steps,
+        batch_size=recipe.short_batch_size,
+        learning_rate=recipe.learning_rate,
+        without_system_message=True,
+    )
+    full = SftConfig(
         data=folder / DEMOS_FILE,
         out=folder / MODEL_DIR,
-        steps=recipe.sft_steps,
-        batch_size=recipe.sft_batch_size,
-        learning_rate=recipe.sft_learning_rate,
+        policy=PolicyConfig(path=str(short.out)),
+        steps=recipe.full_steps,
+        batch_size=recipe.full_batch_size,
+        learning_rate=recipe.learning_rate / 3,
     )
+    return short, full
 
 
 def ensure_warm_start(env: str, cache_root: Path, recipe: WarmStartRecipe | None = None) -> Path:
@@ -86,22 +107,17 @@ def ensure_warm_start(env: str, cache_root: Path, recipe: WarmStartRecipe | None
         )
     recipe = recipe or RECIPES[env]
     folder = warm_start_dir(env, cache_root, recipe)
-    config = sft_config(folder, recipe)
-    if finished_result(config) is not None:
-        return config.out
+    short, full = sft_stages(folder, recipe)
+    if finished_result(full) is not None:
+        return full.out
     demos = folder / DEMOS_FILE
     if not demos.exists():
         partial = demos.with_suffix(".partial")
         asyncio.run(write_demonstrations(recipe.demos, partial))
         partial.rename(demos)
-    run_with_progress(config, title=f"warm start ({env}): sft")
-    return config.out
-
-
-def scaled_recipe(env: str, sft_steps: int, num_tasks: int) -> WarmStartRecipe:
-    """`env`'s recipe with fewer SFT steps and demonstrations (tests, CI)."""
-    recipe = RECIPES[env]
-    return replace(recipe, sft_steps=sft_steps, demos=replace(recipe.demos, num_tasks=num_tasks))
+    run_with_progress(short, title=f"warm start ({env}): sft, short contexts")
+    run_with_progress(full, title=f"warm start ({env}): sft, full transcripts")
+    return full.out
 
 
 def worker_harness_env(env: str) -> dict[str, str]:

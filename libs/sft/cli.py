@@ -40,6 +40,12 @@ def add_sft_parser(commands: Any) -> None:
     sft.add_argument("--checkpoint-every-steps", type=int, default=50)
     sft.add_argument("--seed", type=int, default=0)
     sft.add_argument("--device", default="auto", help="cpu, cuda, or auto")
+    sft.add_argument(
+        "--without-system-message",
+        action="store_true",
+        help="train on the transcripts without their system message (a short-context first "
+        "stage of a curriculum; finish with full transcripts)",
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> SftConfig:
@@ -55,6 +61,7 @@ def config_from_args(args: argparse.Namespace) -> SftConfig:
         max_sequence_tokens=args.max_sequence_tokens,
         checkpoint_every_steps=args.checkpoint_every_steps,
         seed=args.seed,
+        without_system_message=args.without_system_message,
     )
 
 

@@ -104,6 +104,12 @@ def render_transcript(
     return ids, mask
 
 
+def without_system_message(transcript: Transcript) -> Transcript:
+    """`transcript` with no system message and no tools (the tools are listed in it)."""
+    messages = tuple(m for m in transcript.messages if m.role != "system")
+    return Transcript(messages=messages, tools=(), meta=transcript.meta)
+
+
 def chat_messages(messages: Sequence[SftMessage]) -> list[ChatMessage]:
     """The chat messages the template renders: calls written into the assistant text, each
     run of tool messages merged into one tool message of `<tool_result>` blocks."""

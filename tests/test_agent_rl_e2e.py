@@ -1,0 +1,142 @@
+"""End to end through the real commands: demonstrations -> `rlpipe sft` -> `rlpipe demo`.
+
+The user's recipe with small numbers: scripted experts write demonstrations through the real
+environments (`python -m libs.experts.demos`), `rlpipe sft` trains the embedded tiny policy on
+them, and `rlpipe demo --env ...` runs every service on a real nats-server starting from that
+model folder (RLPIPE_*_POLICY_PATH, as a user points the services at their own model).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from libs.launcher.warm_start import worker_harness_env
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_command(args: list[str], timeout_s: float, env: dict[str, str] | None = None) -> str:
+    """stdout of `python -m <args>` run in the repository; fails the test on a non-zero exit."""
+    done = subprocess.run(
+        [sys.executable, "-m", *args],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        env={**os.environ, **(env or {})},
+    )
+    assert done.returncode == 0, f"{args[:2]} exited {done.returncode}: {done.stderr[-2000:]}"
+    return done.stdout
+
+
+def warm_start(root: Path, env: str, num_tasks: int, steps: int) -> Path:
+    """A model folder trained by `rlpipe sft` on `num_tasks` expert episodes of `env`."""
+    demos, model = root / f"{env}.jsonl", root / f"{env}-sft"
+    run_command(
+        ["libs.experts.demos", "--env", env, "--num-tasks", str(num_tasks), "--out", str(demos)],
+        timeout_s=120,
+    )
+    run_command(
+        ["services.cli", "sft", "--data", str(demos), "--out", str(model), "--steps", str(steps)],
+        timeout_s=900,
+    )
+    assert (model / "config.json").exists() and (model / "model.safetensors").exists()
+    return model
+
+
+def demo(
+    run_dir: Path, env: str, model: Path, max_steps: int, extra: dict[str, str]
+) -> dict[str, Any]:
+    """The summary line of a bounded `rlpipe demo --env <env>` from `model`."""
+    variables = {
+        "RLPIPE_TRAINER_POLICY_PATH": str(model),
+        "RLPIPE_ROLLOUT_WORKER_POLICY_PATH": str(model),
+        **worker_harness_env(env),
+        **extra,
+    }
+    stdout = run_command(
+        [
+            "services.cli",
+            "demo",
+            "--env",
+            env,
+            "--no-warm-start",
+            "--run-dir",
+            str(run_dir),
+            "--max-trainer-steps",
+            str(max_steps),
+            "--duration-s",
+            "900",
+        ],
+        timeout_s=1000,
+        env=variables,
+    )
+    summary: dict[str, Any] = json.loads(stdout.strip().splitlines()[-1])
+    return summary
+
+
+def step_records(run_dir: Path) -> list[dict[str, Any]]:
+    lines = (run_dir / "trainer" / "steps.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines if line.strip()]
+
+
+@pytest.mark.slow
+def test_a_summarizing_episode_has_every_segment_trained(tmp_path: Path) -> None:
+    model = warm_start(tmp_path, "recall", num_tasks=120, steps=80)
+    run_dir = tmp_path / "run"
+    summary = demo(
+        run_dir,
+        "recall",
+        model,
+        max_steps=2,
+        extra={
+            "RLPIPE_ENV_GATEWAY_GROUP_SIZE": "2",
+            "RLPIPE_TRAINER_BATCH_GROUPS": "2",
+            "RLPIPE_TRAINER_EVAL_EVERY_VERSIONS": "0",
+        },
+    )
+    assert summary["exit_code"] == 0 and summary["trainer_step"] >= 2
+    records = step_records(run_dir)
+    episodes = summary["episodes_first_steps"]
+    assert summary["episode_window_steps"] == len(records), "the window covers every step"
+    assert episodes["tool_calls_per_episode"] >= 3, "the warm-started policy reads digits"
+    assert episodes["segments_per_episode"] > 1, "episodes outgrew the context and summarized"
+    # One training row per context segment of every trained episode: none left out.
+    total_segments = round(episodes["segments_per_episode"] * episodes["episodes"])
+    assert sum(r["num_rows"] for r in records) == total_segments
+    assert sum(r["num_samples"] for r in records) == episodes["episodes"]
+
+
+@pytest.mark.slow
+def test_a_warm_started_tool_using_policy_improves_with_rl(tmp_path: Path) -> None:
+    # The demo's own warm start, built into the default cache when missing (about 10 minutes
+    # on 2 cores the first time; a cached one is reused).
+    run_dir = tmp_path / "run"
+    stdout = run_command(
+        [
+            "services.cli",
+            "demo",
+            "--env",
+            "calc",
+            "--run-dir",
+            str(run_dir),
+            "--max-trainer-steps",
+            "25",
+            "--duration-s",
+            "1500",
+        ],
+        timeout_s=2400,
+    )
+    summary = json.loads(stdout.strip().splitlines()[-1])
+    assert summary["exit_code"] == 0 and summary["trainer_step"] >= 25
+    first, last = summary["episodes_first_steps"], summary["episodes_last_steps"]
+    assert first["episodes_with_tool_calls"] >= 0.8, "the warm start calls the tools"
+    assert last["episodes_with_tool_calls"] >= 0.8, "RL kept the tool use"
+    assert last["success"] >= first["success"] + 0.1, f"no improvement: {first} -> {last}"
