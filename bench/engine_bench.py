@@ -17,6 +17,9 @@ inference:training is a ratio measured side by side:
     PYTHONPATH=. python3 bench/engine_bench.py            # GPU: bench/results/<card>/engine.json
     .venv/bin/python bench/engine_bench.py --dry-run      # tiny model on CPU, small shapes (CI)
 
+Not part of `make bench` (which runs on CPU): a GPU-only measurement; without CUDA and
+without --dry-run it exits with that message. Results of an H200: bench/results/h200/.
+
 Sampling is temperature 1 (RL rollouts); prompts are random token ids, so rows rarely stop
 early and tokens/s counts the tokens actually generated.
 """
@@ -261,70 +264,105 @@ def measure(name: str, fn: Callable[[], Any]) -> Any:
     return result
 
 
-def run(dry_run: bool, out: Path | None) -> dict[str, Any]:
+@dataclass
+class Bench:
+    """The model and both engines over it, on one device."""
+
+    config: PolicyConfig
+    model: Any
+    hf: HFEngine
+    paged: PagedEngine
+    cuda: bool
+
+    @property
+    def vocab(self) -> int:
+        return int(self.model.config.vocab_size)
+
+
+def setup(dry_run: bool) -> tuple[Bench, dict[str, Any]]:
+    """Both engines on qwen2-0.5b (GPU) or the tiny preset (CPU dry run), and the header."""
     cuda = torch.cuda.is_available() and not dry_run
     if not cuda and not dry_run:
         raise SystemExit("no CUDA device: run with --dry-run for the CPU check")
     config = PolicyConfig(preset="qwen2-0.5b" if cuda else "tiny", device="cuda" if cuda else "cpu")
     model = build_policy(config)
-    device, vocab = model.device, int(model.config.vocab_size)
-    tokenizer = ByteTokenizer()
-    cases = GPU_CASES if cuda else DRY_CASES
-    hf = HFEngine(model, tokenizer, max_batch_rows=256)
+    hf = HFEngine(model, ByteTokenizer(), max_batch_rows=256)
     start = time.perf_counter()
-    paged = PagedEngine(model, tokenizer, max_batch_rows=256)
-    setup_s = time.perf_counter() - start
-    report: dict[str, Any] = {
-        "card": torch.cuda.get_device_name(device) if cuda else platform.processor() or "cpu",
+    paged = PagedEngine(model, ByteTokenizer(), max_batch_rows=256)
+    header = {
+        "card": torch.cuda.get_device_name(model.device) if cuda else platform.processor() or "cpu",
         "torch": torch.__version__,
         "preset": config.preset,
         "dtype": str(next(model.parameters()).dtype),
-        "paged_engine_setup_s": round(setup_s, 2),
+        "paged_engine_setup_s": round(time.perf_counter() - start, 2),
         "paged_kv_cache_tokens": paged.pool.capacity * paged.pool.block_size,
-        "cases": {},
     }
-    for case in cases:
+    return Bench(config, model, hf, paged, cuda), header
+
+
+def engine_figures(bench: Bench) -> dict[str, Any]:
+    """The generation shapes, long context, greedy agreement and mismatch, old vs new."""
+    hf, paged, vocab, device = bench.hf, bench.paged, bench.vocab, bench.model.device
+    cases: dict[str, Any] = {}
+    for case in GPU_CASES if bench.cuda else DRY_CASES:
         old = measure(f"hf {case.name}", functools.partial(time_generate, hf, case, vocab, device))
         new = measure(
             f"paged {case.name}", functools.partial(time_generate, paged, case, vocab, device)
         )
-        report["cases"][case.name] = {
-            "shape": asdict(case),
-            "hf": old,
-            "paged": new,
-            "speedup": round(new["tokens_per_s"] / old["tokens_per_s"], 2),
-        }
-    context, new_tokens = (1400, 64) if cuda else (128, 8)
-    report["long_context_1_row"] = {
-        "context_tokens": context,
-        "hf": measure("hf long", lambda: time_long_context(hf, context, new_tokens, vocab, device)),
-        "paged": measure(
-            "paged long", lambda: time_long_context(paged, context, new_tokens, vocab, device)
+        speedup = round(new["tokens_per_s"] / old["tokens_per_s"], 2)
+        cases[case.name] = {"shape": asdict(case), "hf": old, "paged": new, "speedup": speedup}
+    context, new_tokens = (1400, 64) if bench.cuda else (128, 8)
+    long = {
+        name: measure(
+            f"{name} long",
+            functools.partial(time_long_context, engine, context, new_tokens, vocab, device),
+        )
+        for name, engine in (("hf", hf), ("paged", paged))
+    }
+    return {
+        "cases": cases,
+        "long_context_1_row": {"context_tokens": context, **long},
+        "greedy_rows_identical_fraction": measure(
+            "greedy agreement", lambda: greedy_agreement(hf, paged, vocab, 32 if bench.cuda else 8)
         ),
+        "logprob_mean_abs_diff_vs_trainer": {
+            "hf": measure("mismatch hf", lambda: logprob_mismatch(hf, bench.model, vocab, 64)),
+            "paged": measure(
+                "mismatch paged", lambda: logprob_mismatch(paged, bench.model, vocab, 64)
+            ),
+        },
     }
-    report["greedy_rows_identical_fraction"] = measure(
-        "greedy agreement", lambda: greedy_agreement(hf, paged, vocab, 32 if cuda else 8)
-    )
-    report["logprob_mean_abs_diff_vs_trainer"] = {
-        "hf": measure("mismatch hf", lambda: logprob_mismatch(hf, model, vocab, 64)),
-        "paged": measure("mismatch paged", lambda: logprob_mismatch(paged, model, vocab, 64)),
-    }
-    rows, length, steps = (32, 512, 5) if cuda else (4, 64, 2)
-    report["trainer_fwd_bwd_adamw"] = measure(
-        "trainer", lambda: time_trainer(config, rows, length, steps)
-    )
-    episodes, turns, max_new = (64, 4, 128) if cuda else (8, 2, 8)
-    report["multi_turn"] = {
-        "hf": measure("multi-turn hf", lambda: multi_turn(hf, episodes, turns, vocab, max_new)),
-        "paged": measure(
-            "multi-turn paged", lambda: multi_turn(paged, episodes, turns, vocab, max_new)
+
+
+def loop_figures(bench: Bench) -> dict[str, Any]:
+    """Trainer fwd+bwd+AdamW, multi-turn episodes and the weight swap pause."""
+    rows, length, steps = (32, 512, 5) if bench.cuda else (4, 64, 2)
+    episodes, turns, max_new = (64, 4, 128) if bench.cuda else (8, 2, 8)
+    other = build_policy(bench.config.model_copy(update={"seed": 11})).state_dict()
+    engines = (("hf", bench.hf), ("paged", bench.paged))
+    return {
+        "trainer_fwd_bwd_adamw": measure(
+            "trainer", lambda: time_trainer(bench.config, rows, length, steps)
         ),
+        "multi_turn": {
+            name: measure(
+                f"multi-turn {name}",
+                functools.partial(multi_turn, engine, episodes, turns, bench.vocab, max_new),
+            )
+            for name, engine in engines
+        },
+        "swap_pause": {
+            name: measure(f"swap {name}", functools.partial(swap_pause, engine, other))
+            for name, engine in engines
+        },
     }
-    other = build_policy(config.model_copy(update={"seed": 11})).state_dict()
-    report["swap_pause"] = {
-        "hf": measure("swap hf", lambda: swap_pause(hf, other)),
-        "paged": measure("swap paged", lambda: swap_pause(paged, other)),
-    }
+
+
+def run(dry_run: bool, out: Path | None) -> dict[str, Any]:
+    """Measure everything in one process, write the JSON report, return it."""
+    bench, report = setup(dry_run)
+    report.update(engine_figures(bench))
+    report.update(loop_figures(bench))
     train_tps = report["trainer_fwd_bwd_adamw"]["tokens_per_s"]
     report["inference_gpus_per_training_gpu"] = {
         name: {
@@ -333,7 +371,8 @@ def run(dry_run: bool, out: Path | None) -> dict[str, Any]:
         }
         for name, result in report["cases"].items()
     }
-    target = out or RESULTS / ("engine_dry_run.json" if not cuda else "h200/engine.json")
+    card = str(report["card"]).split()[-1].lower()  # "NVIDIA H200" -> h200
+    target = out or RESULTS / (f"{card}/engine.json" if bench.cuda else "engine_dry_run.json")
     target.parent.mkdir(parents=True, exist_ok=True)
     target.write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report, indent=2))
