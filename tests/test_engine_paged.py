@@ -262,6 +262,16 @@ def test_the_batcher_hands_requests_over_as_they_come(engine: PagedEngine) -> No
     )
 
 
+def test_overlapping_calls_count_once_toward_the_busy_fraction() -> None:
+    from libs.rollout.batcher import ThroughputMeter
+
+    meter = ThroughputMeter(window_s=10.0)
+    meter.started = 0.0
+    for start, end in ((1.0, 3.0), (2.0, 4.0), (2.5, 3.5), (6.0, 7.0)):
+        meter.record(start, end, 10)
+    assert meter.busy_fraction(now=10.0) == pytest.approx(0.4)  # [1, 4] and [6, 7]
+
+
 @CUDA
 def test_gpu_kernels_match_the_torch_paths() -> None:
     torch.manual_seed(0)

@@ -93,9 +93,15 @@ class ThroughputMeter:
         return begin, max(now - begin, 1e-9)
 
     def busy_fraction(self, now: float | None = None) -> float:
-        """Time inside generate over wall time, in [0, 1]."""
+        """Time inside generate over wall time, in [0, 1]. Overlapping calls (a continuous
+        batching engine runs many at once) count once: the union of their intervals."""
         begin, length = self._window(now)
-        busy = sum(end - max(start, begin) for start, end, _ in self._calls)
+        busy, covered_to = 0.0, begin
+        for start, end, _ in sorted(self._calls):
+            start = max(start, covered_to)
+            if end > start:
+                busy += end - start
+                covered_to = end
         return min(busy / length, 1.0)
 
     def tokens_per_s(self, now: float | None = None) -> float:
