@@ -34,6 +34,7 @@ from libs.sft.transcript import (
     read_transcripts,
     render_transcript,
     transcript_to_json,
+    without_system_message,
 )
 from libs.tokenizer import ByteTokenizer
 from proto import messages as m
@@ -266,3 +267,12 @@ def test_the_demo_report_compares_the_first_and_last_steps() -> None:
     assert report["episodes_last_steps"]["success"] == 1.0
     assert report["episodes_first_steps"]["episodes_with_tool_calls"] == 0.5
     assert report["episodes_last_steps"]["turns_per_episode"] == 2.5
+
+
+def test_the_short_context_stage_drops_only_the_system_message() -> None:
+    (transcript,) = asyncio.run(_expert_episode("calc", 2))
+    full, full_mask = render_transcript(transcript, TEMPLATE)
+    short, short_mask = render_transcript(without_system_message(transcript), TEMPLATE)
+    assert len(short) < len(full) // 5, "the opening is most of a calc transcript"
+    trained = [i for i, keep in zip(full, full_mask, strict=True) if keep]
+    assert [i for i, keep in zip(short, short_mask, strict=True) if keep] == trained
