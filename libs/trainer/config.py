@@ -39,7 +39,11 @@ class TrainerConfig(StepConfig):
     max_staleness: int = Field(
         4, ge=0, description="Samples older than this many versions are dropped (0: synchronous)"
     )
-    checkpoint_every_steps: int = Field(10, ge=1, description="Steps between checkpoints")
+    # A crash loses the steps since the last checkpoint, and what workers generated on them
+    # is as many updates from the resumed weights: past max_staleness (4) it is all dropped.
+    # Every 10 steps, a trainer kill in the demo dropped 1,408-1,520 samples (28% until the
+    # next kill); a checkpoint of the tiny policy takes about 20 ms, in a thread.
+    checkpoint_every_steps: int = Field(4, ge=1, description="Steps between checkpoints")
     # More than 1 for big models whose versions take longer to ship than to train.
     publish_every_steps: int = Field(
         1, ge=1, description="Stage weights for the broadcaster every N steps (sync mode: 1)"
