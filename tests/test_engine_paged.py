@@ -189,6 +189,18 @@ def test_a_weight_update_between_steps_acts_as_a_fresh_model(engine: PagedEngine
         local.update_weights(back, version=1)
 
 
+def test_weights_changed_outside_the_engine_are_seen_by_the_next_call() -> None:
+    shared = build_policy(PolicyConfig(device="cpu", seed=0))  # as the trainer's eval gate
+    local = PagedEngine(shared, TOKENIZER, 64)
+    prompt = [PROMPTS[2]]
+    local.generate(prompt, GREEDY, num_samples=2)  # caches the prompt's blocks
+    with torch.no_grad():  # an optimizer step on the shared model, not through the engine
+        for name, tensor in build_policy(PolicyConfig(device="cpu", seed=1)).state_dict().items():
+            shared.state_dict()[name].copy_(tensor)
+    expected = make_paged(seed=1).generate(prompt, GREEDY, num_samples=2)
+    assert tokens(local.generate(prompt, GREEDY, num_samples=2)) == tokens(expected)
+
+
 def test_a_weight_write_waits_for_running_calls(engine: PagedEngine) -> None:
     local = make_paged()
     live = local.live_tensors()

@@ -93,6 +93,7 @@ class PagedEngine(InferenceEngine):
         with torch.no_grad():
             self.runner = PagedModelRunner(model, self.cache, max_batch_rows, table_width, graphs)
         self.scheduler = Scheduler(self.pool, max_batch_rows, prefill_chunk_tokens)
+        self._stamp = self._weights_stamp()  # parameters as the fused copies last saw them
         self._scorer = HFEngine(model, tokenizer, max_batch_rows, policy_version)
         self._lock = threading.Lock()  # the scheduler's queues, the driver, request counts
         self._changed = threading.Condition(self._lock)
@@ -173,6 +174,7 @@ class PagedEngine(InferenceEngine):
                     if self.device.type == "cuda":
                         torch.cuda.synchronize(self.device)
                     self.pool.forget_all()  # cached prefixes hold the old weights' KV
+                    self._stamp = self._weights_stamp()
                     self._version = version
                     return result, time.perf_counter() - start_s
             finally:
@@ -234,6 +236,8 @@ class PagedEngine(InferenceEngine):
 
     def _drive(self) -> None:
         """Run steps while any sequence is unfinished; a failed step fails every request."""
+        with self._step_lock, torch.no_grad():
+            self._catch_up_with_outside_writes()
         while True:
             with self._lock:
                 if not self.scheduler.has_work():
@@ -246,6 +250,20 @@ class PagedEngine(InferenceEngine):
                 with self._lock:
                     self.scheduler.fail_all(exc)
                     self.runner.rows.clear()
+
+    def _catch_up_with_outside_writes(self) -> None:
+        """If the parameters changed without `write_in_place` (a trainer's optimizer stepping
+        a model it shares with this engine, as the eval gate does), refresh the fused copies
+        and drop the cached prefixes before the next step. Runs while nothing decodes."""
+        stamp = self._weights_stamp()
+        if stamp != self._stamp:
+            self.runner.refresh_weights()
+            self.pool.forget_all()
+            self._stamp = stamp
+
+    def _weights_stamp(self) -> int:
+        """Sum of the parameters' version counters (torch bumps one at every in-place write)."""
+        return sum(tensor._version for tensor in self._tensors.values())
 
     def _step(self) -> None:
         """Admit, prefill one chunk budget, decode one token for every running row."""
