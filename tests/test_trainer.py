@@ -112,6 +112,17 @@ def test_groups_complete_at_their_size_ignore_duplicates_and_expire() -> None:
     assert resumed.add(12, scored(2, 1, 1.0), now_s=20.0) == "duplicate"
 
 
+def test_groups_put_back_are_taken_again_not_refused_as_duplicates() -> None:
+    buffer = GroupBuffer(incomplete_timeout_s=10)
+    for index in range(4):
+        buffer.add(index + 1, scored(1, index, 0.0), now_s=0.0)
+    taken = buffer.take(1)
+    buffer.put_back(taken)  # a stop came before the step
+    assert buffer.recently_taken == [] and buffer.num_ready == 1
+    assert buffer.add(5, scored(1, 0, 0.0), now_s=0.0) == "duplicate"  # still buffered
+    assert buffer.take(1)[0].sequences == [1, 2, 3, 4]
+
+
 def test_a_refused_sample_counts_toward_its_group() -> None:
     buffer = GroupBuffer(incomplete_timeout_s=10)
     for index in range(3):

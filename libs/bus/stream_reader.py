@@ -102,6 +102,10 @@ class StreamReader(Generic[M]):
             await self.close()
             return read
         for msg in msgs:
+            if msg.metadata.sequence.stream < self._next_sequence:
+                # Delivered before: a consumer re-created after a NATS restart sent part of
+                # what we had read again. Each sequence reaches the owner once.
+                continue
             record = await self._decode(msg)
             self._next_sequence = msg.metadata.sequence.stream + 1
             if record is None:

@@ -123,6 +123,14 @@ class GroupBuffer:
     def num_open(self) -> int:
         return len(self._open)
 
+    def put_back(self, groups: list[Group]) -> None:
+        """Return groups taken for a step that did not happen (a stop mid-batch): ready
+        again, first in line, and not remembered as taken."""
+        for group in groups:
+            self._taken.pop(group.group_id, None)
+            self._ready_ids.add(group.group_id)
+        self._ready = groups + self._ready
+
     def take(self, num_groups: int) -> list[Group]:
         taken, self._ready = self._ready[:num_groups], self._ready[num_groups:]
         for group in taken:

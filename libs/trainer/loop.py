@@ -280,6 +280,8 @@ class Trainer:
         num_fresh_groups = 0
         while num_fresh_groups < self.config.batch_groups:
             if not await self._fill_buffer():
+                self._buffer.put_back(taken)  # not consumed: read again after a resume
+                self.state.groups_taken -= len(taken)
                 return None
             groups = self._buffer.take(self.config.batch_groups - num_fresh_groups)
             fresh_before = num_fresh_groups
