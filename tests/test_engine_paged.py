@@ -341,7 +341,7 @@ def test_gpu_weight_update_between_calls_keeps_the_graphs_valid() -> None:
 @CUDA
 @pytest.mark.parametrize(
     ("preset", "dtype", "tolerance"),
-    [("tiny", "float32", 1e-4), ("qwen2-0.5b", "float32", 1e-4), ("qwen2-0.5b", "bfloat16", 5e-2)],
+    [("tiny", "float32", 1e-4), ("qwen2-0.5b", "float32", 1e-4), ("qwen2-0.5b", "bfloat16", 3e-2)],
 )
 def test_gpu_fused_layers_match_transformers_modules(
     preset: str, dtype: str, tolerance: float
@@ -353,6 +353,9 @@ def test_gpu_fused_layers_match_transformers_modules(
     fused = paged.runner.prefill(chunk).float()
     paged.runner.fused = None  # the same chunk through transformers' modules
     plain = paged.runner.prefill(chunk).float()
+    # Each fused kernel is bitwise equal to transformers' op on the same input (checked on
+    # an H200); the whole bf16 forward still differs by 1.6e-2 relative (measured, cause
+    # not found: GEMM algorithms chosen per shape are a candidate).
     assert ((fused - plain).norm() / plain.norm()) < tolerance
 
 
@@ -376,7 +379,7 @@ def gpu_mismatch_nats() -> float:
 
 @CUDA
 def test_gpu_sampled_logprobs_stay_close_to_the_trainers() -> None:
-    # A regression guard at the level measured on an H200 (0.0101-0.0102 nats on these
+    # A regression guard at the level measured on an H200 (at most 0.0102 nats on these
     # prompts; the hf engine: 0.0086). The issue's bar, 0.0098, is the xfail test below.
     mean = gpu_mismatch_nats()
     assert mean <= 0.0106, f"mean |sampled - trainer logprob| = {mean:.5f} nats"
@@ -384,8 +387,9 @@ def test_gpu_sampled_logprobs_stay_close_to_the_trainers() -> None:
 
 @CUDA
 @pytest.mark.xfail(
-    reason="issue 11's bar (0.0098 nats, the hf engine's) not met yet: measured 0.0101-0.0102 "
-    "on an H200; with transformers' modules instead of the fused kernels 0.0097-0.0098",
+    reason="issue 11's bar (0.0098 nats, the hf engine's) not met yet on these prompts: "
+    "0.0101-0.0102 measured on an H200 before the fused kernels stopped contracting into FMA, "
+    "still above after (value not recorded); the hf engine: 0.0086",
     strict=False,
 )
 def test_gpu_sampled_logprobs_match_the_trainer_within_the_hf_engines_mismatch() -> None:

@@ -16,14 +16,14 @@ Or through the factory: `EngineConfig(type="paged")`; the rollout-worker takes i
 RLPIPE_ROLLOUT_WORKER_ENGINE_TYPE=paged. Models: Llama and Qwen2 (others are refused).
 
 Measured on one H200 (qwen2-0.5b, bf16; bench/engine_bench.py, bench/results/h200/):
-42K tokens/s at 64 rows and 104K at 256 (hf: 5.7K and 19.7K), 10.6K for 16 samples of a
-1,024-token prompt, 1.2 ms per token for one row at a 1,400-token context.
+41K tokens/s at 64 rows and 97K at 256 (hf, same run: 4.1K and 16.5K), 9.9K for 16
+samples of a 1,024-token prompt, 1.1 ms per token for one row at a 1,400-token context.
 
 Weights: `write_in_place` and `update_weights` wait until no `generate` call is running
 (so every completion still comes from exactly one version), write into the model's own
 parameter storage (the captured graphs read it), refresh the runner's fused copies, and
 drop the prefix cache (its KV came from the old weights). The pause reported is that write
-(about 7 ms for the 0.5B model on an H200).
+(7 to 12 ms for the 0.5B model on an H200).
 """
 
 from __future__ import annotations
