@@ -43,9 +43,14 @@ class WarmStartRecipe:
     short_batch_size: int = 32
     full_batch_size: int = 16
     learning_rate: float = 3e-3
+    full_learning_rate: float | None = None  # None: learning_rate / 3
+    # Take the short-context stage of another environment's recipe instead of making one:
+    # the skill it teaches (copying numbers from the conversation) carries over.
+    short_stage_env: str | None = None
 
     def fingerprint(self) -> str:
-        text = json.dumps(asdict(self), sort_keys=True)
+        fields = {key: value for key, value in asdict(self).items() if value is not None}
+        text = json.dumps(fields, sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
@@ -57,8 +62,15 @@ RECIPES: dict[str, WarmStartRecipe] = {
     "calc": WarmStartRecipe(
         DemoConfig(env="calc", num_tasks=5000, error_rate=0.05), short_steps=800, full_steps=60
     ),
+    # Recall's short contexts are still ~600 tokens (its tool results): too slow to teach
+    # copying on 2 cores, so it starts from calc's short stage and learns recall in full.
     "recall": WarmStartRecipe(
-        DemoConfig(env="recall", num_tasks=2000, error_rate=0.02), short_steps=800, full_steps=60
+        DemoConfig(env="recall", num_tasks=2000, error_rate=0.02),
+        short_steps=0,
+        full_steps=150,
+        full_batch_size=8,
+        full_learning_rate=2e-3,
+        short_stage_env="calc",
     ),
 }
 
@@ -78,9 +90,14 @@ def warm_start_dir(env: str, cache_root: Path, recipe: WarmStartRecipe | None = 
     return cache_root / f"{env}-{recipe.fingerprint()}"
 
 
-def sft_stages(folder: Path, recipe: WarmStartRecipe) -> tuple[SftConfig, SftConfig]:
-    """The short-context stage, then the full-transcript stage that starts from its model."""
-    short = SftConfig(
+def short_stage(env: str, cache_root: Path, recipe: WarmStartRecipe) -> tuple[SftConfig, str]:
+    """The SFT config of `env`'s short-context stage and the env whose demonstrations it
+    trains on (another env's when the recipe borrows its stage)."""
+    if recipe.short_stage_env:
+        other = recipe.short_stage_env
+        return short_stage(other, cache_root, RECIPES[other])
+    folder = warm_start_dir(env, cache_root, recipe)
+    config = SftConfig(
         data=folder / DEMOS_FILE,
         out=folder / SHORT_STAGE_DIR,
         steps=recipe.short_steps,
@@ -88,15 +105,21 @@ def sft_stages(folder: Path, recipe: WarmStartRecipe) -> tuple[SftConfig, SftCon
         learning_rate=recipe.learning_rate,
         without_system_message=True,
     )
-    full = SftConfig(
+    return config, env
+
+
+def full_stage(env: str, cache_root: Path, recipe: WarmStartRecipe) -> SftConfig:
+    """The SFT config of the full-transcript stage, starting from the short stage's model."""
+    folder = warm_start_dir(env, cache_root, recipe)
+    short, _ = short_stage(env, cache_root, recipe)
+    return SftConfig(
         data=folder / DEMOS_FILE,
         out=folder / MODEL_DIR,
         policy=PolicyConfig(path=str(short.out)),
         steps=recipe.full_steps,
         batch_size=recipe.full_batch_size,
-        learning_rate=recipe.learning_rate / 3,
+        learning_rate=recipe.full_learning_rate or recipe.learning_rate / 3,
     )
-    return short, full
 
 
 def ensure_warm_start(env: str, cache_root: Path, recipe: WarmStartRecipe | None = None) -> Path:
@@ -106,18 +129,23 @@ def ensure_warm_start(env: str, cache_root: Path, recipe: WarmStartRecipe | None
             f"no warm start for env {env!r}; environments with one: {', '.join(RECIPES)}"
         )
     recipe = recipe or RECIPES[env]
-    folder = warm_start_dir(env, cache_root, recipe)
-    short, full = sft_stages(folder, recipe)
+    full = full_stage(env, cache_root, recipe)
     if finished_result(full) is not None:
         return full.out
-    demos = folder / DEMOS_FILE
-    if not demos.exists():
-        partial = demos.with_suffix(".partial")
-        asyncio.run(write_demonstrations(recipe.demos, partial))
-        partial.rename(demos)
-    run_with_progress(short, title=f"warm start ({env}): sft, short contexts")
+    short, short_env = short_stage(env, cache_root, recipe)
+    if finished_result(short) is None:
+        _ensure_demos(short.data, RECIPES[short_env] if short_env != env else recipe)
+        run_with_progress(short, title=f"warm start ({short_env}): sft, short contexts")
+    _ensure_demos(full.data, recipe)
     run_with_progress(full, title=f"warm start ({env}): sft, full transcripts")
     return full.out
+
+
+def _ensure_demos(path: Path, recipe: WarmStartRecipe) -> None:
+    if not path.exists():
+        partial = path.with_suffix(".partial")
+        asyncio.run(write_demonstrations(recipe.demos, partial))
+        partial.rename(path)
 
 
 def worker_harness_env(env: str) -> dict[str, str]:

@@ -24,6 +24,7 @@ from libs.engine.hf import HFEngine
 from libs.envs import make_env
 from libs.envs.local_client import LocalEnvClient
 from libs.experts.demos import harness_settings
+from libs.logs import configure_logging
 from libs.policy import PolicyConfig, build_policy
 from libs.reward import rubric_for
 from libs.reward.rubric import score_rollout
@@ -81,6 +82,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--no-summarize", action="store_true")
     args = parser.parse_args(argv)
+    configure_logging("evaluate", level="warning")
     tokenizer = load_tokenizer(args.tokenizer)
     model = build_policy(PolicyConfig(path=args.policy_path, device="cpu"))
     agent = harness_settings(args.env)
