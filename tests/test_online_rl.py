@@ -335,10 +335,11 @@ async def test_stale_online_samples_are_dropped_and_impossible_ones_dead_lettere
     assert trainer.state.online_cursor.floor == 4
     dead = await bus.js.stream_info(streams.DEAD_LETTERS.name)
     assert dead.state.messages == 2
-    letters = [
-        wire.decode(DeadLetter, (await bus.js.get_msg(streams.DEAD_LETTERS.name, seq=s)).data, None)
+    raws = [
+        await bus.js.get_msg(streams.DEAD_LETTERS.name, seq=s)
         for s in (dead.state.first_seq, dead.state.last_seq)
     ]
+    letters = [wire.decode(DeadLetter, raw.data or b"", None) for raw in raws]
     assert sorted((d.stream_sequence, d.consumer, d.reason) for d in letters) == [
         (1, "trainer-online", "invalid"),
         (2, "trainer-online", "invalid"),
