@@ -246,6 +246,7 @@ class RolloutWorkerService(Service):
         s = self.settings
         options: dict[str, Any] = {
             "parallel": s.weights_fetch_parallel,
+            "threads": s.weights_decode_threads,
             "fetch_timeout_s": s.weights_fetch_timeout_s,
             "verify_full": s.weights_verify_full,
         }

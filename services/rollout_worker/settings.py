@@ -1,5 +1,6 @@
 """Settings of the rollout-worker service, from RLPIPE_ROLLOUT_WORKER_* variables."""
 
+import os
 from typing import ClassVar, Self
 
 from pydantic import Field, model_validator
@@ -49,6 +50,13 @@ class RolloutWorkerSettings(ServiceSettings, RunnerSettings, AgentSettings):
     )
     # Weights.
     weights_fetch_parallel: int = Field(8, ge=1, description="Chunk fetches in flight")
+    # A 1 GB dense bf16 delta is ~1,000 chunks; decoded one at a time on a GPU worker it took
+    # 11 s (H200 host, bench/gpu_loop.sh): the chunks' copies, zstd and numpy release the GIL.
+    weights_decode_threads: int = Field(
+        default_factory=lambda: min(8, os.cpu_count() or 1),
+        ge=1,
+        description="Threads decoding a version's chunks (default: up to 8, one per core)",
+    )
     weights_fetch_timeout_s: float = Field(10.0, gt=0, description="Longest wait for one chunk")
     weights_verify_full: bool = Field(
         True, description="Rehash the whole model after each swap (inside the pause)"
