@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from libs.launcher.run import LaunchOptions, run_local
-from libs.launcher.warm_start import default_cache_root
+from libs.launcher.warm_start import RL_LEARNING_RATE, default_cache_root
 
 RESULTS = Path(__file__).parent / "results" / "pipeline.json"
 
@@ -72,6 +72,7 @@ SCENARIOS: dict[str, Scenario] = {
             "trainer": {
                 "RLPIPE_TRAINER_BATCH_GROUPS": "2",
                 "RLPIPE_TRAINER_EVAL_EVERY_VERSIONS": "0",
+                "RLPIPE_TRAINER_LEARNING_RATE": RL_LEARNING_RATE,
             },
         },
         thresholds=(0.6, 0.7),
@@ -204,9 +205,7 @@ def main() -> int:
         parser.error(f"unknown scenarios {unknown}; choose from {', '.join(SCENARIOS)}")
     document: dict[str, Any] = {}
     if args.out.exists():  # keep the scenarios this run does not repeat
-        document = json.loads(args.out.read_text())
-        if "scenarios" not in document:
-            document = {}
+        document = upgraded(json.loads(args.out.read_text()))
     scenarios = document.setdefault("scenarios", {})
     for name in names:
         scenarios[name] = run_scenario(name, args.budget_s, args.policy_path)
@@ -224,6 +223,14 @@ def main() -> int:
     print(f"wrote {args.out}")
     codes = [r["exit_code"] for name in names for r in scenarios[name]["modes"].values()]
     return 0 if all(code == 0 for code in codes) else 1
+
+
+def upgraded(document: dict[str, Any]) -> dict[str, Any]:
+    """A results document in the per-scenario layout (older ones held arith's modes only)."""
+    if "scenarios" in document or "modes" not in document:
+        return document
+    arith = {key: document.pop(key) for key in ("budget_s", "modes", "ratios") if key in document}
+    return {**document, "scenarios": {"arith": arith}}
 
 
 def run_scenario(name: str, budget_s: float, policy_path: str | None) -> dict[str, Any]:

@@ -177,13 +177,22 @@ def with_warm_start(options: LaunchOptions) -> LaunchOptions:
     if env is None:
         return options
     path = str(warm_start.ensure_warm_start(env, options.warm_start_root))
-    trainer = {"RLPIPE_TRAINER_POLICY_PATH": path}
-    worker = {"RLPIPE_ROLLOUT_WORKER_POLICY_PATH": path, **warm_start.worker_harness_env(env)}
+    services = {
+        "trainer": {
+            "RLPIPE_TRAINER_POLICY_PATH": path,
+            "RLPIPE_TRAINER_LEARNING_RATE": warm_start.RL_LEARNING_RATE,
+        },
+        "rollout-worker": {
+            "RLPIPE_ROLLOUT_WORKER_POLICY_PATH": path,
+            **warm_start.worker_harness_env(env),
+        },
+        "env-gateway": {"RLPIPE_ENV_GATEWAY_GROUP_SIZE": warm_start.RL_GROUP_SIZE},
+    }
     extra = {name: dict(values) for name, values in options.extra_env.items()}
-    for name, values in (("trainer", trainer), ("rollout-worker", worker)):
+    for name, values in services.items():  # variables set in the environment still win
         extra[name] = {
-            **{k: os.environ.get(k, v) for k, v in values.items()},
             **extra.get(name, {}),
+            **{k: os.environ.get(k, v) for k, v in values.items()},
         }
     return replace(options, extra_env=extra)
 
