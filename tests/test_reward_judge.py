@@ -78,9 +78,22 @@ def calc_rollout(
         env=task.env,
         turns=[
             Turn(role="user", token_ids=[1, 2], text=task.prompt),
-            Turn(role="assistant", token_ids=[3] * 5, text='<tool>{"expr": "6*7"}</tool>'),
+            # As an engine records them: logprobs and the policy version of each token.
+            Turn(
+                role="assistant",
+                token_ids=[3] * 5,
+                text='<tool>{"expr": "6*7"}</tool>',
+                logprobs=[-0.5] * 5,
+                policy_version=0,
+            ),
             Turn(role="tool", token_ids=[4], text="42"),
-            Turn(role="assistant", token_ids=[5] * 3, text=answer),
+            Turn(
+                role="assistant",
+                token_ids=[5] * 3,
+                text=answer,
+                logprobs=[-0.5] * 3,
+                policy_version=0,
+            ),
         ],
         finish_reason=fields.pop("finish_reason", "stop"),
         task=task,
