@@ -34,7 +34,9 @@ from libs.nats_server import free_port
 from libs.policy import PolicyConfig, build_policy, sequence_logprobs
 from libs.service import Service
 from libs.tokenizer import ByteTokenizer
-from libs.trainer.eval_gate import EvalGateConfig, evaluate, held_out_tasks
+from libs.rollout.agent import AgentSettings
+from libs.rollout.evaluate import evaluate, mean_reward
+from libs.trainer.eval_gate import EvalGateConfig, held_out_tasks
 from libs.trainer.online_step import OnlineConfig
 from proto import streams
 from proto.messages import ChatMessage, OnlineSample, PromotionDecision, ServedGeneration
@@ -235,8 +237,10 @@ async def test_feedback_on_a_served_completion_trains_gates_and_serves_the_new_v
     assert trainer is not None and trainer.state.version == 1
     gate_tasks = held_out_tasks(EvalGateConfig(num_tasks=EVAL_TASKS))
     engine = build_engine(EngineConfig(), trainer.policy, trainer.model)
-    score = await evaluate(engine, tokenizer, gate_tasks, EnvClient(bus.nc), max_turns=8)
-    assert score == second.candidate_score
+    scored = await evaluate(
+        engine, tokenizer, gate_tasks, EnvClient(bus.nc), AgentSettings(max_turns=8)
+    )
+    assert mean_reward(scored) == second.candidate_score
     before_model = build_policy(PolicyConfig(preset="tiny", device="cpu", seed=SEED))
     before = completion_logprob(before_model, prompt_ids, completion_ids)
     after = completion_logprob(trainer.model, prompt_ids, completion_ids)

@@ -1,7 +1,7 @@
 """`rlpipe sft`: the command line of the SFT stage (libs.sft.train).
 
     rlpipe sft --data demos.jsonl --out models/calc-sft --steps 300
-    rlpipe sft --data demos.jsonl --out models/mine --policy-path BASE --tokenizer BASE
+    rlpipe sft --data demos.jsonl --out models/mine --policy-path BASE   # BASE's tokenizer
 
 Progress is a rich bar on a terminal and a log line every 10 steps otherwise. A malformed
 transcript line stops the run before training with its line number and field (exit 2).
@@ -32,7 +32,11 @@ def add_sft_parser(commands: Any) -> None:
     sft.add_argument("--out", type=Path, required=True, help="model folder to write")
     sft.add_argument("--policy-preset", default="tiny", help="architecture when no --policy-path")
     sft.add_argument("--policy-path", default=None, help="local model folder to start from")
-    sft.add_argument("--tokenizer", default="byte", help="'byte' or a local tokenizer folder")
+    sft.add_argument(
+        "--tokenizer",
+        default=None,
+        help="'byte' or a local tokenizer folder; default: the policy folder's own, else byte",
+    )
     sft.add_argument("--steps", type=int, default=300)
     sft.add_argument("--batch-size", type=int, default=8)
     sft.add_argument("--learning-rate", type=float, default=2e-3)
@@ -49,12 +53,16 @@ def add_sft_parser(commands: Any) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> SftConfig:
-    policy = PolicyConfig(preset=args.policy_preset, path=args.policy_path, device=args.device)
+    policy = PolicyConfig(
+        preset=args.policy_preset,
+        path=args.policy_path,
+        tokenizer=args.tokenizer,
+        device=args.device,
+    )
     return SftConfig(
         data=args.data,
         out=args.out,
         policy=policy,
-        tokenizer=args.tokenizer,
         steps=args.steps,
         batch_size=args.batch_size,
         learning_rate=args.learning_rate,

@@ -2,11 +2,12 @@
 
     python -m libs.sft.evaluate --policy-path models/calc-sft --env calc --num-tasks 32
 
-Episodes run through the real harness (libs.rollout.agent.AgentRunner) with the `hf` engine,
-against the environment objects in this process (libs.envs.local_client), and are scored by
-the environment's rubric. Reports task success, mean reward, tool-call validity, tool calls
-and turns per episode, and segments (summaries + 1). Used to report the warm start's level
-and to compare summarization on and off at the same context budget.
+Episodes run through the project's one evaluator (libs.rollout.evaluate: the harness, the
+generation batcher, the environment's rubric) with an engine from the engine factory,
+against the environment objects in this process (libs.envs.local_client). Reports task
+success, mean reward, tool-call validity, tool calls and turns per episode, and segments
+(summaries + 1). Used to report the warm start's level and to compare summarization on and
+off at the same context budget.
 """
 
 from __future__ import annotations
@@ -15,29 +16,27 @@ import argparse
 import asyncio
 import json
 import sys
-import time
 from collections.abc import Sequence
 from typing import Any
 
-from libs.engine.base import SamplingParams
-from libs.engine.hf import HFEngine
+from libs.engine.base import InferenceEngine
+from libs.engine.factory import EngineConfig, build_engine
 from libs.envs import make_env
 from libs.envs.local_client import LocalEnvClient
 from libs.experts.demos import harness_settings
 from libs.logs import configure_logging
-from libs.policy import PolicyConfig, build_policy
-from libs.reward import rubric_for
-from libs.reward.rubric import score_rollout
-from libs.rollout.agent import AgentRunner, AgentSettings
-from libs.rollout.episode import RunnerSettings
+from libs.policy import PolicyConfig, load_policy_tokenizer
+from libs.rollout.agent import AgentSettings
+from libs.rollout.evaluate import evaluate
 from libs.rollout.figures import episode_figures
-from libs.tokenizer import load_tokenizer
+from libs.tokenizer import Tokenizer
 
 EVAL_SEED = 777  # neither the feeder's (0) nor the demonstrations' (1234) tasks
 
 
-async def evaluate(
-    engine: HFEngine,
+async def measure(
+    engine: InferenceEngine,
+    tokenizer: Tokenizer,
     env: str,
     *,
     num_tasks: int = 32,
@@ -47,35 +46,23 @@ async def evaluate(
     temperature: float = 1.0,
     agent: AgentSettings | None = None,
 ) -> dict[str, Any]:
-    """Figures of `num_tasks` x `group_size` episodes of `env` under `engine`'s policy."""
+    """Figures of `num_tasks` x `group_size` episodes of `env` under `engine`'s policy, the
+    environment served in this process (the one evaluator: libs.rollout.evaluate)."""
     environment = make_env(env)
     source = environment.task_source(difficulty=difficulty, group_size=group_size, seed=seed)
-
-    async def generate(prompts: list[list[int]], params: SamplingParams) -> list[Any]:
-        return await asyncio.to_thread(engine.generate, prompts, params)
-
-    runner = AgentRunner(
-        LocalEnvClient({env: environment}),
-        engine.tokenizer,
-        generate,
-        RunnerSettings(worker_id="evaluate", temperature=temperature),
-        agent or harness_settings(env),
-    )
-    rubric = rubric_for(env)
     tasks = [source.task(i) for i in range(num_tasks)]
-    groups = await asyncio.gather(*(runner.run(task) for task in tasks))
-    scored = [
-        await score_rollout(rubric, rollout, task, time.time())
-        for task, group in zip(tasks, groups, strict=True)
-        for rollout in group
-    ]
+    client = LocalEnvClient({env: environment})
+    settings = agent or harness_settings(env)
+    scored = await evaluate(engine, tokenizer, tasks, client, settings, temperature=temperature)
     return episode_figures(scored)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--policy-path", default=None)
-    parser.add_argument("--tokenizer", default="byte")
+    parser.add_argument(
+        "--tokenizer", default=None, help="'byte' or a folder; default: the model folder's own"
+    )
     parser.add_argument("--env", default="calc")
     parser.add_argument("--num-tasks", type=int, default=32)
     parser.add_argument("--difficulty", type=int, default=0)
@@ -83,14 +70,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--no-summarize", action="store_true")
     args = parser.parse_args(argv)
     configure_logging("evaluate", level="warning")
-    tokenizer = load_tokenizer(args.tokenizer)
-    model = build_policy(PolicyConfig(path=args.policy_path, device="cpu"))
+    policy = PolicyConfig(path=args.policy_path, tokenizer=args.tokenizer, device="cpu")
+    engine = build_engine(EngineConfig(), policy)
     agent = harness_settings(args.env)
     if args.no_summarize:
         agent = agent.model_copy(update={"summarize": False})
     figures = asyncio.run(
-        evaluate(
-            HFEngine(model, tokenizer),
+        measure(
+            engine,
+            load_policy_tokenizer(policy),
             args.env,
             num_tasks=args.num_tasks,
             difficulty=args.difficulty,

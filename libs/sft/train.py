@@ -30,10 +30,10 @@ import torch
 from transformers import PreTrainedModel
 
 from libs.chat.template import chat_template_for
-from libs.policy import PolicyConfig, build_policy, load_policy, save_policy
+from libs.policy import PolicyConfig, build_policy, load_policy_tokenizer, save_policy
 from libs.sft.loss import Example, sft_loss
 from libs.sft.transcript import read_transcripts, render_transcript, without_system_message
-from libs.tokenizer import HFTokenizer, Tokenizer, load_tokenizer
+from libs.tokenizer import HFTokenizer, Tokenizer, save_tokenizer
 
 CHECKPOINT_DIR = "checkpoint"
 RESULT_FILE = "sft.json"
@@ -47,7 +47,7 @@ class SftConfig:
     data: Path
     out: Path
     policy: PolicyConfig = field(default_factory=PolicyConfig)
-    tokenizer: str = "byte"
+    """The starting policy and its tokenizer (the one policy description, libs.policy)."""
     steps: int = 300
     batch_size: int = 8
     learning_rate: float = 2e-3
@@ -118,7 +118,7 @@ def train_sft(config: SftConfig, progress: ProgressFn | None = None) -> dict[str
     done = finished_result(config)
     if done is not None:
         return done
-    tokenizer = load_tokenizer(config.tokenizer)
+    tokenizer = load_policy_tokenizer(config.policy)
     examples = load_examples(config, tokenizer)
     model, optimizer, start = _setup(config, tokenizer)
     started, last = time.monotonic(), SftStep(start, float("nan"), float("nan"), 0.0)
@@ -163,8 +163,7 @@ def _setup(
     if state_path.exists() and json.loads(state_path.read_text()).get("config") == _config_json(
         config
     ):
-        device = next(iter(build_policy(config.policy).parameters())).device
-        model = load_policy(checkpoint, device=device)
+        model = build_policy(config.policy.model_copy(update={"path": str(checkpoint)}))
         optimizer = _optimizer(model, config)
         optimizer.load_state_dict(torch.load(checkpoint / "optimizer.pt", weights_only=True))
         return model, optimizer, int(json.loads(state_path.read_text())["step"])
@@ -202,8 +201,7 @@ def _finish(
     elapsed_s: float,
 ) -> dict[str, Any]:
     save_policy(model, config.out)
-    if isinstance(tokenizer, HFTokenizer):
-        tokenizer.hf.save_pretrained(config.out)
+    save_tokenizer(tokenizer, config.out)
     result = {
         "steps": config.steps,
         "final_loss": round(last.loss, 4),

@@ -41,15 +41,12 @@ from transformers import PreTrainedModel
 
 from libs.bus import wire
 from libs.bus.publisher import Publisher
-from libs.engine.base import InferenceEngine
 from libs.engine.factory import EngineConfig, build_engine
 from libs.envs.base import make_env
 from libs.envs.client import EnvClient, EnvError
 from libs.policy import PolicyConfig
-from libs.reward import rubric_for
-from libs.rollout.agent import AgentRunner, AgentSettings
-from libs.rollout.batcher import GenerationBatcher
-from libs.rollout.episode import RunnerSettings
+from libs.rollout.agent import AgentSettings
+from libs.rollout.evaluate import evaluate, mean_reward
 from libs.tokenizer import Tokenizer
 from proto import streams, subjects
 from proto.messages import PromotionDecision, Task
@@ -94,38 +91,6 @@ def held_out_tasks(config: EvalGateConfig) -> list[Task]:
         difficulty=config.difficulty, group_size=1, seed=config.task_seed
     )
     return [source.task(index) for index in range(config.num_tasks)]
-
-
-async def evaluate(
-    engine: InferenceEngine,
-    tokenizer: Tokenizer,
-    tasks: list[Task],
-    env_client: EnvClient,
-    max_turns: int,
-) -> float:
-    """Mean rubric reward of one greedy episode per task through env-gateway, generation
-    batched across episodes (EnvError when the episodes cannot run)."""
-    batcher = GenerationBatcher(engine)
-    batcher.open.set()
-    running = asyncio.create_task(batcher.run(), name="eval-gate-batcher")
-    runner = AgentRunner(
-        env_client,
-        tokenizer,
-        batcher.generate,
-        RunnerSettings(worker_id="eval-gate", temperature=0.0),
-        AgentSettings(max_turns=max_turns),
-    )
-    try:
-        groups = await asyncio.gather(*(runner.run(task) for task in tasks))
-    finally:
-        running.cancel()
-        await asyncio.gather(running, return_exceptions=True)
-    rubric = rubric_for(tasks[0].env)
-    rewards = [
-        (await rubric.score(group[0], task)).reward
-        for group, task in zip(groups, tasks, strict=True)
-    ]
-    return sum(rewards) / len(rewards)
 
 
 def decide(
@@ -231,10 +196,10 @@ class EvalGate:
         (nothing decided, nothing promoted) when the held-out episodes cannot run."""
         started_s = time.monotonic()
         engine = await asyncio.to_thread(build_engine, EngineConfig(), self.policy, model)
+        agent = AgentSettings(max_turns=self.config.max_turns)
         try:
-            score = await evaluate(
-                engine, self.tokenizer, self.tasks, self.env_client, self.config.max_turns
-            )
+            scored = await evaluate(engine, self.tokenizer, self.tasks, self.env_client, agent)
+            score = mean_reward(scored)
         except EnvError as exc:
             DECISIONS.labels("not_evaluated").inc()
             log.error(
