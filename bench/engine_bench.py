@@ -42,10 +42,10 @@ from typing import Any
 import torch
 
 from libs.engine.base import InferenceEngine, SamplingParams
+from libs.engine.factory import EngineConfig, build_engine
 from libs.engine.hf import HFEngine
 from libs.engine.paged import PagedEngine
 from libs.policy import PolicyConfig, build_policy, sequence_logprobs
-from libs.tokenizer import ByteTokenizer
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -285,10 +285,11 @@ def setup(dry_run: bool) -> tuple[Bench, dict[str, Any]]:
     if not cuda and not dry_run:
         raise SystemExit("no CUDA device: run with --dry-run for the CPU check")
     config = PolicyConfig(preset="qwen2-0.5b" if cuda else "tiny", device="cuda" if cuda else "cpu")
-    model = build_policy(config)
-    hf = HFEngine(model, ByteTokenizer(), max_batch_rows=256)
+    model = build_policy(config)  # both engines run this one model (byte tokenizer)
+    hf = build_engine(EngineConfig(type="hf", max_batch_rows=256), config, model)
     start = time.perf_counter()
-    paged = PagedEngine(model, ByteTokenizer(), max_batch_rows=256)
+    paged = build_engine(EngineConfig(type="paged", max_batch_rows=256), config, model)
+    assert isinstance(hf, HFEngine) and isinstance(paged, PagedEngine)
     header = {
         "card": torch.cuda.get_device_name(model.device) if cuda else platform.processor() or "cpu",
         "torch": torch.__version__,

@@ -31,12 +31,13 @@ import torch
 from libs.bus.connection import connect_bus
 from libs.bus.provision import provision
 from libs.chat.template import chat_template_for
+from libs.engine.factory import EngineConfig, build_engine
 from libs.engine.hf import HFEngine
 from libs.envs.base import make_env
 from libs.envs.client import EnvClient
 from libs.envs.server import EnvServer, ServerLimits
 from libs.nats_server import NatsServer
-from libs.policy import PolicyConfig, build_policy, sequence_logprobs
+from libs.policy import PolicyConfig, sequence_logprobs
 from libs.reward.criteria import exact_match
 from libs.reward.judge import JudgeConfig, JudgeCriterionConfig, JudgedCriteria, build_judge
 from libs.reward.rubric import Criterion, Rubric, score_rollout
@@ -169,7 +170,8 @@ async def calc_rollout(engine: HFEngine) -> Any:
 
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     policy = PolicyConfig(preset=args.preset, device=args.device, seed=0)
-    engine = HFEngine(build_policy(policy), TOKENIZER, max_batch_rows=64)
+    engine = build_engine(EngineConfig(max_batch_rows=64), policy)
+    assert isinstance(engine, HFEngine)  # the figures below read its model
     batcher = GenerationBatcher(engine, batch_window_s=0.002)
     batcher.open.set()
     running = asyncio.create_task(batcher.run())
