@@ -75,9 +75,9 @@ class Rollout(Message, kw_only=True):
     sample_index: int
     env: str
     turns: list[Turn]
-    # An episode the environment ended: its last turn's reason ("stop": the policy ended the
-    # turn; "length": max_tokens cut it). Otherwise why the harness ended it: "length" (the
-    # context budget), "max_turns", "env_error", "timeout".
+    # "stop": the environment ended the episode; otherwise why the harness did: "length" (the
+    # context budget), "max_turns", "env_error", "timeout". Turns cut by max_tokens are
+    # counted in stats (EPISODE_STAT_TRUNCATED_TURNS).
     finish_reason: Literal["stop", "length", "max_turns", "env_error", "timeout"]
     worker_id: str = ""
     # The task as the worker received it, so reward needs no second lookup.
@@ -102,6 +102,8 @@ EPISODE_STAT_INVALID_TOOL_CALLS = (
 EPISODE_STAT_TOOL_ERRORS = "num_tool_errors"  # tool results the environment marked as errors
 EPISODE_STAT_SEGMENTS = "num_segments"  # context segments (1 + summaries taken)
 EPISODE_STAT_GENERATED_TOKENS = "num_generated_tokens"
+# Assistant turns that max_tokens cut (the policy did not end them with a stop token).
+EPISODE_STAT_TRUNCATED_TURNS = "num_truncated_turns"
 
 
 class CriterionScore(msgspec.Struct, kw_only=True):

@@ -257,8 +257,7 @@ async def test_a_real_engine_episode_keeps_engine_tokens_and_versions(
         rollouts = await agent.run(adder_task(group_size=2))
     finally:
         batcher_task.cancel()
-    endings = ("stop", "length", "max_turns")  # a random policy's last turn may be cut
-    assert len(rollouts) == 2 and all(r.finish_reason in endings for r in rollouts)
+    assert len(rollouts) == 2 and all(r.finish_reason in ("stop", "max_turns") for r in rollouts)
     for prompt, (completion,) in seen:
         rollout = next(
             r

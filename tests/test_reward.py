@@ -17,7 +17,14 @@ from libs.bus.publisher import Publisher
 from libs.reward import Criterion, Rubric, rubric_for, score_rollout
 from libs.reward.rubric import CriterionError
 from proto import streams, subjects
-from proto.messages import DeadLetter, Rollout, ScoredRollout, Task, Turn
+from proto.messages import (
+    EPISODE_STAT_TRUNCATED_TURNS,
+    DeadLetter,
+    Rollout,
+    ScoredRollout,
+    Task,
+    Turn,
+)
 from services.reward.service import RewardService
 from services.reward.settings import RewardSettings
 from tests.conftest import wait_for
@@ -72,6 +79,24 @@ async def test_arith_rubric_scores_by_hand_computed_numbers(
     assert breakdown == {"exact_match": (0.8, exact), "format": (0.2, form)}
     assert result.reward == pytest.approx(reward)
     assert all(c.reason for c in result.criteria)
+
+
+async def test_arith_uses_the_envs_verdict_and_a_cut_answer_is_not_well_formed() -> None:
+    """The harness's rollouts: the env ended the episode ("stop") with its verdict; a final
+    turn that max_tokens cut is counted in stats and earns no format credit."""
+    ended = rollout("7", "stop")
+    verdict = {"answer_correct": False, "expected": "7"}  # the env decides, not the text
+    judged = Rollout(**{**_fields(ended), "env_info": verdict})
+    cut = Rollout(**{**_fields(ended), "stats": {EPISODE_STAT_TRUNCATED_TURNS: 1.0}})
+    rubric = rubric_for("arith")
+    by_env = {c.name: c.score for c in (await rubric.score(judged, TASK)).criteria}
+    by_cut = {c.name: c.score for c in (await rubric.score(cut, TASK)).criteria}
+    assert by_env == {"exact_match": 0.0, "format": 1.0}
+    assert by_cut == {"exact_match": 1.0, "format": 0.0}
+
+
+def _fields(message: Rollout) -> dict[str, object]:
+    return {name: getattr(message, name) for name in message.__struct_fields__}
 
 
 async def test_rubric_reward_is_the_weighted_mean_of_its_criteria() -> None:

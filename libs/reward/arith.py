@@ -3,7 +3,7 @@
 - exact_match (0.8): the environment's verdict, or (for a rollout without one) the final
   answer, cut at its first non-digit, equals spec["answer"].
 - format (0.2): 1.0 when the completion is only digits and the policy ended it itself
-  (eos: finish_reason "stop"), else 0.
+  (eos, not cut by max_tokens: stats num_truncated_turns 0), else 0.
 
 No partial credit for merely starting with a digit: that rewards every digit alike, and a
 randomly initialized policy drifts onto one digit before it learns which one. Seen on the
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from libs.envs.arithmetic import leading_digits
 from libs.reward.rubric import Criterion, Rubric, final_assistant_text
-from proto.messages import Rollout, Task
+from proto.messages import EPISODE_STAT_TRUNCATED_TURNS, Rollout, Task
 
 EXACT_MATCH_WEIGHT = 0.8
 FORMAT_WEIGHT = 0.2
@@ -39,9 +39,11 @@ def exact_match(rollout: Rollout, task: Task) -> tuple[float, str]:
 
 def answer_format(rollout: Rollout, task: Task) -> tuple[float, str]:
     text = final_assistant_text(rollout)
-    if text.isascii() and text.isdigit() and rollout.finish_reason == "stop":
+    cut = rollout.stats.get(EPISODE_STAT_TRUNCATED_TURNS, 0) > 0  # max_tokens ended it
+    if text.isascii() and text.isdigit() and rollout.finish_reason == "stop" and not cut:
         return 1.0, "only digits, ended by the policy"
-    return 0.0, f"not only digits ended by eos ({len(text)} chars, finish {rollout.finish_reason})"
+    ending = "cut at max_tokens" if cut else f"finish {rollout.finish_reason}"
+    return 0.0, f"not only digits ended by eos ({len(text)} chars, {ending})"
 
 
 def arith_rubric() -> Rubric:

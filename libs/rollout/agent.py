@@ -30,8 +30,8 @@ restarts from the opening messages and that summary (a new `Turn.segment`). Each
 one training row sharing the episode's reward. The budget is a worker setting, so the trigger
 is the same for every sample of a group.
 
-Finish reasons: an episode the environment ends takes its last completion's reason (`stop`
-when the policy ended the turn, `length` when max_tokens cut it), so a reward can tell a
+Finish reasons: an episode the environment ends finishes as `stop`; turns that max_tokens
+cut are counted (`Rollout.stats`, EPISODE_STAT_TRUNCATED_TURNS), so a reward can tell a
 clean answer from a truncated one. An env error ends the episode with finish reason
 `env_error` and the kind recorded (`Rollout.env_error`); an episode past
 `episode_timeout_s` ends as `timeout`; both are still published, and reward decides what
@@ -81,6 +81,7 @@ EPISODE_STATS = (
     m.EPISODE_STAT_TOOL_ERRORS,
     m.EPISODE_STAT_SEGMENTS,
     m.EPISODE_STAT_GENERATED_TOKENS,
+    m.EPISODE_STAT_TRUNCATED_TURNS,
 )
 SUMMARY_RESUME = "Summary of your progress so far:\n{summary}\n\nContinue the task from there."
 
@@ -153,6 +154,8 @@ class Transcript:
         )
         self.context.extend(completion.token_ids)
         self.count(m.EPISODE_STAT_GENERATED_TOKENS, len(completion.token_ids))
+        if completion.finish_reason == "length":
+            self.count(m.EPISODE_STAT_TRUNCATED_TURNS)
 
     def new_segment(self) -> None:
         self.segment += 1
@@ -282,9 +285,7 @@ class AgentRunner:
             parsed = parse_tool_calls(text, tool_names, f"call-{turn_index}")
             reply = await self._step(task, opening, text, parsed, transcript)
             if reply.done:
-                return EpisodeEnd(
-                    completion.finish_reason, env_done=True, env_info=dict(reply.info)
-                )
+                return EpisodeEnd("stop", env_done=True, env_info=dict(reply.info))
             follow = self._follow_up(parsed, reply)
             transcript.queue(
                 template.render_continuation_body(completion.token_ids, follow),
