@@ -23,7 +23,7 @@ from libs.service import Service
 from libs.tokenizer import ByteTokenizer
 from libs.weights.handoff import stage_weights
 from proto import streams
-from proto.messages import DeadLetter, Rollout, Task
+from proto.messages import EPISODE_STAT_TRUNCATED_TURNS, DeadLetter, Rollout, Task
 from proto.subjects import task_subject
 from services.env_gateway.service import EnvGatewayService
 from services.env_gateway.settings import EnvGatewaySettings
@@ -171,8 +171,12 @@ async def test_waits_for_weights_then_rolls_out_a_group(cluster: Cluster) -> Non
         assert len(answer.logprobs) == len(answer.token_ids)
         assert all(lp <= 0.0 for lp in answer.logprobs)
         assert answer.text == TOKENIZER.decode(answer.token_ids)
+        # The env ended the one-turn episode; a turn max_tokens cut is counted, not the ending.
         ended_by_eos = answer.token_ids[-1] == TOKENIZER.eos_id
-        assert rollout.finish_reason == ("stop" if ended_by_eos else "length")
+        assert (
+            rollout.finish_reason == "stop" and rollout.env_info["expected"] == task.spec["answer"]
+        )
+        assert rollout.stats[EPISODE_STAT_TRUNCATED_TURNS] == (0 if ended_by_eos else 1)
 
     # A redelivered task (here: the same task stored again) rolls out under the same ids,
     # which the raw stream drops as duplicates.

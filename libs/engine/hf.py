@@ -35,13 +35,10 @@ from libs.engine.base import (
     SamplingParams,
     T,
 )
+from libs.engine.requests import check_request, check_version, hits_stop, stage_update
 from libs.engine.sampling import SampledTokens, make_generator, sample_next_tokens
 from libs.policy import position_ids_from_mask, sequence_logprobs
 from libs.tokenizer import Tokenizer
-
-# Extra tokens decoded before a stop string's own length when looking for it, so tokenizers
-# whose decode depends on the previous token (SentencePiece's leading space) still match.
-STOP_STRING_CONTEXT_TOKENS = 4
 
 # Attention kernels allowed while decoding: all but cuDNN's, which builds a graph for every
 # new (batch, length) shape; decoding makes a new shape every step. Measured on an H200 with
@@ -120,7 +117,14 @@ class HFEngine(InferenceEngine):
     def generate(
         self, prompts: list[list[int]], params: SamplingParams, num_samples: int = 1
     ) -> list[Completion]:
-        self._check_request(prompts, params, num_samples)
+        check_request(
+            prompts,
+            params,
+            num_samples,
+            self.model.config.vocab_size,
+            self.model.config.max_position_embeddings,
+            "the model's positions",
+        )
         row_prompts = [prompt for prompt in prompts for _ in range(num_samples)]
         rows: list[_Row] = []
         with self._lock, torch.inference_mode(), sdpa_kernel(DECODE_SDPA_BACKENDS):
@@ -132,12 +136,9 @@ class HFEngine(InferenceEngine):
         return [_to_completion(row, index, num_samples, version) for index, row in enumerate(rows)]
 
     def update_weights(self, state: Mapping[str, torch.Tensor], version: int) -> float:
-        staged = self._stage(state)  # device transfer and casts happen before the pause
+        staged = stage_update(self._tensors, state)  # moved and cast before the pause
         with self._lock:
-            if version < self._version:
-                raise ValueError(
-                    f"weight version {version} is older than the loaded version {self._version}"
-                )
+            check_version(version, self._version)
             start_s = time.perf_counter()
             with torch.no_grad():
                 for name, tensor in staged.items():
@@ -162,51 +163,13 @@ class HFEngine(InferenceEngine):
 
     def write_in_place(self, write: Callable[[], T], version: int) -> tuple[T, float]:
         with self._lock:
-            if version < self._version:
-                raise ValueError(
-                    f"weight version {version} is older than the loaded version {self._version}"
-                )
+            check_version(version, self._version)
             start_s = time.perf_counter()
             result = write()
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             self._version = version
             return result, time.perf_counter() - start_s
-
-    def _stage(self, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """`state` checked against the model and moved to its device and dtypes."""
-        unknown = sorted(set(state) - set(self._tensors))
-        if unknown:
-            raise ValueError(f"weight update names tensors the model lacks: {unknown[:5]}")
-        staged: dict[str, torch.Tensor] = {}
-        for name, tensor in state.items():
-            target = self._tensors[name]
-            if tensor.shape != target.shape:
-                raise ValueError(
-                    f"weight update {name!r} has shape {tuple(tensor.shape)}, "
-                    f"the model has {tuple(target.shape)}"
-                )
-            staged[name] = tensor.to(device=target.device, dtype=target.dtype)
-        return staged
-
-    def _check_request(
-        self, prompts: list[list[int]], params: SamplingParams, num_samples: int
-    ) -> None:
-        """Raise ValueError naming the problem if the request cannot be served."""
-        if num_samples < 1:
-            raise ValueError(f"num_samples must be >= 1, got {num_samples}")
-        if not prompts or any(len(prompt) == 0 for prompt in prompts):
-            raise ValueError("prompts must be a non-empty list of non-empty token-id lists")
-        vocab_size = self.model.config.vocab_size
-        if any(not 0 <= token < vocab_size for prompt in prompts for token in prompt):
-            raise ValueError(f"prompt token ids must lie in [0, {vocab_size})")
-        max_positions = self.model.config.max_position_embeddings
-        longest = max(len(prompt) for prompt in prompts)
-        if longest + params.max_tokens > max_positions:
-            raise ValueError(
-                f"longest prompt ({longest}) + max_tokens ({params.max_tokens}) exceeds the "
-                f"model's {max_positions} positions; lower max_tokens or shorten the prompt"
-            )
 
     def _check_scoring(self, prompts: list[list[int]], continuations: list[list[int]]) -> None:
         """Raise ValueError naming the problem if these continuations cannot be scored."""
@@ -216,11 +179,12 @@ class HFEngine(InferenceEngine):
             )
         if any(not continuation for continuation in continuations):
             raise ValueError("continuations must be non-empty token-id lists")
-        self._check_request(prompts, SamplingParams(max_tokens=1), 1)
+        max_positions = self.model.config.max_position_embeddings
         vocab_size = self.model.config.vocab_size
+        limit = "the model's positions"
+        check_request(prompts, SamplingParams(max_tokens=1), 1, vocab_size, max_positions, limit)
         if any(not 0 <= token < vocab_size for c in continuations for token in c):
             raise ValueError(f"continuation token ids must lie in [0, {vocab_size})")
-        max_positions = self.model.config.max_position_embeddings
         lengths = [len(p) + len(c) for p, c in zip(prompts, continuations, strict=True)]
         if max(lengths) > max_positions:
             raise ValueError(
@@ -296,23 +260,11 @@ class HFEngine(InferenceEngine):
             row.token_ids.append(token_ids[slot])
             row.logprobs.append(logprobs[slot])
             row.raw_logprobs.append(raw_logprobs[slot])
-            if self._hits_stop(row.token_ids, params):
+            if hits_stop(row.token_ids, params, self.tokenizer):
                 row.finish_reason = "stop"
             else:
                 running.append(slot)
         return running
-
-    def _hits_stop(self, token_ids: list[int], params: SamplingParams) -> bool:
-        """True when the newest token is a stop id or completes a stop string."""
-        last = token_ids[-1]
-        if last == self.tokenizer.eos_id or last in params.stop_token_ids:
-            return True
-        if not params.stop_strings:
-            return False
-        # A stop string of n UTF-8 bytes spans at most n tokens (each token is >= 1 byte).
-        window = max(len(text.encode()) for text in params.stop_strings)
-        tail = self.tokenizer.decode(token_ids[-(window + STOP_STRING_CONTEXT_TOKENS) :])
-        return any(text in tail for text in params.stop_strings)
 
 
 def _cache_kwarg_name(model: PreTrainedModel) -> str:

@@ -46,13 +46,12 @@ from libs.engine.base import (
 from libs.engine.hf import HFEngine
 from libs.engine.kv_cache import BlockPool, CacheLayout, PagedKVCache, blocks_for_memory
 from libs.engine.model_runner import PagedModelRunner, PrefillChunk, check_architecture
+from libs.engine.requests import check_request, check_version, hits_stop, stage_update
 from libs.engine.row_sampling import row_seed, sample_rows, step_seeds
 from libs.engine.sampling import SampledTokens
 from libs.engine.scheduler import Request, Scheduler, Sequence, blocks_needed
 from libs.tokenizer import Tokenizer
 
-# Extra tokens decoded before a stop string's own length when looking for it (as `hf`).
-STOP_STRING_CONTEXT_TOKENS = 4
 CPU_KV_CACHE_TOKENS = 65_536
 """KV cache tokens on CPU when not given (allocated lazily: untouched pages cost nothing)."""
 GPU_TOKENS_PER_ROW = 4096
@@ -129,7 +128,14 @@ class PagedEngine(InferenceEngine):
     def generate(
         self, prompts: list[list[int]], params: SamplingParams, num_samples: int = 1
     ) -> list[Completion]:
-        self._check_request(prompts, params, num_samples)
+        check_request(
+            prompts,
+            params,
+            num_samples,
+            self.model.config.vocab_size,
+            self._max_context,
+            "model positions and KV cache size",
+        )
         with self._lock:
             while self._writing:
                 self._changed.wait()
@@ -148,7 +154,7 @@ class PagedEngine(InferenceEngine):
         return request.completions()
 
     def update_weights(self, state: Mapping[str, torch.Tensor], version: int) -> float:
-        staged = self._stage(state)  # device transfer and casts happen before the pause
+        staged = stage_update(self._tensors, state)  # moved and cast before the pause
 
         def copy() -> None:
             for name, tensor in staged.items():
@@ -162,7 +168,7 @@ class PagedEngine(InferenceEngine):
     def write_in_place(self, write: Callable[[], T], version: int) -> tuple[T, float]:
         with self._write_lock:
             with self._lock:
-                self._check_version(version)
+                check_version(version, self._version)
                 self._writing = True  # new calls wait; running ones finish on the old weights
                 while self._num_running_calls:
                     self._changed.wait()
@@ -352,65 +358,13 @@ class PagedEngine(InferenceEngine):
 
     def _stop_if_done(self, seq: Sequence) -> bool:
         """Finish `seq` if its newest token ends it; True if it did."""
-        if self._hits_stop(seq.generated, seq.params):
+        if hits_stop(seq.generated, seq.params, self.tokenizer):
             self.scheduler.finish(seq, "stop")
         elif len(seq.generated) >= seq.params.max_tokens:
             self.scheduler.finish(seq, "length")
         else:
             return False
         return True
-
-    def _hits_stop(self, token_ids: list[int], params: SamplingParams) -> bool:
-        """True when the newest token is a stop id or completes a stop string."""
-        last = token_ids[-1]
-        if last == self.tokenizer.eos_id or last in params.stop_token_ids:
-            return True
-        if not params.stop_strings:
-            return False
-        window = max(len(text.encode()) for text in params.stop_strings)
-        tail = self.tokenizer.decode(token_ids[-(window + STOP_STRING_CONTEXT_TOKENS) :])
-        return any(text in tail for text in params.stop_strings)
-
-    def _check_version(self, version: int) -> None:
-        if version < self._version:
-            raise ValueError(
-                f"weight version {version} is older than the loaded version {self._version}"
-            )
-
-    def _stage(self, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """`state` checked against the model and moved to its device and dtypes."""
-        unknown = sorted(set(state) - set(self._tensors))
-        if unknown:
-            raise ValueError(f"weight update names tensors the model lacks: {unknown[:5]}")
-        staged: dict[str, torch.Tensor] = {}
-        for name, tensor in state.items():
-            target = self._tensors[name]
-            if tensor.shape != target.shape:
-                raise ValueError(
-                    f"weight update {name!r} has shape {tuple(tensor.shape)}, "
-                    f"the model has {tuple(target.shape)}"
-                )
-            staged[name] = tensor.to(device=target.device, dtype=target.dtype)
-        return staged
-
-    def _check_request(
-        self, prompts: list[list[int]], params: SamplingParams, num_samples: int
-    ) -> None:
-        """Raise ValueError naming the problem if the request cannot be served."""
-        if num_samples < 1:
-            raise ValueError(f"num_samples must be >= 1, got {num_samples}")
-        if not prompts or any(len(prompt) == 0 for prompt in prompts):
-            raise ValueError("prompts must be a non-empty list of non-empty token-id lists")
-        vocab_size = self.model.config.vocab_size
-        if any(not 0 <= token < vocab_size for prompt in prompts for token in prompt):
-            raise ValueError(f"prompt token ids must lie in [0, {vocab_size})")
-        longest = max(len(prompt) for prompt in prompts)
-        if longest + params.max_tokens > self._max_context:
-            raise ValueError(
-                f"longest prompt ({longest}) + max_tokens ({params.max_tokens}) exceeds the "
-                f"{self._max_context} tokens one sequence may hold (model positions and KV "
-                "cache size); lower max_tokens, shorten the prompt or give the cache more memory"
-            )
 
 
 def _host_rows(sampled: SampledTokens) -> list[tuple[int, float, float]]:
