@@ -32,10 +32,10 @@ from libs.engine.factory import EngineConfig, build_engine
 from libs.envs.client import EnvClient
 from libs.nats_server import free_port
 from libs.policy import PolicyConfig, build_policy, sequence_logprobs
-from libs.service import Service
-from libs.tokenizer import ByteTokenizer
 from libs.rollout.agent import AgentSettings
 from libs.rollout.evaluate import evaluate, mean_reward
+from libs.service import Service
+from libs.tokenizer import ByteTokenizer
 from libs.trainer.eval_gate import EvalGateConfig, held_out_tasks
 from libs.trainer.online_step import OnlineConfig
 from proto import streams
