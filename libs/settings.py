@@ -4,18 +4,28 @@ A service reads `RLPIPE_<SERVICE>_<FIELD>` (e.g. `RLPIPE_TRAINER_HTTP_PORT`). Fi
 the same for a whole deployment also fall back to a shared variable: `RLPIPE_NATS_URL`,
 `RLPIPE_PROVISION`, `RLPIPE_RUN_DIR`, `RLPIPE_LOG_LEVEL`, `RLPIPE_LOG_FORMAT`. Optional
 TOML: point `RLPIPE_CONFIG` at a file; the table named after the service (`[trainer]`) is
-read, and environment variables win over it.
+read, and environment variables win over it. Command-line overrides (`rlpipe run|demo --set
+trainer.learning_rate=1e-4`) reach a service as `RLPIPE_SET` (JSON: {service: {field: value}})
+and win over both.
+
+A name that matches no field is refused with the nearest field named: a key of the service's
+TOML table, a `RLPIPE_<SERVICE>_*` variable, an override. `load_settings` turns any mistake
+into a `SettingsError` of one line per problem (what `rlpipe run` prints before exiting 2).
 """
 
 from __future__ import annotations
 
+import difflib
+import json
 import os
+import sys
 import tomllib
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
-from pydantic import Field, model_validator
+from pydantic import BaseModel, Field, ValidationError, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 SHARED_FALLBACKS = {
@@ -25,6 +35,15 @@ SHARED_FALLBACKS = {
     "log_level": "RLPIPE_LOG_LEVEL",
     "log_format": "RLPIPE_LOG_FORMAT",
 }
+CONFIG_VARIABLE = "RLPIPE_CONFIG"
+OVERRIDES_VARIABLE = "RLPIPE_SET"
+
+
+SettingsT = TypeVar("SettingsT", bound="ServiceSettings")
+
+
+class SettingsError(ValueError):
+    """Settings a service cannot start with; the message has one line per problem."""
 
 
 # How every service reads nested configs from its variables: the part of the name after the
@@ -69,7 +88,9 @@ class ServiceSettings(BaseSettings):
     drain_timeout_s: float = Field(
         10.0, gt=0, description="Time in-flight work gets to finish on SIGTERM"
     )
-    connect_attempts: int = Field(10, ge=1, description="Attempts at the first bus connection")
+    # Each attempt waits up to 4 s: a wrong URL fails in under 10 s with one error line (a
+    # supervisor, compose or Kubernetes restarts a service that started before its bus).
+    connect_attempts: int = Field(2, ge=1, description="Attempts at the first bus connection")
 
     @model_validator(mode="before")
     @classmethod
@@ -82,6 +103,21 @@ class ServiceSettings(BaseSettings):
                 data[field] = os.environ[variable]
         return data
 
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unknown_names(cls, data: Any) -> Any:
+        """Unknown TOML keys, overrides and `RLPIPE_<SERVICE>_*` variables are errors that
+        name the nearest field (pydantic-settings would skip them without a word)."""
+        problems = [*unknown_variables(cls, os.environ)]
+        if isinstance(data, dict):
+            table, overrides = toml_table(cls.SERVICE), override_table(cls.SERVICE)
+            for key in sorted(set(data) - set(cls.model_fields)):
+                where = "--set" if key in overrides else "TOML" if key in table else "argument"
+                problems.append(f"unknown {where} key {cls.SERVICE}.{key}{nearest(key, cls)}")
+        if problems:
+            raise ValueError("\n".join(problems))
+        return data
+
     @classmethod
     def settings_customise_sources(
         cls,
@@ -91,7 +127,13 @@ class ServiceSettings(BaseSettings):
         dotenv_settings: PydanticBaseSettingsSource,
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
-        return (init_settings, env_settings, TomlTableSource(settings_cls), file_secret_settings)
+        return (
+            init_settings,
+            OverridesSource(settings_cls),
+            env_settings,
+            TomlTableSource(settings_cls),
+            file_secret_settings,
+        )
 
     def redacted(self) -> dict[str, Any]:
         """The resolved settings for the start-up log, secrets and passwords in URLs masked."""
@@ -108,19 +150,189 @@ class TomlTableSource(PydanticBaseSettingsSource):
     """The `[<service>]` table of the TOML file named by RLPIPE_CONFIG, if any."""
 
     def __call__(self) -> dict[str, Any]:
-        path = os.environ.get("RLPIPE_CONFIG")
-        if not path:
-            return {}
-        try:
-            document = tomllib.loads(Path(path).read_text())
-        except (OSError, tomllib.TOMLDecodeError) as exc:
-            raise ValueError(f"RLPIPE_CONFIG={path}: cannot read TOML ({exc})") from exc
-        service: str = getattr(self.settings_cls, "SERVICE", "")
-        table = document.get(service.replace("-", "_"), {})
-        return table if isinstance(table, dict) else {}
+        return toml_table(getattr(self.settings_cls, "SERVICE", ""))
 
     def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:
         return None, field_name, False
+
+
+class OverridesSource(PydanticBaseSettingsSource):
+    """The service's command-line overrides (`--set`), carried by RLPIPE_SET."""
+
+    def __call__(self) -> dict[str, Any]:
+        return override_table(getattr(self.settings_cls, "SERVICE", ""))
+
+    def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:
+        return None, field_name, False
+
+
+def toml_document() -> dict[str, Any]:
+    """The TOML file named by RLPIPE_CONFIG ({} when unset); SettingsError if unreadable."""
+    path = os.environ.get(CONFIG_VARIABLE)
+    if not path:
+        return {}
+    try:
+        return tomllib.loads(Path(path).read_text())
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise SettingsError(f"{CONFIG_VARIABLE}={path}: cannot read TOML ({exc})") from exc
+
+
+def toml_table(service: str) -> dict[str, Any]:
+    """The `[<service>]` table (dashes as underscores: `[rollout_worker]`), or {}."""
+    table = toml_document().get(service.replace("-", "_"), {})
+    return table if isinstance(table, dict) else {}
+
+
+def override_table(service: str) -> dict[str, Any]:
+    """The `--set` overrides of `service` carried by RLPIPE_SET, nested by field."""
+    text = os.environ.get(OVERRIDES_VARIABLE)
+    if not text:
+        return {}
+    try:
+        table = json.loads(text).get(service, {})
+    except (ValueError, AttributeError) as exc:
+        raise SettingsError(f"{OVERRIDES_VARIABLE} is not a JSON object of tables: {exc}") from exc
+    return table if isinstance(table, dict) else {}
+
+
+def parse_override(text: str) -> tuple[str, list[str], Any]:
+    """`trainer.policy.path=models/x` -> ("trainer", ["policy", "path"], "models/x").
+
+    A value that reads as a JSON list or object (`[...]`, `{...}`) is decoded; any other
+    value stays text for the field's own validation (`1e-4`, `true`, `debug`)."""
+    name, sep, value = text.partition("=")
+    service, _, dotted = name.strip().partition(".")
+    if not sep or not service or not dotted:
+        raise SettingsError(
+            f"--set {text!r}: write SERVICE.FIELD=VALUE (trainer.learning_rate=1e-4)"
+        )
+    decoded: Any = value
+    if value.strip()[:1] in ("[", "{"):
+        try:
+            decoded = json.loads(value)
+        except ValueError as exc:
+            raise SettingsError(f"--set {text!r}: the value is not valid JSON ({exc})") from exc
+    return service.replace("_", "-"), dotted.split("."), decoded
+
+
+def merge_overrides(texts: list[str], into: dict[str, Any] | None = None) -> dict[str, Any]:
+    """RLPIPE_SET's tables with `texts` (SERVICE.FIELD=VALUE) added, later ones winning."""
+    tables: dict[str, Any] = dict(into or {})
+    for text in texts:
+        service, path, value = parse_override(text)
+        table = tables.setdefault(service, {})
+        for part in path[:-1]:
+            table = table.setdefault(part, {})
+        table[path[-1]] = value
+    return tables
+
+
+def nested_fields(cls: type[BaseModel]) -> dict[str, type[BaseModel]]:
+    """Top-level fields of `cls` whose type is a pydantic model (`policy`, `eval`)."""
+    found = {}
+    for name, field in cls.model_fields.items():
+        annotation = field.annotation
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            found[name] = annotation
+    return found
+
+
+def variable_names(cls: type[ServiceSettings]) -> dict[str, str]:
+    """Every variable `cls` reads -> the field it sets (`RLPIPE_TRAINER_POLICY_PATH` ->
+    `policy.path`); nested ones only where the class splits names (NESTED_SETTINGS)."""
+    prefix = str(cls.model_config.get("env_prefix", "")).upper()
+    names = {f"{prefix}{name.upper()}": name for name in cls.model_fields}
+    if cls.model_config.get("env_nested_delimiter"):
+        for name, model in nested_fields(cls).items():
+            for sub in model.model_fields:
+                names[f"{prefix}{name.upper()}_{sub.upper()}"] = f"{name}.{sub}"
+    return names
+
+
+def unknown_variables(
+    cls: type[ServiceSettings], environ: dict[str, str] | os._Environ[str]
+) -> Iterator[str]:
+    """A problem line for each `RLPIPE_<SERVICE>_*` variable that sets no field of `cls`."""
+    prefix = str(cls.model_config.get("env_prefix", "")).upper()
+    known = variable_names(cls)
+    for variable in sorted(environ):
+        upper = variable.upper()
+        if upper.startswith(prefix) and upper not in known:
+            field = upper.removeprefix(prefix).lower()
+            yield f"unknown variable {variable}{nearest(field, cls)}"
+
+
+def nearest(name: str, cls: type[ServiceSettings]) -> str:
+    """` (did you mean X?)` naming the field closest to `name`, or a pointer to the list."""
+    candidates = [*cls.model_fields, *(v.replace(".", "_") for v in variable_names(cls).values())]
+    match = difflib.get_close_matches(name.lower(), candidates, n=1, cutoff=0.6)
+    service = cls.SERVICE
+    if not match:
+        return f" (no such field; see `rlpipe config show {service}`)"
+    field = match[0]
+    dotted = variable_names(cls).get(
+        f"{str(cls.model_config.get('env_prefix', '')).upper()}{field.upper()}", field
+    )
+    return f" (did you mean {dotted}?)"
+
+
+def load_settings(cls: type[SettingsT]) -> SettingsT:
+    """`cls()` read from overrides, variables and TOML; SettingsError with one line per
+    problem (the variable or key, what is wrong) instead of pydantic's report."""
+    try:
+        return cls()
+    except ValidationError as exc:
+        raise SettingsError("\n".join(describe_error(cls, e) for e in exc.errors())) from None
+
+
+def settings_or_exit(cls: type[SettingsT]) -> SettingsT:
+    """`load_settings` for a service's main: a mistake prints `error: ...` lines on stderr
+    and exits 2, without a traceback."""
+    try:
+        return load_settings(cls)
+    except SettingsError as exc:
+        for line in str(exc).splitlines():
+            print(f"error: {line}", file=sys.stderr)
+        sys.exit(2)
+
+
+def describe_error(cls: type[ServiceSettings], error: Any) -> str:
+    """One line for one pydantic error: where the value came from, the field, the reason."""
+    message = str(error["msg"]).removeprefix("Value error, ")
+    location = ".".join(str(part) for part in error["loc"])
+    if not location:
+        return "\n".join(f"{cls.SERVICE}: {line}" for line in message.splitlines())
+    value = error.get("input")
+    shown = f" = {value!r}" if isinstance(value, (str, int, float, bool)) else ""
+    return f"{cls.SERVICE}.{location}{shown}: {message} ({setting_source(cls, location)})"
+
+
+def setting_source(cls: type[ServiceSettings], dotted: str) -> str:
+    """Where the value of field `dotted` (`learning_rate`, `policy.path`) came from:
+    `--set`, the variable that set it, the TOML file, or `default`."""
+    parts = dotted.split(".")
+    if _lookup(override_table(cls.SERVICE), parts) is not None:
+        return "--set"
+    prefix = str(cls.model_config.get("env_prefix", "")).upper()
+    upper = {name.upper(): name for name in os.environ}
+    candidates = [prefix + "_".join(parts).upper(), prefix + parts[0].upper()]
+    if parts[0] in SHARED_FALLBACKS:
+        candidates.append(SHARED_FALLBACKS[parts[0]])
+    for variable in candidates:
+        if variable in upper:
+            return f"env {upper[variable]}"
+    if _lookup(toml_table(cls.SERVICE), parts) is not None:
+        return f"TOML {os.environ.get(CONFIG_VARIABLE)}"
+    return "default"
+
+
+def _lookup(table: dict[str, Any], parts: list[str]) -> Any:
+    value: Any = table
+    for part in parts:
+        if not isinstance(value, dict) or part not in value:
+            return None
+        value = value[part]
+    return value
 
 
 def mask_url_password(url: str) -> str:

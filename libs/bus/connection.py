@@ -45,7 +45,7 @@ async def connect_bus(
     url: str,
     name: str,
     *,
-    max_attempts: int = 10,
+    max_attempts: int = 3,
     retry_delay_s: float = 0.5,
     connect_timeout_s: float = 2.0,
     inbox_prefix: str | None = None,
@@ -59,6 +59,7 @@ async def connect_bus(
     shown_url = redact_url(url)
     options = {"inbox_prefix": inbox_prefix} if inbox_prefix else {}
     last_error: Exception | None = None
+    callbacks = ConnectionCallbacks()
     for attempt in range(1, max_attempts + 1):
         try:
             # nats-py retries a first connect forever when reconnects are unlimited, so the
@@ -71,8 +72,8 @@ async def connect_bus(
                     allow_reconnect=True,
                     max_reconnect_attempts=-1,
                     reconnect_time_wait=0.5,
-                    error_cb=_on_error,
-                    disconnected_cb=_on_disconnected,
+                    error_cb=callbacks.on_error,
+                    disconnected_cb=callbacks.on_disconnected,
                     reconnected_cb=_on_reconnected,
                     **options,
                 ),
@@ -80,9 +81,11 @@ async def connect_bus(
             )
         except Exception as exc:  # nats raises several unrelated types for "unreachable"
             last_error = exc
-            log.warning("bus connect failed", url=shown_url, attempt=attempt, error=repr(exc))
-            await asyncio.sleep(min(retry_delay_s * 2 ** (attempt - 1), 5.0))
+            log.debug("bus connect failed", url=shown_url, attempt=attempt, error=repr(exc))
+            if attempt < max_attempts:
+                await asyncio.sleep(min(retry_delay_s * 2 ** (attempt - 1), 5.0))
             continue
+        callbacks.connected = True
         try:
             check_server_version(str(nc.connected_server_version), shown_url)
         except BusConnectError:
@@ -90,7 +93,8 @@ async def connect_bus(
             raise
         return Bus(nc=nc, js=nc.jetstream())
     raise BusConnectError(
-        f"could not connect to NATS at {shown_url} after {max_attempts} attempts ({last_error}); "
+        f"could not connect to NATS at {shown_url} after {max_attempts} attempts "
+        f"({str(last_error) or type(last_error).__name__}); "
         "is nats-server running there with JetStream (-js)? Set RLPIPE_NATS_URL to its URL"
     )
 
@@ -100,12 +104,21 @@ def redact_url(url: str) -> str:
     return re.sub(r"//([^:/@]+):[^@]*@", r"//\1:***@", url)
 
 
-async def _on_error(exc: Exception) -> None:
-    log.warning("bus error", error=repr(exc))
+class ConnectionCallbacks:
+    """nats-py's error and disconnect callbacks for one connection, quiet until the first
+    contact succeeds: before that nats-py retries inside each attempt (every 0.5 s) and would
+    log each try; the attempts' outcome is the one error `connect_bus` raises."""
 
+    def __init__(self) -> None:
+        self.connected = False
 
-async def _on_disconnected() -> None:
-    log.warning("bus disconnected")
+    async def on_error(self, exc: Exception) -> None:
+        if self.connected:
+            log.warning("bus error", error=repr(exc))
+
+    async def on_disconnected(self) -> None:
+        if self.connected:
+            log.warning("bus disconnected")
 
 
 async def _on_reconnected() -> None:

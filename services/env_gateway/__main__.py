@@ -6,12 +6,13 @@ Configured by RLPIPE_ENV_GATEWAY_* environment variables (see settings.py).
 """
 
 from libs.service import run_service
+from libs.settings import settings_or_exit
 from services.env_gateway.service import EnvGatewayService
 from services.env_gateway.settings import EnvGatewaySettings
 
 
 def main() -> None:
-    settings = EnvGatewaySettings()
+    settings = settings_or_exit(EnvGatewaySettings)
     run_service(EnvGatewayService(settings), settings)
 
 

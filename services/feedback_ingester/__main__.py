@@ -6,12 +6,13 @@ Configured by RLPIPE_FEEDBACK_INGESTER_* environment variables (see settings.py)
 """
 
 from libs.service import run_service
+from libs.settings import settings_or_exit
 from services.feedback_ingester.service import FeedbackIngesterService
 from services.feedback_ingester.settings import FeedbackIngesterSettings
 
 
 def main() -> None:
-    settings = FeedbackIngesterSettings()
+    settings = settings_or_exit(FeedbackIngesterSettings)
     run_service(FeedbackIngesterService(settings), settings)
 
 

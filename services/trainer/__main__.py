@@ -6,12 +6,13 @@ Configured by RLPIPE_TRAINER_* environment variables (see settings.py).
 """
 
 from libs.service import run_service
+from libs.settings import settings_or_exit
 from services.trainer.service import TrainerService
 from services.trainer.settings import TrainerSettings
 
 
 def main() -> None:
-    settings = TrainerSettings()
+    settings = settings_or_exit(TrainerSettings)
     run_service(TrainerService(settings), settings)
 
 

@@ -8,12 +8,13 @@ RLPIPE_WEIGHT_BROADCASTER_* environment variables (see settings.py).
 """
 
 from libs.service import run_service
+from libs.settings import settings_or_exit
 from services.weight_broadcaster.service import WeightBroadcasterService
 from services.weight_broadcaster.settings import WeightBroadcasterSettings
 
 
 def main() -> None:
-    settings = WeightBroadcasterSettings()
+    settings = settings_or_exit(WeightBroadcasterSettings)
     run_service(WeightBroadcasterService(settings), settings)
 
 
