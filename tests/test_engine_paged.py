@@ -166,6 +166,30 @@ def test_prefix_sharing_gives_the_same_tokens_and_skips_the_shared_prompt() -> N
     assert tokens(second) == tokens(make_paged().generate([turn], GREEDY))
 
 
+def test_prompts_staged_in_the_decode_step_decode_as_eager_prefills() -> None:
+    # Staged: prompts computed as extra rows of the decode step (default for short prompts),
+    # 8 prompt tokens a step at most here, so long prompts take several steps beside the
+    # decoding rows. Eager: every prompt through the separate prefill forward.
+    staged = make_paged(staged_prefill_tokens=8)
+    eager = make_paged(eager_prefill_above=1)
+    sampled = SamplingParams(temperature=1.0, max_tokens=12, seed=5)
+    for engine in (staged, eager):
+        engine.generate(PROMPTS, GREEDY)  # leaves cached prefixes behind, as in service
+    results: dict[str, list[list[int]]] = {}
+    for name, engine in (("staged", staged), ("eager", eager)):
+        crowd: list[list[Completion]] = []
+        other = threading.Thread(
+            target=lambda e=engine, out=crowd: out.append(e.generate(PROMPTS, GREEDY, 3))
+        )
+        other.start()
+        mine = engine.generate(PROMPTS[::-1], sampled, num_samples=2)
+        other.join()
+        results[name] = tokens(crowd[0]) + tokens(mine)
+    assert results["staged"] == results["eager"]
+    assert staged.timings_s["prefill"] == 0.0, "no eager prefill when every prompt is short"
+    assert eager.timings_s["prefill"] > 0.0
+
+
 def test_a_weight_update_between_steps_acts_as_a_fresh_model(engine: PagedEngine) -> None:
     local = make_paged(seed=0)
     prompt = [PROMPTS[2]]

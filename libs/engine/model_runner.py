@@ -12,6 +12,9 @@ Two entry points:
 - `decode()`: one token for each row of `rows` (a `DecodeRows`, the running batch whose
   state lives on the device), returns logits [rows, V]. On CUDA it replays the graph
   captured for the smallest batch bucket that holds the rows; Python does no per-layer work.
+  Prompt tokens staged as extra rows (`DecodeRows.stage`) are prefilled in the same replay:
+  each is a query at its position over its sequence's blocks, and every layer writes all
+  rows' K and V before any row attends, so a prompt's tokens see each other causally.
 
 On CUDA the layers run fused (`libs.engine.fused_layers`: one GEMM for q/k/v and one for
 gate/up, RMSNorm with the residual add, RoPE with the cache write, SiLU*up: about 10 kernels
@@ -88,8 +91,11 @@ class PrefillChunk:
 class DecodeRows:
     """State of the running decode batch, on the device: row i is the i-th running sequence.
 
-    Rows past `num_rows` keep positions 0 and all-zero block tables, so the padded rows of a
-    graph bucket read and write only the scratch block.
+    Rows [0, num_rows) decode. For one step, prompt tokens may be staged as further rows
+    (`stage`): each is one query at its own position over its sequence's block table, so a
+    step decodes the running rows and prefills small prompts in the same graph replay.
+    Rows past those in use keep positions 0 and all-zero block tables, so the padded rows
+    of a graph bucket read and write only the scratch block.
     """
 
     def __init__(self, max_rows: int, table_width: int, device: torch.device) -> None:
@@ -107,26 +113,41 @@ class DecodeRows:
         self,
         input_ids: list[int],
         positions: list[int],
-        tables: list[list[int]],
+        tables: Sequence[Sequence[int]],
         temperatures: list[float],
         top_ps: list[float],
         seeds: list[int],
     ) -> None:
         """Add rows (sequences that have just sampled their first token) at the end."""
-        start, count = self.num_rows, len(input_ids)
-        assert start + count <= self.max_rows, "the scheduler admitted more rows than fit"
-        rows = slice(start, start + count)
-        device = self.input_ids.device
-        self.input_ids[rows] = torch.tensor(input_ids, device=device)
-        self.positions[rows] = torch.tensor(positions, device=device)
-        width = self.tables.shape[1]
-        padded = [table + [0] * (width - len(table)) for table in tables]
-        self.tables[rows] = torch.tensor(padded, dtype=torch.int32, device=device)
-        self.temperatures[rows] = torch.tensor(temperatures, device=device)
-        self.top_ps[rows] = torch.tensor(top_ps, device=device)
-        self.seeds[rows] = torch.tensor(seeds, device=device)
-        self.num_generated[rows] = 1
+        count = len(input_ids)
+        assert self.num_rows + count <= self.max_rows, "the scheduler admitted more rows than fit"
+        self._write(self.num_rows, input_ids, positions, tables, list(range(count)))
+        self._write_sampling(self.num_rows, temperatures, top_ps, seeds, [1] * count)
         self.num_rows += count
+
+    def stage(
+        self,
+        input_ids: list[int],
+        positions: list[int],
+        tables: Sequence[Sequence[int]],
+        table_of_row: list[int],
+        sampling: tuple[list[float], list[float], list[int]],
+    ) -> int:
+        """Write prompt tokens as rows after the running ones, for one step; row i reads
+        block table `tables[table_of_row[i]]` and samples with `sampling` (temperatures,
+        top-ps, seeds per row) as a first token. Returns the rows in use, staged included;
+        `unstage` clears them after the step."""
+        count = len(input_ids)
+        start = self.num_rows
+        assert start + count <= self.max_rows, "more prompt tokens staged than rows left"
+        self._write(start, input_ids, positions, tables, table_of_row)
+        self._write_sampling(start, *sampling, [0] * count)
+        return start + count
+
+    def unstage(self, end: int) -> None:
+        """Clear the rows staged past `num_rows` (up to `end`)."""
+        self.positions[self.num_rows : end] = 0
+        self.tables[self.num_rows : end] = 0
 
     def advance(self, token_ids: torch.Tensor) -> None:
         """Every row's next input is the token it just sampled, one position further on."""
@@ -138,7 +159,7 @@ class DecodeRows:
     def keep(self, rows: list[int]) -> None:
         """Keep only `rows` (in this order) as rows 0.., clearing the rows left behind."""
         old = self.num_rows
-        index = torch.tensor(rows, dtype=torch.long, device=self.input_ids.device)
+        index = torch.tensor(rows, dtype=torch.long).to(self.input_ids.device, non_blocking=True)
         for buffer in self._buffers():
             buffer[: len(rows)] = buffer[index]
         self.positions[len(rows) : old] = 0
@@ -150,6 +171,46 @@ class DecodeRows:
         self.positions.zero_()
         self.tables.zero_()
         self.num_rows = 0
+
+    def _write(
+        self,
+        start: int,
+        input_ids: list[int],
+        positions: list[int],
+        tables: Sequence[Sequence[int]],
+        table_of_row: list[int],
+    ) -> None:
+        """Rows [start, start + len(input_ids)): ids, positions and block tables. Only the
+        tables' own width is written (the rest of a free row is zero already), and each
+        distinct table crosses to the device once."""
+        count, device = len(input_ids), self.input_ids.device
+        rows = slice(start, start + count)
+        packed = torch.tensor([input_ids, positions, table_of_row], dtype=torch.long)
+        packed = packed.to(device, non_blocking=True)
+        self.input_ids[rows] = packed[0]
+        self.positions[rows] = packed[1]
+        width = max(len(table) for table in tables)
+        padded = [list(table) + [0] * (width - len(table)) for table in tables]
+        distinct = torch.tensor(padded, dtype=torch.int32).to(device, non_blocking=True)
+        self.tables[rows, :width] = distinct[packed[2]]
+
+    def _write_sampling(
+        self,
+        start: int,
+        temperatures: list[float],
+        top_ps: list[float],
+        seeds: list[int],
+        num_generated: list[int],
+    ) -> None:
+        rows = slice(start, start + len(seeds))
+        device = self.input_ids.device
+        floats = torch.tensor([temperatures, top_ps], dtype=torch.float32)
+        ints = torch.tensor([seeds, num_generated], dtype=torch.long)
+        floats, ints = floats.to(device, non_blocking=True), ints.to(device, non_blocking=True)
+        self.temperatures[rows] = floats[0]
+        self.top_ps[rows] = floats[1]
+        self.seeds[rows] = ints[0]
+        self.num_generated[rows] = ints[1]
 
     def _buffers(self) -> list[torch.Tensor]:
         return [
@@ -173,6 +234,7 @@ class PagedModelRunner:
         max_rows: int,
         table_width: int,
         use_cuda_graphs: bool,
+        prefill_rows: int = 0,
     ) -> None:
         check_architecture(model)
         config = model.config
@@ -185,11 +247,14 @@ class PagedModelRunner:
         )
         self.scale = self.head_dim**-0.5
         self.device = model.device
-        self.rows = DecodeRows(max_rows, table_width, self.device)
+        # Decode rows, then up to `prefill_rows` prompt tokens staged for a step beside them.
+        self.prefill_rows = prefill_rows
+        self.rows = DecodeRows(max_rows + prefill_rows, table_width, self.device)
         # The Triton kernel needs a power-of-two head size; otherwise decode runs in torch.
         power_of_two = self.head_dim & (self.head_dim - 1) == 0
         self.use_kernel = self.device.type == "cuda" and HAS_TRITON and power_of_two
-        self.buckets = [b for b in DECODE_BUCKETS if b < max_rows] + [max_rows]
+        capacity = self.rows.max_rows
+        self.buckets = [b for b in DECODE_BUCKETS if b < capacity] + [capacity]
         self.num_heads = int(config.num_attention_heads)
         self.num_kv_heads = int(config.num_key_value_heads)
         self.eps = float(config.rms_norm_eps)
@@ -268,9 +333,10 @@ class PagedModelRunner:
             offsets,
         )
 
-    def decode(self) -> torch.Tensor:
-        """Logits [rows, V] of the next token of every running row (`self.rows`)."""
-        n = self.rows.num_rows
+    def decode(self, n: int | None = None) -> torch.Tensor:
+        """Logits [n, V] of the next token of rows [0, n) of `self.rows` (default: the
+        running rows; staged prompt rows after them give their tokens' next-token logits)."""
+        n = self.rows.num_rows if n is None else n
         if self._graphs:
             bucket = next(b for b in self.buckets if b >= n)
             graph, logits = self._graphs[bucket]

@@ -72,10 +72,14 @@ class PagedEngine(InferenceEngine):
         kv_cache_tokens: int | None = None,
         kv_cache_memory_fraction: float = 0.3,
         prefill_chunk_tokens: int = 2048,
+        staged_prefill_tokens: int = 256,
+        eager_prefill_above: int = 512,
         use_cuda_graphs: bool | None = None,
     ) -> None:
         if max_batch_rows < 1:
             raise ValueError(f"max_batch_rows must be >= 1, got {max_batch_rows}")
+        if staged_prefill_tokens < 1:
+            raise ValueError(f"staged_prefill_tokens must be >= 1, got {staged_prefill_tokens}")
         check_architecture(model)
         self.model = model.eval()
         self.tokenizer = tokenizer
@@ -89,8 +93,13 @@ class PagedEngine(InferenceEngine):
         self._max_context = min(positions, self.pool.capacity * block_size)
         graphs = model.device.type == "cuda" if use_cuda_graphs is None else use_cuda_graphs
         table_width = blocks_needed(self._max_context, block_size)
+        # Prompts with fewer than `eager_prefill_above` tokens left are prefilled inside the
+        # decode step's graph, `staged_prefill_tokens` at most a step; longer ones eagerly.
+        self.eager_prefill_above = eager_prefill_above
         with torch.no_grad():
-            self.runner = PagedModelRunner(model, self.cache, max_batch_rows, table_width, graphs)
+            self.runner = PagedModelRunner(
+                model, self.cache, max_batch_rows, table_width, graphs, staged_prefill_tokens
+            )
         self.scheduler = Scheduler(self.pool, max_batch_rows, prefill_chunk_tokens)
         self._stamp = self._weights_stamp()  # parameters as the fused copies last saw them
         self._scorer = HFEngine(model, tokenizer, max_batch_rows, policy_version)
@@ -272,16 +281,25 @@ class PagedEngine(InferenceEngine):
         return sum(tensor._version for tensor in self._tensors.values())
 
     def _step(self) -> None:
-        """Admit, prefill one chunk budget, decode one token for every running row."""
+        """Admit, then one forward: short prompts staged beside the decoding rows (one graph
+        replay), or a long prompt's chunk eagerly and then the decode step."""
         with self._lock:
             self.scheduler.admit()
-        chunks = self.scheduler.plan_prefill() if self.scheduler.prefill_due() else []
-        if chunks:
-            start_s = time.perf_counter()
-            self._prefill(chunks)
-            self.timings_s["prefill"] += time.perf_counter() - start_s
-        if self.scheduler.decoding:
-            self._decode()
+        scheduler = self.scheduler
+        if any(seq.prompt_len - seq.num_computed >= self.eager_prefill_above
+               for seq in scheduler.prefilling):  # fmt: skip
+            chunks = scheduler.plan_prefill() if scheduler.prefill_due() else []
+            if chunks:
+                start_s = time.perf_counter()
+                self._prefill(chunks)
+                self.timings_s["prefill"] += time.perf_counter() - start_s
+            if scheduler.decoding:
+                self._decode([])
+        else:
+            budget = self.runner.prefill_rows
+            staged = scheduler.plan_prefill(budget) if scheduler.prefilling else []
+            if staged or scheduler.decoding:
+                self._decode(staged)
         self.num_steps += 1
 
     def _prefill(self, chunks: list[tuple[Sequence, PrefillChunk]]) -> None:
@@ -297,14 +315,7 @@ class PagedEngine(InferenceEngine):
             return
         seqs = [chunks[row][0] for row in finishing]
         sampled = self._sample(logits[finishing], seqs, [0] * len(seqs))
-        joined: list[Sequence] = []
-        for seq, (token, logprob, raw) in zip(seqs, _host_rows(sampled), strict=True):
-            self.scheduler.prefilling.remove(seq)
-            self.scheduler.record(seq, token, logprob, raw)
-            if not self._stop_if_done(seq):
-                joined.append(seq)
-        if joined:
-            self._join_decoding(joined)
+        self._first_tokens(seqs, _host_rows(sampled))
 
     def _join_decoding(self, seqs: list[Sequence]) -> None:
         """Add sequences that sampled their first token to the running decode rows."""
@@ -318,22 +329,36 @@ class PagedEngine(InferenceEngine):
         )
         self.scheduler.decoding.extend(seqs)
 
-    def _decode(self) -> None:
-        """One token for every running row; finished rows leave the batch."""
+    def _decode(self, staged: list[tuple[Sequence, PrefillChunk]]) -> None:
+        """One token for every running row, and the `staged` prompt chunks computed in the
+        same forward (their rows after the running ones); finished rows leave the batch and
+        prompts that are now computed join it with their first token."""
         rows, decoding = self.runner.rows, self.scheduler.decoding
         n = rows.num_rows
         start_s = time.perf_counter()
-        logits = self.runner.decode()
-        seeds = step_seeds(rows.seeds[:n], rows.num_generated[:n])
-        all_top_p_one = all(seq.params.top_p >= 1.0 for seq in decoding)
-        sampled = sample_rows(
-            logits, rows.temperatures[:n], rows.top_ps[:n], seeds, all_top_p_one=all_top_p_one
-        )
-        rows.advance(sampled.token_ids)
+        end, picked = self._stage(staged) if staged else (n, [])
+        logits = self.runner.decode(end)
+        if picked:  # the decoding rows, then the last row of each prompt that completes
+            chosen = torch.tensor(list(range(n)) + [row for row, _ in picked])
+            chosen = chosen.to(logits.device, non_blocking=True)
+            logits = logits[chosen]
+            temperatures, top_ps = rows.temperatures[chosen], rows.top_ps[chosen]
+            seeds = step_seeds(rows.seeds[chosen], rows.num_generated[chosen])
+        else:
+            logits = logits[:n]
+            temperatures, top_ps = rows.temperatures[:n], rows.top_ps[:n]
+            seeds = step_seeds(rows.seeds[:n], rows.num_generated[:n])
+        joining = [seq for _, seq in picked]
+        all_top_p_one = all(seq.params.top_p >= 1.0 for seq in [*decoding, *joining])
+        sampled = sample_rows(logits, temperatures, top_ps, seeds, all_top_p_one=all_top_p_one)
+        if end > n:
+            rows.unstage(end)
+        if n:
+            rows.advance(sampled.token_ids[:n])
         results = _host_rows(sampled)
         host_s = time.perf_counter()
         keep: list[int] = []
-        for index, (seq, (token, logprob, raw)) in enumerate(zip(decoding, results, strict=True)):
+        for index, (seq, (token, logprob, raw)) in enumerate(zip(decoding, results, strict=False)):
             self.scheduler.on_computed(seq, seq.num_computed + 1)  # the input token's KV
             self.scheduler.record(seq, token, logprob, raw)
             if not self._stop_if_done(seq):
@@ -341,8 +366,51 @@ class PagedEngine(InferenceEngine):
         if len(keep) < n:
             rows.keep(keep)
             self.scheduler.decoding = [decoding[index] for index in keep]
+        if staged:
+            self.num_prefill_tokens += sum(len(chunk.token_ids) for _, chunk in staged)
+            for seq, chunk in staged:
+                self.scheduler.on_computed(seq, chunk.start + len(chunk.token_ids))
+            self._first_tokens(joining, results[n:])
         self.timings_s["decode_device"] += host_s - start_s
         self.timings_s["decode_host"] += time.perf_counter() - host_s
+
+    def _stage(
+        self, staged: list[tuple[Sequence, PrefillChunk]]
+    ) -> tuple[int, list[tuple[int, Sequence]]]:
+        """Stage the chunks' tokens as rows after the running ones; the rows in use, and
+        (row, sequence) of each chunk that completes its prompt (its last token's row)."""
+        rows = self.runner.rows
+        ids: list[int] = []
+        positions: list[int] = []
+        table_of_row: list[int] = []
+        picked: list[tuple[int, Sequence]] = []
+        for index, (seq, chunk) in enumerate(staged):
+            length = len(chunk.token_ids)
+            ids.extend(chunk.token_ids)
+            positions.extend(range(chunk.start, chunk.start + length))
+            table_of_row.extend([index] * length)
+            if chunk.start + length == seq.prompt_len:
+                picked.append((rows.num_rows + len(ids) - 1, seq))
+        seqs = [seq for seq, _ in staged]
+        sampling = (
+            [seqs[i].params.temperature for i in table_of_row],
+            [seqs[i].params.top_p for i in table_of_row],
+            [seqs[i].seed for i in table_of_row],
+        )
+        tables = [seq.blocks for seq in seqs]
+        return rows.stage(ids, positions, tables, table_of_row, sampling), picked
+
+    def _first_tokens(self, seqs: list[Sequence], results: list[tuple[int, float, float]]) -> None:
+        """Sequences whose prompt is computed take their first sampled token; those it does
+        not finish join the decoding rows."""
+        joined: list[Sequence] = []
+        for seq, (token, logprob, raw) in zip(seqs, results, strict=True):
+            self.scheduler.prefilling.remove(seq)
+            self.scheduler.record(seq, token, logprob, raw)
+            if not self._stop_if_done(seq):
+                joined.append(seq)
+        if joined:
+            self._join_decoding(joined)
 
     def _sample(
         self, logits: torch.Tensor, seqs: list[Sequence], counts: list[int]

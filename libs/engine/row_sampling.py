@@ -13,7 +13,9 @@ need. Greedy rows (temperature 0) take the argmax of the raw logits and record 0
 Two implementations of one contract:
 - `sample_rows_torch`: any device; counter-hash noise; handles top-p < 1 (a sort per row group).
 - `sample_rows_triton` (CUDA): one fused pass over each row's logits: raw and tempered
-  log-normalizers, Philox noise (`tl.rand`) and the running argmax, for rows with top_p = 1.
+  log-normalizers, Philox noise (`tl.rand`) and the running argmax, for rows with top_p = 1;
+  with few rows, each row's vocabulary in parallel splits combined by a second kernel (the
+  noise is a function of (seed, column), so the tokens do not depend on the split).
 The two draw different noise, so on CPU and GPU seeded samples differ (greedy does not).
 
     seeds = step_seeds(row_seeds, tokens_so_far)          # [B] int64, one per row and step
@@ -107,14 +109,18 @@ if HAS_TRITON:
         logits_ptr,  # [B, V], any float dtype
         temperatures_ptr,  # [B] fp32, 0 = greedy
         seeds_ptr,  # [B] int64 in [0, 2**31)
-        token_ptr,  # [B] int64 out
-        logprob_ptr,  # [B] fp32 out
-        raw_logprob_ptr,  # [B] fp32 out
+        token_ptr,  # [B] int64 out (SPLITS == 1)
+        logprob_ptr,  # [B] fp32 out (SPLITS == 1)
+        raw_logprob_ptr,  # [B] fp32 out (SPLITS == 1)
+        partial_ptr,  # [B, SPLITS, 6] fp32 out (SPLITS > 1): see _combine_samples_kernel
         vocab_size,
         logits_stride,
+        split_len,  # columns per split, a multiple of TILE
         TILE: tl.constexpr,
+        SPLITS: tl.constexpr,
     ):
         row = tl.program_id(0)
+        split = tl.program_id(1)
         temperature = tl.load(temperatures_ptr + row)
         greedy = temperature == 0.0
         inv_t = tl.where(greedy, 1.0, 1.0 / tl.where(greedy, 1.0, temperature))
@@ -126,9 +132,11 @@ if HAS_TRITON:
         best_score = tl.full([TILE], float("-inf"), tl.float32)
         best_index = tl.full([TILE], -1, tl.int32)  # -1: a lane with no valid column never wins
         best_logit = tl.zeros([TILE], tl.float32)
-        for start in range(0, vocab_size, TILE):
+        begin = split * split_len
+        end = tl.minimum(vocab_size, begin + split_len)
+        for start in range(begin, end, TILE):
             columns = start + tl.arange(0, TILE)
-            valid = columns < vocab_size
+            valid = columns < end
             x = tl.load(
                 logits_ptr + row * logits_stride + columns, mask=valid, other=float("-inf")
             ).to(tl.float32)
@@ -144,6 +152,7 @@ if HAS_TRITON:
             t_sum = t_sum * tl.exp(t_max - new_t_max) + tl.where(valid, tl.exp(xt - new_t_max), 0.0)
             t_sum = tl.where(new_t_max == float("-inf"), 0.0, t_sum)
             t_max = new_t_max
+            # The noise of a column depends on (seed, column) only: the same in any split.
             uniform = tl.rand(seed, columns)
             uniform = tl.minimum(tl.maximum(uniform, 1e-12), 1.0 - 1e-7)
             gumbel = -tl.log(-tl.log(uniform))
@@ -161,31 +170,107 @@ if HAS_TRITON:
         raw_lse = lane_max + tl.log(tl.sum(raw_sum * tl.exp(raw_max - lane_max), axis=0))
         lane_t_max = tl.max(t_max, axis=0)
         t_lse = lane_t_max + tl.log(tl.sum(t_sum * tl.exp(t_max - lane_t_max), axis=0))
+        if SPLITS == 1:
+            tl.store(token_ptr + row, winner.to(tl.int64))
+            tl.store(raw_logprob_ptr + row, logit - raw_lse)
+            tl.store(logprob_ptr + row, tl.where(greedy, 0.0, logit * inv_t - t_lse))
+        else:
+            # A split past the vocabulary's end (rounding) reports nothing: -inf everywhere.
+            empty = begin >= vocab_size
+            raw_lse = tl.where(empty, float("-inf"), raw_lse)
+            t_lse = tl.where(empty, float("-inf"), t_lse)
+            part = partial_ptr + (row * SPLITS + split) * 6
+            tl.store(part, top)
+            tl.store(part + 1, winner.to(tl.float32))  # exact: columns < 2**24
+            tl.store(part + 2, logit)
+            tl.store(part + 3, raw_lse)
+            tl.store(part + 4, t_lse)
+
+    @triton.jit
+    def _combine_samples_kernel(  # type: ignore[no-untyped-def]
+        partial_ptr,  # [B, SPLITS, 6] fp32: best score, its column, its logit, raw lse, t lse
+        temperatures_ptr,
+        token_ptr,
+        logprob_ptr,
+        raw_logprob_ptr,
+        vocab_size,
+        SPLITS: tl.constexpr,
+    ):
+        row = tl.program_id(0)
+        temperature = tl.load(temperatures_ptr + row)
+        greedy = temperature == 0.0
+        inv_t = tl.where(greedy, 1.0, 1.0 / tl.where(greedy, 1.0, temperature))
+        splits = tl.arange(0, SPLITS)
+        part = partial_ptr + (row * SPLITS + splits) * 6
+        scores = tl.load(part)
+        columns = tl.load(part + 1).to(tl.int32)
+        logits = tl.load(part + 2)
+        raw_lses = tl.load(part + 3)
+        t_lses = tl.load(part + 4)
+        top = tl.max(scores, axis=0)
+        winner = tl.min(tl.where(scores == top, columns, vocab_size), axis=0)
+        logit = tl.max(tl.where(columns == winner, logits, float("-inf")), axis=0)
+        raw_top = tl.max(raw_lses, axis=0)
+        raw_lse = raw_top + tl.log(tl.sum(tl.exp(raw_lses - raw_top), axis=0))
+        t_top = tl.max(t_lses, axis=0)
+        t_lse = t_top + tl.log(tl.sum(tl.exp(t_lses - t_top), axis=0))
         tl.store(token_ptr + row, winner.to(tl.int64))
         tl.store(raw_logprob_ptr + row, logit - raw_lse)
         tl.store(logprob_ptr + row, tl.where(greedy, 0.0, logit * inv_t - t_lse))
 
 
+SAMPLE_TILE = 2048
+
+
+def vocab_splits(num_rows: int, vocab_size: int, num_sms: int) -> int:
+    """Vocabulary splits per row so that rows x splits fills about two waves of the GPU
+    (a few rows would otherwise leave most multiprocessors idle), each split a tile at least."""
+    tiles = -(-vocab_size // SAMPLE_TILE)
+    wanted = -(-2 * num_sms // max(num_rows, 1))
+    splits = 1
+    while splits * 2 <= min(wanted, tiles, 32):
+        splits *= 2
+    return splits
+
+
 def sample_rows_triton(
     logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor
 ) -> SampledTokens:
-    """`sample_rows_torch` for rows with top_p = 1, fused into one pass on a CUDA device."""
+    """`sample_rows_torch` for rows with top_p = 1, fused into one pass on a CUDA device
+    (each row's vocabulary in parallel splits when the rows alone would not fill the GPU)."""
     num_rows, vocab_size = logits.shape
-    token_ids = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
-    logprobs = torch.empty(num_rows, dtype=torch.float32, device=logits.device)
+    device = logits.device
+    token_ids = torch.empty(num_rows, dtype=torch.int64, device=device)
+    logprobs = torch.empty(num_rows, dtype=torch.float32, device=device)
     raw_logprobs = torch.empty_like(logprobs)
-    _sample_kernel[(num_rows,)](
+    num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+    splits = vocab_splits(num_rows, vocab_size, num_sms)
+    tiles = -(-vocab_size // SAMPLE_TILE)
+    tiles_per_split = -(-tiles // splits)
+    partial = (
+        torch.empty((num_rows, splits, 6), dtype=torch.float32, device=device)
+        if splits > 1
+        else logprobs
+    )
+    _sample_kernel[(num_rows, splits)](
         logits,
         temperatures,
         seeds,
         token_ids,
         logprobs,
         raw_logprobs,
+        partial,
         vocab_size,
         logits.stride(0),
-        TILE=2048,
+        tiles_per_split * SAMPLE_TILE,
+        TILE=SAMPLE_TILE,
+        SPLITS=splits,
         num_warps=8,
     )
+    if splits > 1:
+        _combine_samples_kernel[(num_rows,)](
+            partial, temperatures, token_ids, logprobs, raw_logprobs, vocab_size, SPLITS=splits
+        )
     return SampledTokens(token_ids, logprobs, raw_logprobs)
 
 

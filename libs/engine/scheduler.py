@@ -8,9 +8,12 @@ A sequence moves waiting -> prefilling -> decoding -> finished. At each step:
    its last token to compute (its logits give the first sampled token); the prompt's own
    full blocks are registered at once, so the rest of a GRPO group admitted in the same step
    shares them, computed in the same forward pass (or, past the chunk budget, a later one).
-2. prefill: up to `prefill_tokens` prompt tokens, in chunks, so a long prompt takes several
-   steps and never stalls the decoding rows for long (while rows decode, small prefills are
-   gathered for up to PREFILL_INTERVAL_STEPS steps: see `prefill_due`);
+2. prefill: short prompts (every remaining prompt under the engine's eager threshold) go
+   into the decode step itself, as extra rows of its graph, up to the staged-row budget, at
+   once: a prompt waits for no other. A long prompt is prefilled eagerly, up to
+   `prefill_tokens` prompt tokens a step, in chunks, so it never stalls the decoding rows
+   for long (while rows decode, such prefills are gathered for up to
+   PREFILL_INTERVAL_STEPS steps: see `prefill_due`);
 3. decode: every decoding row one token.
 
 Blocks for the whole of `max_tokens` are taken at admission, so a running sequence never
@@ -138,11 +141,12 @@ class Scheduler:
             self._steps_since_prefill = 0
         return due
 
-    def plan_prefill(self) -> list[tuple[Sequence, PrefillChunk]]:
-        """This step's prompt chunks, within the token budget. A sequence that shares blocks
-        another sequence has not computed yet joins the step that computes them (each
-        layer writes every chunk's K and V before any chunk attends), or waits."""
-        budget = self.prefill_tokens
+    def plan_prefill(self, budget: int | None = None) -> list[tuple[Sequence, PrefillChunk]]:
+        """This step's prompt chunks, within `budget` tokens (default `prefill_tokens`). A
+        sequence that shares blocks another sequence has not computed yet joins the step
+        that computes them (each layer writes every chunk's K and V before any chunk
+        attends), or waits."""
+        budget = self.prefill_tokens if budget is None else budget
         size = self.block_size
         chunks: list[tuple[Sequence, PrefillChunk]] = []
         filled_now: set[int] = set()  # blocks this step's earlier chunks complete
