@@ -7,6 +7,7 @@ ignores options we rely on, so it is skipped with a note rather than used.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -15,8 +16,10 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 # Why 2.11: the weight transport reads chunks with batch direct get (2.11), and older
 # servers accept stream options they do not know and silently ignore them.
@@ -84,6 +87,12 @@ class NatsServer:
     jetstream_domain: str | None = None
     leafnode_port: int | None = None
     leaf_remotes: tuple[str, ...] = ()
+    # A node of a cluster (NatsCluster): its unique name, the port other nodes' routes reach,
+    # and the route URLs of its peers (`nats-route://host:port`).
+    server_name: str | None = None
+    cluster_port: int | None = None
+    cluster_routes: tuple[str, ...] = ()
+    cluster_name: str = "rlpipe"
 
     @property
     def url(self) -> str:
@@ -92,6 +101,22 @@ class NatsServer:
     @property
     def pid(self) -> int | None:
         return self.process.pid if self.process else None
+
+    @property
+    def nodes(self) -> list[NatsServer]:
+        """The processes behind `url`: this one (a NatsCluster has several)."""
+        return [self]
+
+    @property
+    def route_url(self) -> str:
+        """Where the other nodes of its cluster connect to this one (needs `cluster_port`)."""
+        if self.cluster_port is None:
+            raise ValueError("this server is not a cluster node: give it a cluster_port")
+        return f"nats-route://{self.host}:{self.cluster_port}"
+
+    @property
+    def running(self) -> bool:
+        return self.process is not None and self.process.poll() is None
 
     @property
     def leafnode_url(self) -> str:
@@ -118,8 +143,20 @@ class NatsServer:
             text += listen if self.leafnode_port is not None else ""
             text += f"  remotes: [\n{remotes}  ]\n" if remotes else ""
             text += "}\n"
+        text += self._cluster_block()
         config.write_text(text)
         return config
+
+    def _cluster_block(self) -> str:
+        """`server_name` and the `cluster` block of a cluster node ("" for a lone server)."""
+        if self.cluster_port is None:
+            return ""
+        routes = "".join(f'    "{url}"\n' for url in self.cluster_routes)
+        return (
+            f'server_name: "{self.server_name}"\n'
+            f'cluster {{\n  name: "{self.cluster_name}"\n  host: "{self.host}"\n'
+            f"  port: {self.cluster_port}\n  routes: [\n{routes}  ]\n}}\n"
+        )
 
     def start(self, timeout_s: float = 15.0) -> None:
         if self.process and self.process.poll() is None:
@@ -167,3 +204,120 @@ class NatsServer:
     def restart(self) -> None:
         self.stop()
         self.start()
+
+    def jetstream_ready(self) -> bool:
+        """True once the monitoring port says JetStream is up (in a cluster: a meta leader
+        is known and this node's streams are current)."""
+        url = f"http://{self.host}:{self.monitor_port}/healthz?js-enabled-only=true"
+        try:
+            with urllib.request.urlopen(url, timeout=2) as response:
+                return bool(response.status == 200)
+        except (OSError, ValueError):
+            return False
+
+    def meta_leader(self) -> str | None:
+        """The cluster's JetStream meta leader as this node sees it (None: not elected yet,
+        or not a cluster); the JetStream API answers only once there is one."""
+        if not self.jetstream_ready():
+            return None
+        try:
+            leader = self.jsz().get("meta_cluster", {}).get("leader")
+        except (OSError, ValueError):
+            return None
+        return str(leader) if leader else None
+
+    def jsz(self, **query: str) -> dict[str, Any]:
+        """The monitoring port's /jsz (JetStream state), e.g. `jsz(streams="true")`."""
+        params = "&".join(f"{k}={v}" for k, v in query.items())
+        url = f"http://{self.host}:{self.monitor_port}/jsz?{params}"
+        with urllib.request.urlopen(url, timeout=5) as response:
+            document: dict[str, Any] = json.loads(response.read())
+            return document
+
+
+@dataclass
+class NatsCluster:
+    """`size` nats-server nodes routed into one JetStream cluster, each with its own folder
+    (`<root>/n1`, ...). Streams provisioned with replicas 3 survive one node's death: Raft
+    keeps every acknowledged message on a quorum and elects a new leader.
+
+        cluster = NatsCluster(root=Path("runs/x/nats"), size=3)
+        cluster.start()                  # every node, then waits for JetStream's meta leader
+        connect_bus(cluster.url, ...)    # "nats://127.0.0.1:p1,nats://127.0.0.1:p2,..."
+    """
+
+    root: Path
+    size: int = 3
+    log_dir: Path | None = None
+    start_new_session: bool = False
+    nodes: list[NatsServer] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.size < 3:
+            raise ValueError(
+                f"a NATS cluster needs at least 3 nodes for a Raft quorum that survives one "
+                f"death (got {self.size}); use a single NatsServer for 1"
+            )
+        if self.nodes:
+            return
+        cluster_ports = [free_port() for _ in range(self.size)]
+        for index, port in enumerate(cluster_ports):
+            name = f"n{index + 1}"
+            peers = tuple(f"nats-route://127.0.0.1:{p}" for p in cluster_ports if p != port)
+            log_path = self.log_dir / f"nats-{name}.log" if self.log_dir else None
+            self.nodes.append(
+                NatsServer(
+                    store_dir=self.root / name,
+                    log_path=log_path,
+                    start_new_session=self.start_new_session,
+                    server_name=name,
+                    cluster_port=port,
+                    cluster_routes=peers,
+                )
+            )
+
+    @property
+    def url(self) -> str:
+        """Every node's client URL, comma-separated (what RLPIPE_NATS_URL takes)."""
+        return ",".join(node.url for node in self.nodes)
+
+    @property
+    def replicas(self) -> int:
+        """The replication its streams and buckets get: 3, or fewer on a smaller cluster."""
+        return min(3, self.size)
+
+    def node(self, name: str) -> NatsServer:
+        return next(n for n in self.nodes if n.server_name == name)
+
+    def start(self, timeout_s: float = 30.0) -> None:
+        """Start every node, then wait until JetStream answers on all of them."""
+        for node in self.nodes:
+            node.start(timeout_s)
+        self.wait_jetstream(timeout_s)
+
+    def wait_jetstream(self, timeout_s: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not all(node.meta_leader() for node in self.nodes if node.running):
+            if time.monotonic() > deadline:
+                self.stop()
+                raise TimeoutError(f"the NATS cluster's JetStream was not ready in {timeout_s} s")
+            time.sleep(0.2)
+
+    def stream_leader(self, stream: str) -> str | None:
+        """The name of the node that leads `stream` now, asked of any running node."""
+        for node in self.nodes:
+            if not node.running:
+                continue
+            try:
+                document = node.jsz(streams="true")
+            except (OSError, ValueError):
+                continue
+            for account in document.get("account_details", []):
+                for detail in account.get("stream_detail", []):
+                    if detail.get("name") == stream and detail.get("cluster", {}).get("leader"):
+                        return str(detail["cluster"]["leader"])
+        return None
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        for node in self.nodes:
+            node.stop(timeout_s)

@@ -92,7 +92,7 @@ async def _provision(bus: Bus, settings: ServiceSettings) -> ProvisionReport:
     """Provision, turning the timeout a user without JetStream API rights gets (the server
     refuses the request and nothing answers) into an error that names the switch."""
     try:
-        return await provision(bus.js)
+        return await provision(bus.js, replicas=settings.nats_replicas)
     except NatsTimeoutError as exc:
         variable = f"{settings.model_config.get('env_prefix', 'RLPIPE_')}PROVISION"
         raise ProvisionError(

@@ -2,7 +2,8 @@
 
 A service reads `RLPIPE_<SERVICE>_<FIELD>` (e.g. `RLPIPE_TRAINER_HTTP_PORT`). Fields that are
 the same for a whole deployment also fall back to a shared variable: `RLPIPE_NATS_URL`,
-`RLPIPE_PROVISION`, `RLPIPE_RUN_DIR`, `RLPIPE_LOG_LEVEL`, `RLPIPE_LOG_FORMAT`. Optional
+`RLPIPE_NATS_REPLICAS`, `RLPIPE_PROVISION`, `RLPIPE_RUN_DIR`, `RLPIPE_LOG_LEVEL`,
+`RLPIPE_LOG_FORMAT`. Optional
 TOML: point `RLPIPE_CONFIG` at a file; the table named after the service (`[trainer]`) is
 read, and environment variables win over it. Command-line overrides (`rlpipe run|demo --set
 trainer.learning_rate=1e-4`) reach a service as `RLPIPE_SET` (JSON: {service: {field: value}})
@@ -34,6 +35,7 @@ SHARED_FALLBACKS = {
     "run_dir": "RLPIPE_RUN_DIR",
     "log_level": "RLPIPE_LOG_LEVEL",
     "log_format": "RLPIPE_LOG_FORMAT",
+    "nats_replicas": "RLPIPE_NATS_REPLICAS",
 }
 CONFIG_VARIABLE = "RLPIPE_CONFIG"
 OVERRIDES_VARIABLE = "RLPIPE_SET"
@@ -68,7 +70,15 @@ class ServiceSettings(BaseSettings):
     nats_url: str = Field(
         "nats://127.0.0.1:4222",
         description="URL of the NATS server, with credentials where it has users "
-        "(nats://user:password@host:4222; the password is masked in logs)",
+        "(nats://user:password@host:4222; the password is masked in logs); a cluster's "
+        "nodes comma-separated (nats://a:4222,nats://b:4222)",
+    )
+    nats_replicas: int = Field(
+        1,
+        ge=1,
+        le=5,
+        description="Nodes that keep each stream and KV bucket this service provisions: 1 for "
+        "one nats-server, 3 on a NATS cluster (a node can then die with nothing acked lost)",
     )
     provision: bool = Field(
         True,

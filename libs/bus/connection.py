@@ -52,11 +52,14 @@ async def connect_bus(
 ) -> Bus:
     """Connect to `url`, retrying up to `max_attempts` times, and check the server.
 
-    Once connected, nats-py reconnects on its own forever; only the first contact is bounded
-    so a wrong URL fails in seconds with a message naming it (credentials left out).
+    `url` may list every node of a cluster, comma-separated (`nats://a:4222,nats://b:4222`):
+    the client connects to one and, when that node dies, reconnects to another (nats-py also
+    learns the cluster's other nodes from the server). Once connected, nats-py reconnects on
+    its own forever; only the first contact is bounded so a wrong URL fails in seconds with a
+    message naming it (credentials left out).
     `inbox_prefix` is for users whose permissions allow replies only under that prefix.
     """
-    shown_url = redact_url(url)
+    shown_url, servers = redact_url(url), server_urls(url)
     options = {"inbox_prefix": inbox_prefix} if inbox_prefix else {}
     last_error: Exception | None = None
     callbacks = ConnectionCallbacks()
@@ -66,7 +69,7 @@ async def connect_bus(
             # first contact gets its own deadline.
             nc = await asyncio.wait_for(
                 nats.connect(
-                    url,
+                    servers,
                     name=name,
                     connect_timeout=connect_timeout_s,
                     allow_reconnect=True,
@@ -85,7 +88,7 @@ async def connect_bus(
             if attempt < max_attempts:
                 await asyncio.sleep(min(retry_delay_s * 2 ** (attempt - 1), 5.0))
             continue
-        callbacks.connected = True
+        callbacks.connected, callbacks.nc = True, nc
         try:
             check_server_version(str(nc.connected_server_version), shown_url)
         except BusConnectError:
@@ -97,6 +100,14 @@ async def connect_bus(
         f"({str(last_error) or type(last_error).__name__}); "
         "is nats-server running there with JetStream (-js)? Set RLPIPE_NATS_URL to its URL"
     )
+
+
+def server_urls(url: str) -> list[str]:
+    """`nats://a:4222, nats://b:4222` -> ["nats://a:4222", "nats://b:4222"]."""
+    urls = [part.strip() for part in url.split(",") if part.strip()]
+    if not urls:
+        raise BusConnectError("the NATS URL is empty; set RLPIPE_NATS_URL")
+    return urls
 
 
 def redact_url(url: str) -> str:
@@ -111,13 +122,16 @@ class ConnectionCallbacks:
 
     def __init__(self) -> None:
         self.connected = False
+        self.nc: Client | None = None
 
     async def on_error(self, exc: Exception) -> None:
         if self.connected:
             log.warning("bus error", error=repr(exc))
 
     async def on_disconnected(self) -> None:
-        if self.connected:
+        # nats-py reports a close we asked for (close, drain) as a disconnect too.
+        closing = self.nc is not None and (self.nc.is_closed or self.nc.is_draining)
+        if self.connected and not closing:
             log.warning("bus disconnected")
 
 

@@ -4,11 +4,16 @@ A second run changes nothing. A definition that changed in the code is applied w
 JetStream can update it in place (limits, subjects, timeouts); a change it cannot apply
 (retention, storage, a consumer's filter on a work queue) is refused with a message that
 names the field and the way out, because deleting a stream would lose data.
+
+Replication (`replicas`, 1 by default; 3 on a NATS cluster, set by RLPIPE_NATS_REPLICAS) is
+applied to every stream and KV bucket: JetStream keeps each message on that many nodes with
+Raft, so a node can die with nothing acknowledged lost. Consumers follow their stream's
+replication. A running stream can be scaled up or down in place.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import structlog
@@ -23,6 +28,8 @@ from proto.streams import ConsumerSpec, KeyValueSpec, StreamSpec
 log = structlog.get_logger(__name__)
 
 Outcome = Literal["created", "unchanged", "updated"]
+# JetStream's limit on one stream's replication.
+MAX_REPLICAS = 5
 
 # Fields proto/ defines, compared with what the server holds (others are server defaults).
 STREAM_MANAGED_FIELDS = (
@@ -36,6 +43,7 @@ STREAM_MANAGED_FIELDS = (
     "duplicate_window",
     "discard",
     "allow_direct",
+    "num_replicas",
 )
 CONSUMER_MANAGED_FIELDS = (
     "description",
@@ -72,8 +80,8 @@ class ProvisionReport:
         return any(o != "unchanged" for o in self.outcomes.values())
 
 
-def stream_config(spec: StreamSpec) -> js_api.StreamConfig:
-    """The nats-py config for a stream spec."""
+def stream_config(spec: StreamSpec, replicas: int = 1) -> js_api.StreamConfig:
+    """The nats-py config for a stream spec, kept on `replicas` nodes."""
     return js_api.StreamConfig(
         name=spec.name,
         description=spec.description,
@@ -86,6 +94,7 @@ def stream_config(spec: StreamSpec) -> js_api.StreamConfig:
         duplicate_window=spec.duplicate_window_s,
         discard=js_api.DiscardPolicy(spec.discard),
         allow_direct=spec.allow_direct,
+        num_replicas=replicas,
     )
 
 
@@ -145,12 +154,35 @@ def _refuse_fixed(
         )
 
 
-async def ensure_stream(js: JetStreamContext, spec: StreamSpec) -> Outcome:
-    wanted = stream_config(spec)
+def check_replicas(replicas: int) -> None:
+    """Refuse a replication JetStream cannot have (1 to 5 nodes)."""
+    if not 1 <= replicas <= MAX_REPLICAS:
+        raise ProvisionError(
+            f"replicas must be 1 to {MAX_REPLICAS} (got {replicas}): set RLPIPE_NATS_REPLICAS "
+            "to 1 for one nats-server, 3 for a cluster of 3 or more nodes"
+        )
+
+
+def _refused_replicas(exc: APIError, replicas: int) -> ProvisionError:
+    """The server's refusal of a replication, turned into the fix."""
+    return ProvisionError(
+        f"the server refused {replicas} replicas ({exc}): replicas above 1 need a NATS cluster "
+        "with at least that many JetStream nodes; set RLPIPE_NATS_REPLICAS=1 for one "
+        "nats-server, or point RLPIPE_NATS_URL at a cluster (deploy/nats/cluster/)"
+    )
+
+
+async def ensure_stream(js: JetStreamContext, spec: StreamSpec, replicas: int = 1) -> Outcome:
+    wanted = stream_config(spec, replicas)
     try:
         info = await js.stream_info(spec.name)
     except NotFoundError:
-        await js.add_stream(config=wanted)
+        try:
+            await js.add_stream(config=wanted)
+        except APIError as exc:
+            if replicas > 1:
+                raise _refused_replicas(exc, replicas) from exc
+            raise
         return "created"
     diff = differences(wanted.as_dict(), info.config.as_dict(), STREAM_MANAGED_FIELDS)
     if not diff:
@@ -160,6 +192,8 @@ async def ensure_stream(js: JetStreamContext, spec: StreamSpec) -> Outcome:
     try:
         await js.update_stream(config=wanted)
     except APIError as exc:
+        if "num_replicas" in diff:
+            raise _refused_replicas(exc, replicas) from exc
         raise ProvisionError(f"stream {spec.name}: the server refused the update: {exc}") from exc
     return "updated"
 
@@ -185,20 +219,38 @@ async def ensure_consumer(js: JetStreamContext, spec: ConsumerSpec) -> Outcome:
     return "updated"
 
 
-async def ensure_key_value(js: JetStreamContext, spec: KeyValueSpec) -> Outcome:
+async def ensure_key_value(js: JetStreamContext, spec: KeyValueSpec, replicas: int = 1) -> Outcome:
     try:
         await js.key_value(spec.bucket)
-        return "unchanged"
     except BucketNotFoundError:
-        await js.create_key_value(
-            config=js_api.KeyValueConfig(
-                bucket=spec.bucket,
-                description=spec.description,
-                history=spec.history,
-                storage=js_api.StorageType(spec.storage),
-            )
+        config = js_api.KeyValueConfig(
+            bucket=spec.bucket,
+            description=spec.description,
+            history=spec.history,
+            storage=js_api.StorageType(spec.storage),
+            replicas=replicas,
         )
+        try:
+            await js.create_key_value(config=config)
+        except APIError as exc:
+            if replicas > 1:
+                raise _refused_replicas(exc, replicas) from exc
+            raise
         return "created"
+    return await _scale_bucket(js, spec.bucket, replicas)
+
+
+async def _scale_bucket(js: JetStreamContext, bucket: str, replicas: int) -> Outcome:
+    """A bucket is the stream `KV_<bucket>`: its replication is changed on that stream."""
+    info = await js.stream_info(f"KV_{bucket}")
+    if info.config.num_replicas == replicas:
+        return "unchanged"
+    log.info("scaling kv bucket", bucket=bucket, replicas=replicas)
+    try:
+        await js.update_stream(config=replace(info.config, num_replicas=replicas))
+    except APIError as exc:
+        raise _refused_replicas(exc, replicas) from exc
+    return "updated"
 
 
 async def provision(
@@ -206,24 +258,28 @@ async def provision(
     stream_specs: tuple[StreamSpec, ...] = streams.ALL_STREAMS,
     consumer_specs: tuple[ConsumerSpec, ...] = streams.ALL_CONSUMERS,
     kv_specs: tuple[KeyValueSpec, ...] = streams.ALL_KV,
+    *,
+    replicas: int = 1,
 ) -> ProvisionReport:
-    """Bring the bus in line with the given definitions (all of proto/ by default)."""
+    """Bring the bus in line with the given definitions (all of proto/ by default), each
+    stream and bucket kept on `replicas` nodes."""
+    check_replicas(replicas)
     report = ProvisionReport()
     for stream in stream_specs:
-        report.outcomes[f"stream {stream.name}"] = await ensure_stream(js, stream)
+        report.outcomes[f"stream {stream.name}"] = await ensure_stream(js, stream, replicas)
     for consumer in consumer_specs:
         key = f"consumer {consumer.stream}/{consumer.durable}"
         report.outcomes[key] = await ensure_consumer(js, consumer)
     for bucket in kv_specs:
-        report.outcomes[f"kv {bucket.bucket}"] = await ensure_key_value(js, bucket)
+        report.outcomes[f"kv {bucket.bucket}"] = await ensure_key_value(js, bucket, replicas)
     log.info("bus provisioned", summary=report.summary())
     return report
 
 
-async def provision_bus(url: str) -> ProvisionReport:
-    """Connect to `url`, provision everything in proto/, disconnect."""
+async def provision_bus(url: str, replicas: int = 1) -> ProvisionReport:
+    """Connect to `url`, provision everything in proto/ on `replicas` nodes, disconnect."""
     bus = await connect_bus(url, name="rlpipe-provision")
     try:
-        return await provision(bus.js)
+        return await provision(bus.js, replicas=replicas)
     finally:
         await bus.close()

@@ -5,7 +5,8 @@
 
 The server restarts on the same port and JetStream folder, so streams, consumers and the
 KV bucket come back as they were and the services (nats-py reconnects on its own) ride
-through. After `max_attempts` failed starts in a row, or `max_restarts` restarts within
+through. A cluster (`rlpipe demo --nats-cluster 3`) gets one watch per node: while a node is
+down the other two keep every replicated stream going, and the restarted node catches up. After `max_attempts` failed starts in a row, or `max_restarts` restarts within
 `window_s`, it gives up: `on_give_up` gets one line saying why and where the log is, and the
 launcher stops the run with a non-zero exit, never a silent hang.
 """
@@ -52,7 +53,12 @@ class NatsWatch:
         """Watch; returns only after giving up (the caller cancels it to stop watching)."""
         while True:
             code = await self._wait_exit()
-            self._on_event("nats-server exited", reason=describe_exit(code), restarting=True)
+            self._on_event(
+                "nats-server exited",
+                node=self.server.server_name,
+                reason=describe_exit(code),
+                restarting=True,
+            )
             problem = await self._restart()
             if problem is not None:
                 self._on_give_up(problem)

@@ -3,9 +3,11 @@
     python -m services.cli demo                     # until Ctrl-C
     python -m services.cli demo --duration-s 60     # a bounded run for scripts
     python -m services.cli demo --env calc          # tool use: warm start (SFT), then RL
+    python -m services.cli demo --nats-cluster 3    # the bus as a 3-node JetStream cluster
 
 Everything lives in the run folder (`runs/<UTC timestamp>/` unless `--run-dir`):
-`nats/` (JetStream store), `logs/<service>.log`, `pids.json` (every pid started, for
+`nats/` (JetStream store; `nats/n1`, `nats/n2`, ... for a cluster, every stream and bucket
+then replicated on 3 nodes), `logs/<service>.log`, `pids.json` (every pid started, for
 leak checks) and `summary.json`. The summary is also the last line on stdout; for a tool
 environment it holds task success, reward, tool-call validity and turns per episode of the
 first and last trainer steps (libs.launcher.episode_report).
@@ -44,7 +46,7 @@ from libs.launcher.nats_watch import NatsWatch
 from libs.launcher.status_view import LauncherLog, StatusView
 from libs.launcher.summary import build_summary
 from libs.launcher.supervisor import Backoff, ChildSpec, Supervisor
-from libs.nats_server import NatsServer, free_port
+from libs.nats_server import NatsCluster, NatsServer, free_port
 
 ALL_SERVICES = (
     "trainer",
@@ -81,8 +83,15 @@ class LaunchOptions:
     # Environment whose warm-start policy the trainer and workers load (built when missing).
     warm_start_env: str | None = None
     warm_start_root: Path = field(default_factory=warm_start.default_cache_root)
+    # Nodes of the local NATS: 1 (one nats-server) or a JetStream cluster of 3 or more.
+    nats_cluster: int = 1
 
     def __post_init__(self) -> None:
+        if self.nats_cluster == 2 or self.nats_cluster < 1:
+            raise ValueError(
+                f"nats_cluster must be 1 or at least 3 (got {self.nats_cluster}): a cluster "
+                "of 2 loses its Raft quorum when either node dies"
+            )
         unknown = sorted(set(self.services) - set(ALL_SERVICES))
         if unknown:
             raise ValueError(f"services: unknown {unknown}; choose from {', '.join(ALL_SERVICES)}")
@@ -135,6 +144,14 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
         help="cache of warm-start policies (default: $RLPIPE_CACHE_DIR/warm_start or "
         "~/.cache/rlpipe/warm_start)",
     )
+    parser.add_argument(
+        "--nats-cluster",
+        type=int,
+        default=1,
+        metavar="N",
+        help="run the bus as a local JetStream cluster of N >= 3 nodes, every stream and KV "
+        "bucket on 3 of them (default: 1, one nats-server)",
+    )
 
 
 def options_from_args(args: argparse.Namespace) -> LaunchOptions:
@@ -167,6 +184,7 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
         extra_env=extra_env,
         warm_start_env=args.env if warm else None,
         warm_start_root=args.warm_start_dir or warm_start.default_cache_root(),
+        nats_cluster=args.nats_cluster,
     )
 
 
@@ -206,6 +224,11 @@ def run_local(options: LaunchOptions) -> int:
     return asyncio.run(LocalRun(options, log).run())
 
 
+def nats_replicas(options: LaunchOptions) -> int:
+    """The replication of streams and buckets: 1 on one server, 3 on a cluster."""
+    return 1 if options.nats_cluster == 1 else min(3, options.nats_cluster)
+
+
 def default_run_dir() -> Path:
     return Path("runs") / datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
 
@@ -218,6 +241,7 @@ def service_spec(
     prefix, port = f"RLPIPE_{pkg.upper()}", free_port()
     env = {
         "RLPIPE_NATS_URL": nats_url,
+        "RLPIPE_NATS_REPLICAS": str(nats_replicas(options)),
         "RLPIPE_RUN_DIR": str(run_dir),
         "RLPIPE_LOG_FORMAT": "json",
         f"{prefix}_HTTP_HOST": "127.0.0.1",
@@ -240,7 +264,7 @@ class LocalRun:
     def __init__(self, options: LaunchOptions, log: LauncherLog) -> None:
         self.options, self.log = options, log
         self.run_dir = (options.run_dir or default_run_dir()).resolve()
-        self.nats: NatsServer | None = None
+        self.nats: NatsServer | NatsCluster | None = None
         self.supervisor: Supervisor | None = None
         self.monitor: HealthMonitor | None = None
         self.stop_reason: str | None = None
@@ -266,15 +290,26 @@ class LocalRun:
     async def _start_nats(self) -> bool:
         log_path = self.run_dir / "logs" / "nats-server.log"
         try:
-            self.nats = NatsServer(
-                store_dir=self.run_dir / "nats", log_path=log_path, start_new_session=True
-            )
+            self.nats = self._nats_server(log_path)
             await asyncio.to_thread(self.nats.start)
         except (OSError, RuntimeError, TimeoutError) as exc:
             return self._fail("nats_failed", f"NATS did not start: {exc} (log: {log_path})")
         self._write_pids()
-        self.log.info("nats started", url=self.nats.url, pid=self.nats.pid, run=str(self.run_dir))
+        pids = [node.pid for node in self.nats.nodes]
+        self.log.info("nats started", url=self.nats.url, pids=pids, run=str(self.run_dir))
         return not self._stop.is_set()
+
+    def _nats_server(self, log_path: Path) -> NatsServer | NatsCluster:
+        if self.options.nats_cluster == 1:
+            return NatsServer(
+                store_dir=self.run_dir / "nats", log_path=log_path, start_new_session=True
+            )
+        return NatsCluster(
+            root=self.run_dir / "nats",
+            size=self.options.nats_cluster,
+            log_dir=log_path.parent,
+            start_new_session=True,
+        )
 
     async def _provision(self) -> bool:
         if self._stop.is_set() or not self.options.provision:
@@ -283,7 +318,8 @@ class LocalRun:
 
         assert self.nats is not None
         try:
-            report = await asyncio.wait_for(provision_bus(self.nats.url), timeout=60)
+            provisioning = provision_bus(self.nats.url, nats_replicas(self.options))
+            report = await asyncio.wait_for(provisioning, timeout=60)
         except Exception as exc:  # any failure ends the run, with its reason in the summary
             reason = f"{type(exc).__name__}: {exc}"
             return self._fail("provision_failed", f"provisioning the bus failed: {reason}")
@@ -315,7 +351,7 @@ class LocalRun:
             self._fail("unhealthy", f"cannot start a service: {exc}")
             return
         health_task = asyncio.create_task(monitor.run(self._live_pids))
-        nats_task = asyncio.create_task(self._nats_watch(self.nats).run())
+        nats_tasks = [asyncio.create_task(self._nats_watch(n).run()) for n in self.nats.nodes]
         with StatusView(self.log, supervisor, monitor, self.nats.url, self.run_dir) as view:
             try:
                 await self._watch(view)
@@ -324,7 +360,8 @@ class LocalRun:
                 stopping = supervisor.stop(self.options.stop_grace_s, first=STOP_FIRST)
                 await self._with_view(view, stopping)
                 health_task.cancel()
-                nats_task.cancel()  # before NATS itself is stopped
+                for task in nats_tasks:  # before NATS itself is stopped
+                    task.cancel()
 
     def _nats_watch(self, server: NatsServer) -> NatsWatch:
         """Restarts NATS on its data folder if it dies; a run it cannot keep up fails (2)."""
@@ -434,8 +471,9 @@ class LocalRun:
         self.forced = True
         if self.supervisor:
             self.supervisor.kill_all()
-        if self.nats and self.nats.process:
-            self.nats.process.kill()
+        for node in self.nats.nodes if self.nats else []:
+            if node.process:
+                node.process.kill()
 
     def _install_signal_handlers(self) -> None:
         loop = asyncio.get_running_loop()
@@ -487,7 +525,11 @@ class LocalRun:
     def _write_pids(self) -> None:
         pids: dict[str, Any] = {
             "launcher": os.getpid(),
-            "nats": [self.nats.pid] if self.nats and self.nats.pid else [],
+            "nats": [n.pid for n in self.nats.nodes if n.pid] if self.nats else [],
+            # A cluster's nodes by name (what JetStream reports as a stream's leader).
+            "nats_nodes": {n.server_name: n.pid for n in self.nats.nodes if n.server_name}
+            if self.nats
+            else {},
             "services": self.supervisor.all_pids() if self.supervisor else {},
         }
         path = self.run_dir / "pids.json"

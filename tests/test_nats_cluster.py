@@ -1,0 +1,320 @@
+"""The bus on a 3-node JetStream cluster: replication by provisioning, clients that ride
+through a node's death, and `rlpipe demo --nats-cluster 3` training on through the loss of
+the node that leads the scored stream.
+
+The cluster is real: three nats-server processes routed together (libs.nats_server.NatsCluster),
+each with its own JetStream folder. A node is killed with SIGKILL by its pid.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+from nats.js.errors import NotFoundError
+
+from libs.bus import wire
+from libs.bus.connection import Bus, connect_bus, ride_through, server_urls
+from libs.bus.provision import ProvisionError, ensure_stream, provision
+from libs.bus.publisher import Publisher
+from libs.nats_server import NatsCluster
+from proto import streams
+from proto.messages import DeadLetter, Rollout, ScoredRollout, Task
+from proto.streams import StreamSpec
+from tests.chaos_support import _cursor, _read_scored_and_dead, audit, effective_steps, read_steps
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsCluster]:
+    nodes = NatsCluster(root=tmp_path_factory.mktemp("cluster"), size=3)
+    nodes.start()
+    yield nodes
+    nodes.stop()
+
+
+@pytest.fixture
+async def cluster_bus(cluster: NatsCluster) -> AsyncIterator[Bus]:
+    for node in cluster.nodes:  # a test that killed a node and failed before restarting it
+        if not node.running:
+            node.start()
+    cluster.wait_jetstream()
+    bus = await connect_bus(cluster.url, name="pytest-cluster")
+    for info in await bus.js.streams_info():
+        assert info.config.name is not None
+        await bus.js.delete_stream(info.config.name)
+    yield bus
+    await bus.close()
+
+
+def test_a_cluster_url_lists_every_node(cluster: NatsCluster) -> None:
+    assert server_urls(cluster.url) == [node.url for node in cluster.nodes]
+    assert server_urls(" nats://a:1, nats://b:2 ,") == ["nats://a:1", "nats://b:2"]
+
+
+async def test_provisioning_keeps_every_stream_and_bucket_on_three_nodes(
+    cluster_bus: Bus,
+) -> None:
+    report = await provision(cluster_bus.js, replicas=3)
+    assert set(report.outcomes.values()) == {"created"}
+    for spec in streams.ALL_STREAMS:
+        info = await cluster_bus.js.stream_info(spec.name)
+        assert info.config.num_replicas == 3, spec.name
+        assert info.cluster is not None and info.cluster.leader
+        assert len(info.cluster.replicas or []) == 2, spec.name  # the two followers
+    for bucket in streams.ALL_KV:
+        info = await cluster_bus.js.stream_info(f"KV_{bucket.bucket}")
+        assert info.config.num_replicas == 3, bucket.bucket
+    again = await provision(cluster_bus.js, replicas=3)
+    assert not again.changed, again.outcomes
+
+
+async def test_a_running_stream_and_bucket_scale_from_one_to_three_replicas(
+    cluster_bus: Bus,
+) -> None:
+    await provision(cluster_bus.js, replicas=1)
+    await cluster_bus.js.publish(f"{streams.TASKS.subjects[0][:-1]}arith", b"kept")
+    report = await provision(cluster_bus.js, replicas=3)
+    assert report.outcomes[f"stream {streams.TASKS.name}"] == "updated"
+    assert report.outcomes[f"kv {streams.STATE.bucket}"] == "updated"
+    info = await cluster_bus.js.stream_info(streams.TASKS.name)
+    assert info.config.num_replicas == 3 and info.state.messages == 1
+
+
+async def test_replicas_on_a_single_server_are_refused_with_the_fix(bus: Bus) -> None:
+    with pytest.raises(ProvisionError, match="RLPIPE_NATS_REPLICAS=1"):
+        await provision(bus.js, (streams.TASKS,), (), (), replicas=3)
+    with pytest.raises(ProvisionError, match="replicas must be 1 to 5"):
+        await provision(bus.js, (streams.TASKS,), (), (), replicas=7)
+
+
+async def test_no_acknowledged_message_is_lost_when_the_stream_leader_dies(
+    cluster: NatsCluster, cluster_bus: Bus
+) -> None:
+    spec = StreamSpec(name="CLUSTER_PROBE", subjects=("probe.>",), description="probe")
+    await ensure_stream(cluster_bus.js, spec, replicas=3)
+    publisher = Publisher(cluster_bus.js, ack_timeout_s=2.0, max_attempts=20)
+    acked: list[int] = []
+
+    async def publish(first: int, count: int) -> None:
+        for index in range(first, first + count):
+            await publisher.publish_raw("probe.x", b"%d" % index, {"Nats-Msg-Id": str(index)})
+            acked.append(index)
+
+    await publish(0, 200)
+    leader = cluster.stream_leader(spec.name)
+    assert leader is not None
+    victim = cluster.node(leader)
+    assert victim.process is not None
+    writing = asyncio.create_task(publish(200, 800))
+    await asyncio.sleep(0.05)
+    victim.process.send_signal(signal.SIGKILL)  # mid-stream: publishes in flight
+    await asyncio.wait_for(writing, timeout=120)
+    new_leader = cluster.stream_leader(spec.name)
+    assert new_leader not in (None, leader), "no other node took over the stream"
+
+    stored = await read_all(cluster_bus, spec.name)
+    assert acked == list(range(1000))
+    assert sorted(stored) == acked, "an acknowledged message is missing or stored twice"
+    victim.start()  # the node rejoins on its folder and catches up
+    cluster.wait_jetstream()
+
+
+async def read_all(bus: Bus, stream: str) -> list[int]:
+    info = await bus.js.stream_info(stream)
+    values = []
+    for seq in range(info.state.first_seq, info.state.last_seq + 1):
+        message = await bus.js.get_msg(stream, seq=seq)
+        values.append(int(message.data or b"-1"))
+    return values
+
+
+# --- the demo on a cluster ---------------------------------------------------------------
+
+MAX_STEPS = 36
+KILL_AT_STEP = 10
+DEMO = [sys.executable, "-m", "services.cli", "demo", "--max-trainer-steps", str(MAX_STEPS)]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_demo_trains_on_through_the_death_of_the_scored_stream_leader(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    demo = subprocess.Popen(
+        [*DEMO, "--nats-cluster", "3", "--run-dir", str(run_dir), "--duration-s", "300"],
+        cwd=REPO_ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        killed = kill_scored_leader(run_dir, demo)
+        stdout, _ = demo.communicate(timeout=330)
+    finally:
+        if demo.poll() is None:
+            demo.kill()
+            demo.wait()
+    summary = json.loads(stdout.strip().splitlines()[-1])
+    assert demo.returncode == 0, summary
+    assert summary["stop_reason"] == "max_trainer_steps", summary
+    steps = effective_steps(read_steps(run_dir))
+    assert [s["step"] for s in steps] == list(range(1, len(steps) + 1))
+    after = [s for s in steps if s["time"] > killed["time"]]
+    assert len(after) >= MAX_STEPS - KILL_AT_STEP - 2, "training did not go on after the kill"
+
+    accounting, tasks = audit_cluster(run_dir)
+    assert accounting["trained_twice"] == 0, accounting
+    assert accounting["stored_twice"] == 0, accounting
+    assert accounting["unaccounted"] == 0, accounting
+    assert tasks["num_lost"] == 0, tasks
+    assert tasks["published"] > 0
+
+
+def kill_scored_leader(run_dir: Path, demo: subprocess.Popen[str]) -> dict[str, Any]:
+    """SIGKILL the node that leads RL_ROLLOUTS_SCORED once the trainer reaches KILL_AT_STEP."""
+    assert wait_until(
+        lambda: len(read_steps(run_dir)) >= KILL_AT_STEP or demo.poll() is not None, 240
+    )
+    assert demo.poll() is None, "the demo ended before the kill"
+    url = ",".join(f"nats://127.0.0.1:{port}" for port in client_ports(run_dir))
+    leader = asyncio.run(scored_leader(url))
+    assert leader is not None, "nobody leads the scored stream"
+    pid = json.loads((run_dir / "pids.json").read_text())["nats_nodes"][leader]
+    os.kill(pid, signal.SIGKILL)
+    killed_at = time.time()
+
+    def moved() -> bool:
+        now = asyncio.run(scored_leader(url))
+        return now is not None and now != leader
+
+    assert wait_until(moved, 30, demo), "no other node took over the scored stream"
+    return {"node": leader, "pid": pid, "time": killed_at}
+
+
+def client_ports(run_dir: Path) -> list[int]:
+    """The client port of each node of the demo's cluster, from its config file."""
+    ports = []
+    for config in sorted((run_dir / "nats").glob("n*/nats.conf")):
+        line = next(x for x in config.read_text().splitlines() if x.startswith("port:"))
+        ports.append(int(line.split(":")[1]))
+    return ports
+
+
+async def scored_leader(url: str) -> str | None:
+    bus = await connect_bus(url, name="pytest-leader", max_attempts=2)
+    try:
+        info = await bus.js.stream_info(streams.ROLLOUTS_SCORED.name)
+        return info.cluster.leader if info.cluster else None
+    except Exception:  # no leader during an election: asked again
+        return None
+    finally:
+        await bus.close()
+
+
+def wait_until(
+    condition: Callable[[], bool], timeout_s: float, demo: subprocess.Popen[str] | None = None
+) -> bool:
+    """True once `condition` holds; False after `timeout_s` or once `demo` has ended."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and (demo is None or demo.poll() is None):
+        if condition():
+            return True
+        time.sleep(0.25)
+    return False
+
+
+def audit_cluster(run_dir: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Restart the stopped demo's cluster on its folders and account for every sample and
+    every task the feeder had acknowledged."""
+    cluster = NatsCluster(root=run_dir / "nats", size=3, log_dir=run_dir / "logs")
+    cluster.start()
+    try:
+        asyncio.run(wait_for_stream_leaders(cluster.url))
+        stored, dead = asyncio.run(_read_scored_and_dead(cluster.url))
+        tasks = asyncio.run(account_tasks(cluster.url))
+    finally:
+        cluster.stop()
+    steps = effective_steps(read_steps(run_dir))
+    return audit(stored, dead, steps, _cursor(run_dir)), tasks
+
+
+async def wait_for_stream_leaders(url: str) -> None:
+    """After a whole-cluster restart each stream's Raft group elects its leader again (a few
+    seconds); its API answers only then."""
+    bus = await connect_bus(url, name="cluster-audit")
+    try:
+        for spec in streams.ALL_STREAMS:
+            await ride_through(lambda s=spec: bus.js.stream_info(s.name), spec.name)
+    finally:
+        await bus.close()
+
+
+async def account_tasks(url: str) -> dict[str, Any]:
+    """Every task the feeder had acknowledged (indexes below its stored next_index) must be
+    somewhere: still queued, rolled out (its rollouts raw or scored), or dead-lettered."""
+    from libs.envs.feeder import FeederState, feeder_state_key
+
+    bus = await connect_bus(url, name="cluster-audit")
+    try:
+        kv = await bus.js.key_value(streams.STATE.bucket)
+        entry = await kv.get(feeder_state_key("arith"))
+        state = msgspec.json.decode(entry.value or b"{}", type=FeederState)
+        seen: set[int] = set()
+        for stream in (TASKS, RAW, SCORED, DEAD):
+            for message in await typed_messages(bus, stream):
+                seen.add(int(task_id_of(message).rsplit("-", 1)[1]))
+    finally:
+        await bus.close()
+    lost = [index for index in range(state.next_index) if index not in seen]
+    return {"published": state.next_index, "lost": lost[:10], "num_lost": len(lost)}
+
+
+TASKS, RAW, SCORED, DEAD = (
+    streams.TASKS.name,
+    streams.ROLLOUTS_RAW.name,
+    streams.ROLLOUTS_SCORED.name,
+    streams.DEAD_LETTERS.name,
+)
+KIND_OF_STREAM: dict[str, type[Task] | type[Rollout] | type[ScoredRollout]] = {
+    TASKS: Task,
+    RAW: Rollout,
+    SCORED: ScoredRollout,
+}
+
+
+async def typed_messages(bus: Bus, stream: str) -> list[Task | Rollout | ScoredRollout]:
+    """Every message of `stream`, decoded; a dead letter as the message it holds."""
+    info = await bus.js.stream_info(stream)
+    found: list[Task | Rollout | ScoredRollout] = []
+    if info.state.messages == 0:
+        return found
+    for seq in range(info.state.first_seq, info.state.last_seq + 1):
+        try:
+            raw = await bus.js.get_msg(stream, seq=seq)
+        except NotFoundError:  # a work queue's acked message
+            continue
+        if stream != DEAD:
+            found.append(wire.decode(KIND_OF_STREAM[stream], raw.data or b"", raw.headers))
+            continue
+        letter = wire.decode(DeadLetter, raw.data or b"", raw.headers)
+        if letter.origin_stream in KIND_OF_STREAM:
+            kind = KIND_OF_STREAM[letter.origin_stream]
+            found.append(wire.decode(kind, letter.payload, letter.headers))
+    return found
+
+
+def task_id_of(message: Task | Rollout | ScoredRollout) -> str:
+    if isinstance(message, ScoredRollout):
+        return message.rollout.task_id
+    return message.task_id
