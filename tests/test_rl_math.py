@@ -17,6 +17,7 @@ from libs.rl import (
     group_index,
     mismatch_stats,
     ppo_clip_loss,
+    reference_kl,
     same_version_mask,
     sample_policy_version,
     split_by_staleness,
@@ -307,6 +308,24 @@ def test_k3_over_proportional_samples_equals_the_exact_kl() -> None:
     behavior = torch.tensor([[LN(b[t]) for t in tokens]])
     stats = mismatch_stats(prox, behavior, torch.ones(1, 4, dtype=torch.bool))
     assert stats.kl == pytest.approx(LN(2) / 4, rel=1e-5)
+
+
+def test_reference_kl_is_the_k3_token_mean_and_pulls_toward_the_reference() -> None:
+    # Tokens: the new policy gives 0.5 where the reference gives 0.25 (d = ln 1/2) and 0.2
+    # where it gives 0.4 (d = ln 2); the third token is padding (garbage, masked out).
+    new = torch.tensor([[LN(0.5), LN(0.2), NAN]], requires_grad=True)
+    reference = torch.tensor([[LN(0.25), LN(0.4), 0.0]])
+    mask = torch.tensor([[True, True, False]])
+    kl = reference_kl(new, reference, mask)
+    # k3 = exp(d) - d - 1: (0.5 + ln 2 - 1) and (2 - ln 2 - 1), mean over 2 tokens.
+    assert kl.item() == pytest.approx(((LN(2) - 0.5) + (1 - LN(2))) / 2, rel=1e-5)
+    kl.backward()
+    assert new.grad is not None
+    # d k3 / d new = 1 - exp(d): descent lowers the token the new policy over-weights and
+    # raises the one it under-weights; nothing flows to padding.
+    assert new.grad.tolist() == [pytest.approx([(1 - 0.5) / 2, (1 - 2.0) / 2, 0.0])]
+    same = reference_kl(reference, reference, mask)
+    assert same.item() == 0.0
 
 
 def test_an_empty_mask_gives_zero_loss_zero_grad_and_zero_stats() -> None:

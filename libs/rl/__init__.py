@@ -3,7 +3,8 @@
     advantages   GRPO group advantages (centered, optional std normalization)
     staleness    a sample's policy version, staleness split and histogram
     batch        scored rollouts -> padded tensors and masks for one forward pass
-    loss         token-level PPO-clip with truncated importance weights, and its stats
+    loss         token-level PPO-clip with truncated importance weights, and its stats;
+                 the KL anchor to a reference policy
 
 Each is tested on CPU against hand-computed references in tests/test_rl_math.py.
 """
@@ -15,6 +16,7 @@ from libs.rl.loss import (
     PolicyLossStats,
     mismatch_stats,
     ppo_clip_loss,
+    reference_kl,
     same_version_mask,
 )
 from libs.rl.staleness import (
@@ -37,6 +39,7 @@ __all__ = [
     "group_index",
     "mismatch_stats",
     "ppo_clip_loss",
+    "reference_kl",
     "same_version_mask",
     "sample_policy_version",
     "sample_staleness",

@@ -15,6 +15,11 @@ The importance weight w corrects for the samples coming from an older (or numeri
 different) policy; the clip keeps each step near the proximal policy, whatever the
 behavior policy was. The train/inference mismatch metric compares proximal and behavior
 logprobs on tokens generated at the trainer's own version (`same_version_mask`).
+
+An optional anchor keeps the policy near a fourth one, the reference (the weights training
+started from, e.g. an SFT warm start), over the whole run, not only within a step:
+
+    loss += kl_coef * reference_kl(new, reference, mask)    # k3 estimate of KL(new || ref)
 """
 
 from __future__ import annotations
@@ -70,6 +75,34 @@ def mismatch_stats(
     denominator = max(count, 1)
     sums = torch.stack([diff.abs().sum(), k3.sum()]).tolist()
     return MismatchStats(count, sums[0] / denominator, sums[1] / denominator)
+
+
+# exp() of a log-ratio beyond this overflows float32 gradients long before it means anything.
+MAX_REFERENCE_LOG_RATIO = 20.0
+
+
+def reference_kl(
+    new_logprobs: torch.Tensor,
+    reference_logprobs: torch.Tensor,
+    loss_mask: torch.Tensor,
+    *,
+    num_tokens_total: int | None = None,
+) -> torch.Tensor:
+    """Token mean over `loss_mask` of the k3 estimate of KL(new || reference); shapes [B, T-1].
+
+    Per token, with d = reference - new: exp(d) - d - 1 (>= 0, zero where they agree; its
+    gradient pulls `new` toward `reference`; unbiased for the KL on tokens sampled from the
+    new policy, as GRPO uses it). `num_tokens_total` as in `ppo_clip_loss`.
+    """
+    mask = loss_mask.bool()
+    log_ratio = torch.where(
+        mask,
+        reference_logprobs.detach().float() - new_logprobs.float(),
+        torch.zeros_like(mask, dtype=torch.float32),
+    ).clamp(-MAX_REFERENCE_LOG_RATIO, MAX_REFERENCE_LOG_RATIO)
+    k3 = torch.expm1(log_ratio) - log_ratio
+    count = int(mask.sum().item()) if num_tokens_total is None else num_tokens_total
+    return torch.where(mask, k3, torch.zeros_like(k3)).sum() / max(count, 1)
 
 
 def ppo_clip_loss(

@@ -64,6 +64,7 @@ from libs.trainer.metrics import StepLog, StepRecord
 from libs.trainer.mix import Stream, choose_stream, scheduled_stream
 from libs.trainer.online_source import OnlineSource, OnlineTake
 from libs.trainer.online_step import OnlineStepStats, train_online_step
+from libs.trainer.reference import setup_reference
 from libs.trainer.refusals import (
     find_failing_samples,
     model_vocab_size,
@@ -160,6 +161,8 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay
         )
+        # The configured policy, never a checkpoint: a resumed run keeps its anchor.
+        self._reference = setup_reference(config.kl_coef, self.policy)
         self._reader: StreamReader[ScoredRollout] | None = None
         self._online: OnlineSource | None = None
         self._gate = EvalGate(config.eval, self.policy, self.tokenizer, EnvClient(bus.nc))
@@ -433,6 +436,7 @@ class Trainer:
                     self.state.version,
                     self.config,
                     self.tokenizer.pad_id,
+                    self._reference,
                 )
             except Exception as exc:
                 failing = await asyncio.to_thread(
