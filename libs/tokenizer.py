@@ -8,6 +8,8 @@ tokenizer loaded from a local folder are interchangeable. Build one with
 
 from __future__ import annotations
 
+import contextlib
+import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -150,13 +152,74 @@ def load_tokenizer(spec: str) -> Tokenizer:
             f"tokenizer spec {spec!r} is neither 'byte' nor an existing local folder; "
             "pass 'byte' or the path of a folder holding tokenizer files"
         )
+    if holds_byte_tokenizer(Path(spec)):
+        return ByteTokenizer()
     from transformers import AutoTokenizer  # deferred: heavy, and unneeded for the default
 
     return HFTokenizer(AutoTokenizer.from_pretrained(spec, local_files_only=True))
 
 
 def save_tokenizer(tokenizer: Tokenizer, folder: str | Path) -> None:
-    """Write `tokenizer`'s files into `folder` (beside a model saved there), so the folder
-    loads with its own tokenizer; the byte tokenizer needs no files and writes none."""
+    """Write `tokenizer`'s files and chat template into `folder` (beside a model saved
+    there), so the folder loads with its own tokenizer, in rlpipe and in transformers."""
+    from libs.chat.template import chat_template_for  # deferred: the template imports us
+
+    hf = byte_tokenizer_as_hf() if isinstance(tokenizer, ByteTokenizer) else None
     if isinstance(tokenizer, HFTokenizer):
-        tokenizer.hf.save_pretrained(folder)
+        hf = tokenizer.hf
+    if hf is None:
+        raise ValueError(f"cannot save tokenizer {type(tokenizer).__name__}")
+    if not getattr(hf, "chat_template", None):
+        # A tokenizer none of our templates fits (no ChatML tokens) is saved without one.
+        with contextlib.suppress(ValueError):
+            hf.chat_template = chat_template_for(tokenizer).jinja or None
+    hf.save_pretrained(folder)
+
+
+def byte_vocabulary() -> dict[str, int]:
+    """The byte tokenizer's vocabulary as HF byte-level tokens: GPT-2's printable character
+    for each byte (`Ġ` for a space) -> the byte's value, then the specials."""
+    printable = {*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)}
+    vocabulary, shifted = {}, 0
+    for byte in range(NUM_BYTES):
+        if byte in printable:
+            vocabulary[chr(byte)] = byte
+        else:
+            vocabulary[chr(NUM_BYTES + shifted)] = byte
+            shifted += 1
+    vocabulary.update(ByteTokenizer().special_ids)
+    return vocabulary
+
+
+def byte_tokenizer_as_hf() -> Any:
+    """A transformers tokenizer that encodes and decodes as `ByteTokenizer` does."""
+    from tokenizers import Tokenizer as RawTokenizer
+    from tokenizers import decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    bytes_only = {token: i for token, i in byte_vocabulary().items() if i < NUM_BYTES}
+    raw = RawTokenizer(models.BPE(vocab=bytes_only, merges=[]))
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    raw.decoder = decoders.ByteLevel()
+    raw.add_special_tokens(list(BYTE_SPECIAL_TOKENS))
+    return PreTrainedTokenizerFast(
+        tokenizer_object=raw,
+        pad_token="<|pad|>",
+        bos_token="<|bos|>",
+        eos_token="<|eos|>",
+        additional_special_tokens=list(BYTE_SPECIAL_TOKENS[3:]),
+    )
+
+
+def holds_byte_tokenizer(folder: Path) -> bool:
+    """True when `folder`'s tokenizer.json is the byte tokenizer `save_tokenizer` writes."""
+    try:
+        saved = json.loads((folder / "tokenizer.json").read_text())
+    except (OSError, ValueError):
+        return False
+    model = saved.get("model") or {}
+    added = {t.get("content"): t.get("id") for t in saved.get("added_tokens") or []}
+    vocabulary = {**(model.get("vocab") or {}), **added}
+    return (
+        model.get("type") == "BPE" and not model.get("merges") and vocabulary == byte_vocabulary()
+    )

@@ -35,6 +35,9 @@ class ChatTemplate(abc.ABC):
     supports_summaries: bool = True
     """Whether the policy can be asked to summarize in this format (a chat has turns to ask
     in; a bare text prompt does not)."""
+    jinja: str = ""
+    """The same rendering as a transformers chat template (saved with checkpoints), "" when
+    the format has none."""
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
@@ -112,6 +115,12 @@ class PlainTextTemplate(ChatTemplate):
 class ByteChatTemplate(ChatTemplate):
     """Role special ids + UTF-8 bytes + `<|eos|>`, for the byte tokenizer."""
 
+    jinja = (
+        "{% for message in messages %}{{ '<|' + ('user' if message['role'] == 'tool' "
+        "else message['role']) + '|>' + message['content'] + '<|eos|>' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
+    )
+
     def __init__(self, tokenizer: ByteTokenizer) -> None:
         super().__init__(tokenizer)
         self._role_ids = {
@@ -135,6 +144,12 @@ class ByteChatTemplate(ChatTemplate):
 
 class ChatMLTemplate(ChatTemplate):
     """`<|im_start|>role\\ncontent<|im_end|>\\n`, for HF tokenizers that define those tokens."""
+
+    jinja = (
+        "{% for message in messages %}{{ '<|im_start|>' + ('user' if message['role'] == 'tool' "
+        "else message['role']) + '\\n' + message['content'] + '<|im_end|>\\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    )
 
     def __init__(self, tokenizer: HFTokenizer) -> None:
         super().__init__(tokenizer)

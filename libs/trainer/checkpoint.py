@@ -4,12 +4,22 @@ Layout: `<dir>/step-<N>/` with `config.json` + `model.safetensors` and the token
 (a model folder: `policy_path` or `transformers` load it as is), `optimizer.pt`, and
 `state.json` (step, version, cursors, online baselines). A checkpoint is written to a
 temporary folder and renamed into place, so a crash mid-write leaves the previous one
-intact; `latest_checkpoint` only ever sees complete folders. The newest `keep` are kept.
+intact; `latest_checkpoint` only ever sees complete folders.
+
+Every checkpoint is a model folder users can take away: `AutoModelForCausalLM` and
+`AutoTokenizer.from_pretrained(folder)` load it, chat template included (the byte tokenizer
+too, libs.tokenizer), and a worker serving it (`RLPIPE_ROLLOUT_WORKER_POLICY_PATH`, not
+following the trainer) reports the version in its `state.json` (`checkpoint_version`).
+
+The newest `keep` (`checkpoint_keep`) are kept, and so are the checkpoints of `protected`
+versions whatever their age: the trainer protects the version serving (promoted by the eval
+gate) and the best held-out score so far.
 """
 
 from __future__ import annotations
 
 import shutil
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,6 +56,16 @@ class TrainerState(msgspec.Struct, kw_only=True):
     recent_groups: list[str] = msgspec.field(default_factory=list)
     # The latest resume, so staleness counts updates, not version numbers (libs.trainer.lineage).
     lineage: Lineage = msgspec.field(default_factory=Lineage)
+    # The version with the best held-out score of the eval gate so far, and that score.
+    best_eval_version: int | None = None
+    best_eval_score: float | None = None
+
+    def note_eval(self, version: int, score: float) -> bool:
+        """Remember `version` if its held-out score is the best yet; True when it is."""
+        if self.best_eval_score is not None and score <= self.best_eval_score:
+            return False
+        self.best_eval_version, self.best_eval_score = version, score
+        return True
 
 
 @dataclass(frozen=True)
@@ -60,10 +80,12 @@ def save_checkpoint(
     model: PreTrainedModel,
     optimizer: torch.optim.Optimizer,
     tokenizer: Tokenizer,
-    keep: int = 2,
+    keep: int,
+    protected: Collection[int] = (),
 ) -> Path:
     """Write a complete checkpoint for `state.step`; returns its folder, a model folder that
-    transformers loads with its tokenizer."""
+    transformers loads with its tokenizer. Then prune all but the newest `keep` and those of
+    the `protected` versions."""
     final = directory / f"step-{state.step:08d}"
     partial = directory / f".step-{state.step:08d}.partial"
     shutil.rmtree(partial, ignore_errors=True)
@@ -73,7 +95,7 @@ def save_checkpoint(
     (partial / STATE_FILE).write_bytes(msgspec.json.encode(state))
     shutil.rmtree(final, ignore_errors=True)
     partial.rename(final)
-    _prune(directory, keep)
+    _prune(directory, keep, set(protected))
     return final
 
 
@@ -96,6 +118,18 @@ def load_optimizer_state(checkpoint_dir: Path, device: torch.device) -> dict[str
     return state
 
 
-def _prune(directory: Path, keep: int) -> None:
+def checkpoint_version(folder: str | Path | None) -> int | None:
+    """The policy version of the checkpoint at `folder`, None when it is not one of ours."""
+    if folder is None:
+        return None
+    try:
+        state = msgspec.json.decode((Path(folder) / STATE_FILE).read_bytes(), type=TrainerState)
+    except (OSError, msgspec.DecodeError):
+        return None
+    return state.version
+
+
+def _prune(directory: Path, keep: int, protected: set[int]) -> None:
     for path in sorted(directory.glob("step-*"), reverse=True)[keep:]:
-        shutil.rmtree(path, ignore_errors=True)
+        if checkpoint_version(path) not in protected:
+            shutil.rmtree(path, ignore_errors=True)

@@ -44,6 +44,12 @@ class TrainerConfig(StepConfig):
     # Every 10 steps, a trainer kill in the demo dropped 1,408-1,520 samples (28% until the
     # next kill); a checkpoint of the tiny policy takes about 20 ms, in a thread.
     checkpoint_every_steps: int = Field(4, ge=1, description="Steps between checkpoints")
+    checkpoint_keep: int = Field(
+        2,
+        ge=1,
+        description="Newest checkpoints kept; those of the promoted and best-eval versions "
+        "are kept besides",
+    )
     # More than 1 for big models whose versions take longer to ship than to train.
     publish_every_steps: int = Field(
         1, ge=1, description="Stage weights for the broadcaster every N steps (sync mode: 1)"

@@ -509,7 +509,7 @@ class Trainer:
             await self._gate.decide_on(
                 self.model, self.state.version, self._publisher, self._bus.js
             )
-        if self.state.step % self.config.checkpoint_every_steps == 0:
+        if self.state.step % self.config.checkpoint_every_steps == 0 or self._keeps_version():
             await asyncio.to_thread(self._checkpoint)
 
     async def _publish_weights(self) -> None:
@@ -552,9 +552,29 @@ class Trainer:
     def _checkpoint(self) -> None:
         self.state.recent_groups = self._buffer.recently_taken
         path = save_checkpoint(
-            self.paths.checkpoint_dir, self.state, self.model, self.optimizer, self.tokenizer
+            self.paths.checkpoint_dir,
+            self.state,
+            self.model,
+            self.optimizer,
+            self.tokenizer,
+            keep=self.config.checkpoint_keep,
+            protected=self._protected_versions(),
         )
         log.info("checkpoint saved", path=str(path))
+
+    def _keeps_version(self) -> bool:
+        """True when the eval gate just promoted the version held, or scored it the best yet:
+        its checkpoint is written now and never pruned."""
+        last = self._gate.last
+        if last is None or last.version != self.state.version or self.state.step == 0:
+            return False
+        best = self.state.note_eval(last.version, last.candidate_score)
+        return last.promoted or best
+
+    def _protected_versions(self) -> set[int]:
+        """Versions whose checkpoints are never pruned: serving, and best held-out score."""
+        serving = self._gate.last.serving_version if self._gate.last else None
+        return {v for v in (serving, self.state.best_eval_version) if v is not None}
 
     def _record(self, batch: Batch, stats: StepStats, step_s: float) -> StepRecord:
         rewards = [s.reward for s in batch.kept]

@@ -101,7 +101,7 @@ class RolloutWorkerService(Service):
     async def start(self, bus: Bus) -> None:
         await super().start(bus)
         s = self.settings
-        self.engine = await asyncio.to_thread(build_engine, s.engine, s.policy)
+        self.engine = await asyncio.to_thread(build_engine, s.engine_config(), s.policy)
         tokenizer = load_policy_tokenizer(s.policy)
         self.identity = describe_policy(
             architecture(s.policy), self.engine.live_tensors(), tokenizer, tokenizer_spec(s.policy)

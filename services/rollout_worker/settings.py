@@ -11,6 +11,7 @@ from libs.policy import PolicyConfig
 from libs.rollout.agent import AgentSettings
 from libs.rollout.episode import RunnerSettings
 from libs.settings import NESTED_SETTINGS, ServiceSettings, env_prefix
+from libs.trainer.checkpoint import checkpoint_version
 
 
 class RolloutWorkerSettings(ServiceSettings, RunnerSettings, AgentSettings):
@@ -109,6 +110,14 @@ class RolloutWorkerSettings(ServiceSettings, RunnerSettings, AgentSettings):
     record_attempts: int = Field(
         2, ge=1, description="Attempts at storing records before the answer goes out without"
     )
+
+    def engine_config(self) -> EngineConfig:
+        """`engine`; a replica that follows no trainer and serves one of its checkpoints
+        reports that checkpoint's version (its state.json), not 0."""
+        version = checkpoint_version(self.policy.path)
+        if self.follow_weights or version is None or self.engine.initial_policy_version:
+            return self.engine
+        return self.engine.model_copy(update={"initial_policy_version": version})
 
     @model_validator(mode="after")
     def _has_work(self) -> Self:

@@ -1,0 +1,112 @@
+"""Checkpoints users can take away: HF folders with the tokenizer and chat template, pruning
+that keeps `keep` plus the promoted and best-eval versions, and the version a served
+checkpoint reports.
+
+Run: .venv/bin/python -m pytest tests/test_checkpoint.py -q
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from libs.chat.template import ByteChatTemplate, ChatMLTemplate
+from libs.policy import PolicyConfig, build_policy, load_policy_tokenizer
+from libs.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
+from libs.trainer.checkpoint import (
+    TrainerState,
+    checkpoint_version,
+    latest_checkpoint,
+    save_checkpoint,
+)
+from proto.messages import ChatMessage
+from services.rollout_worker.settings import RolloutWorkerSettings
+from tests.model_folder import build_model_folder
+
+CHAT = [
+    ChatMessage(role="system", content="Add."),
+    ChatMessage(role="user", content="héllo 12+30="),
+    ChatMessage(role="assistant", content="42"),
+    ChatMessage(role="tool", content="<tool_result>5</tool_result>"),
+]
+
+
+def save(directory: Path, step: int, version: int, keep: int, protected: set[int]) -> Path:
+    model = build_policy(PolicyConfig())
+    optimizer = torch.optim.AdamW(model.parameters())
+    state = TrainerState(step=step, version=version)
+    return save_checkpoint(directory, state, model, optimizer, ByteTokenizer(), keep, protected)
+
+
+def test_a_byte_policy_checkpoint_loads_in_transformers_with_its_tokenizer(tmp_path: Path) -> None:
+    folder = save(tmp_path, step=3, version=7, keep=2, protected=set())
+
+    hf_tokenizer = AutoTokenizer.from_pretrained(folder)
+    byte = ByteTokenizer()
+    text = "héllo 12+30=\n\t"
+    assert hf_tokenizer.encode(text, add_special_tokens=False) == byte.encode(text)
+    assert hf_tokenizer.eos_token_id == byte.eos_id and len(hf_tokenizer) == byte.vocab_size
+    messages = [{"role": m.role, "content": m.content} for m in CHAT]
+    ids = hf_tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
+    assert list(ids) == ByteChatTemplate(byte).render(CHAT)
+    assert hf_tokenizer.decode([*byte.encode("42"), byte.eos_id], skip_special_tokens=True) == "42"
+
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    ours = build_policy(PolicyConfig(path=str(folder)))
+    batch = torch.tensor([byte.encode("12+30=")])
+    assert torch.equal(model(batch).logits, ours(batch).logits)
+    # rlpipe reads the folder's tokenizer back as the byte tokenizer (same ids, same template).
+    assert isinstance(load_policy_tokenizer(PolicyConfig(path=str(folder))), ByteTokenizer)
+
+
+def test_a_user_model_checkpoint_keeps_its_tokenizer_and_chat_template(tmp_path: Path) -> None:
+    source = build_model_folder(tmp_path / "model")
+    tokenizer = load_tokenizer(str(source))
+    assert isinstance(tokenizer, HFTokenizer)
+    tokenizer.hf.chat_template = None  # a tokenizer without one gets the ChatML we render
+    model = build_policy(PolicyConfig(path=str(source)))
+    state = TrainerState(step=1, version=1)
+    optimizer = torch.optim.AdamW(model.parameters())
+    folder = save_checkpoint(tmp_path / "ckpt", state, model, optimizer, tokenizer, keep=1)
+
+    loaded = AutoTokenizer.from_pretrained(folder)
+    messages = [{"role": m.role, "content": m.content} for m in CHAT]
+    ids = loaded.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
+    assert list(ids) == ChatMLTemplate(tokenizer).render(CHAT)
+    AutoModelForCausalLM.from_pretrained(folder)
+
+
+def test_pruning_keeps_the_newest_and_the_protected_versions(tmp_path: Path) -> None:
+    for step in range(1, 7):
+        # Versions run 10 ahead of steps (a resumed trainer); 12 serves, 13 scored best.
+        save(tmp_path, step=step, version=step + 10, keep=3, protected={12, 13})
+    kept = sorted(path.name for path in tmp_path.glob("step-*"))
+    assert kept == [f"step-{s:08d}" for s in (2, 3, 4, 5, 6)]
+    save(tmp_path, step=7, version=17, keep=3, protected={13})  # 12 no longer serves
+    kept = sorted(path.name for path in tmp_path.glob("step-*"))
+    assert kept == [f"step-{s:08d}" for s in (3, 5, 6, 7)]
+    latest = latest_checkpoint(tmp_path)
+    assert latest is not None and latest.state.version == 17
+
+
+def test_best_eval_is_the_highest_held_out_score() -> None:
+    state = TrainerState(step=0, version=0)
+    assert state.note_eval(10, 0.5)
+    assert not state.note_eval(20, 0.5)  # a tie keeps the earlier version
+    assert state.note_eval(30, 0.75)
+    assert (state.best_eval_version, state.best_eval_score) == (30, 0.75)
+
+
+def test_a_replica_serving_a_checkpoint_reports_its_version(tmp_path: Path) -> None:
+    folder = save(tmp_path, step=150, version=153, keep=2, protected=set())
+    assert checkpoint_version(folder) == 153
+    fixed = RolloutWorkerSettings(
+        policy=PolicyConfig(path=str(folder)), follow_weights=False, serve_port=8000
+    )
+    assert fixed.engine_config().initial_policy_version == 153
+    # A replica following the trainer starts from whatever the trainer announces.
+    following = RolloutWorkerSettings(policy=PolicyConfig(path=str(folder)))
+    assert following.engine_config().initial_policy_version == 0
+    assert checkpoint_version(build_model_folder(tmp_path / "model")) is None

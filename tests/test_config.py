@@ -1,0 +1,145 @@
+"""Configuration through the real commands: `rlpipe config show|check`, `--set`, typos refused
+with the nearest field, a bad value or an unreachable NATS as one line and exit 2.
+
+Run: .venv/bin/python -m pytest tests/test_config.py -q
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from datetime import datetime
+from pathlib import Path
+
+import pytest
+
+from libs.nats_server import free_port
+from libs.settings import SettingsError, load_settings, nested_fields
+from services.trainer.settings import TrainerSettings
+
+
+def rlpipe(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("RLPIPE_")}
+    return subprocess.run(
+        [sys.executable, "-m", "services.cli", *args],
+        env={**clean, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def test_typos_in_variables_and_toml_name_the_nearest_field(tmp_path: Path) -> None:
+    config = tmp_path / "rlpipe.toml"
+    config.write_text("[trainer]\nlearnin_rate = 0.1\n[reward]\nbatch_size = 8\n[trainr]\nx = 1\n")
+    env = {
+        "RLPIPE_CONFIG": str(config),
+        "RLPIPE_TRAINER_LEARNIN_RATE": "5",
+        "RLPIPE_ROLLOUT_WORKER_POLICY_PAHT": "models/x",
+        "RLPIPE_NATS_ULR": "nats://x:4222",
+    }
+    result = rlpipe("config", "check", env=env)
+    assert result.returncode == 2, result.stdout
+    errors = set(result.stderr.splitlines())
+    assert errors == {
+        "error: trainer: unknown variable RLPIPE_TRAINER_LEARNIN_RATE "
+        "(did you mean learning_rate?)",
+        "error: trainer: unknown TOML key trainer.learnin_rate (did you mean learning_rate?)",
+        "error: rollout-worker: unknown variable RLPIPE_ROLLOUT_WORKER_POLICY_PAHT "
+        "(did you mean policy.path?)",
+        "error: unknown variable RLPIPE_NATS_ULR: no service reads it "
+        "(did you mean RLPIPE_NATS_URL?)",
+        f"error: unknown TOML table [trainr] in {config} (did you mean trainer?)",
+    }, result.stderr
+
+    fixed = {"RLPIPE_CONFIG": str(config)}
+    config.write_text("[trainer]\nlearning_rate = 0.1\n[reward]\nbatch_size = 8\n")
+    result = rlpipe("config", "check", env=fixed)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("ok: 6 services")
+
+
+def test_show_gives_every_field_with_its_value_and_source(tmp_path: Path) -> None:
+    config = tmp_path / "rlpipe.toml"
+    config.write_text(
+        "[trainer]\nbatch_groups = 4\nmax_staleness = 2\n[trainer.policy]\nseed = 7\n"
+    )
+    env = {
+        "RLPIPE_CONFIG": str(config),
+        "RLPIPE_TRAINER_MAX_STALENESS": "3",
+        "RLPIPE_NATS_URL": "nats://shared:4222",
+    }
+    result = rlpipe(
+        "config", "show", "trainer", "--json", "--set", "trainer.learning_rate=1e-4", env=env
+    )
+    assert result.returncode == 0, result.stderr
+    rows = {row["field"]: row for row in map(json.loads, result.stdout.splitlines())}
+    nested = nested_fields(TrainerSettings)
+    assert set(rows) == {*TrainerSettings.model_fields} - set(nested) | {
+        f"{name}.{sub}" for name, model in nested.items() for sub in model.model_fields
+    }
+    assert rows["learning_rate"] | {"description": ""} == {
+        "field": "learning_rate",
+        "type": "float",
+        "default": 5e-4,
+        "value": 1e-4,
+        "source": "--set",
+        "description": "",
+    }
+    assert (rows["max_staleness"]["value"], rows["max_staleness"]["source"]) == (
+        3,
+        "env RLPIPE_TRAINER_MAX_STALENESS",  # the variable wins over the TOML file
+    )
+    assert (rows["batch_groups"]["value"], rows["batch_groups"]["source"]) == (4, f"TOML {config}")
+    assert (rows["policy.seed"]["value"], rows["policy.seed"]["source"]) == (7, f"TOML {config}")
+    assert rows["nats_url"]["source"] == "env RLPIPE_NATS_URL"
+    assert (rows["weight_decay"]["value"], rows["weight_decay"]["source"]) == (0.0, "default")
+    assert rows["max_steps"]["type"] == "int | None"
+
+    table = rlpipe("config", "show", "trainer", "--set", "trainer.learning_rate=1e-4", env=env)
+    assert table.returncode == 0, table.stderr
+    line = next(x for x in table.stdout.splitlines() if x.startswith("learning_rate "))
+    assert line.split() == ["learning_rate", "float", "0.0005", "0.0001", "--set"]
+
+
+def test_a_bad_value_is_one_line_and_exit_2() -> None:
+    result = rlpipe("run", "reward", env={"RLPIPE_REWARD_BATCH_SIZE": "many"})
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == [
+        "error: reward.batch_size = 'many': Input should be a valid integer, unable to parse "
+        "string as an integer (env RLPIPE_REWARD_BATCH_SIZE)"
+    ]
+    result = rlpipe("run", "trainer", "--set", "trainer.learnin_rate=1e-4")
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == [
+        "error: --set trainer.learnin_rate: no such field (did you mean learning_rate?)"
+    ]
+
+
+def test_an_unreachable_nats_is_one_error_line_within_seconds(tmp_path: Path) -> None:
+    url = f"nats://127.0.0.1:{free_port()}"
+    env = {"RLPIPE_NATS_URL": url, "RLPIPE_REWARD_HTTP_PORT": "0", "RLPIPE_LOG_FORMAT": "json"}
+    result = rlpipe("run", "reward", env=env)
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    events = [json.loads(line) for line in result.stderr.splitlines()]
+    problems = [e for e in events if e["level"] in ("warning", "error")]
+    assert [e["event"] for e in problems] == ["cannot start"], problems
+    assert f"could not connect to NATS at {url} after 2 attempts" in problems[0]["error"]
+    # From the settings logged at start to the error (imports excluded: the machine may be busy).
+    started, failed = (datetime.fromisoformat(e["timestamp"]) for e in (events[0], problems[0]))
+    assert events[0]["event"] == "starting"
+    assert (failed - started).total_seconds() < 10
+
+
+def test_overrides_win_over_variables(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RLPIPE_TRAINER_LEARNING_RATE", "0.5")
+    monkeypatch.setenv("RLPIPE_SET", json.dumps({"trainer": {"learning_rate": "1e-4"}}))
+    assert load_settings(TrainerSettings).learning_rate == 1e-4
+    monkeypatch.setenv("RLPIPE_SET", json.dumps({"trainer": {"policy": {"seeed": 1}}}))
+    with pytest.raises(SettingsError, match=r"policy\.seeed"):
+        load_settings(TrainerSettings)
