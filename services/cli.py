@@ -4,6 +4,8 @@ rlpipe demo [--duration-s N] [--max-trainer-steps N] [--run-dir DIR]
                                   NATS + every service on this machine, supervised
 rlpipe run SERVICE                one service, configured by RLPIPE_* variables
 rlpipe provision [--nats-url URL] create or update streams, consumers, KV buckets
+rlpipe report RUN_DIR [--no-plots]
+                                  a run's summary and plots (reward, staleness, throughput)
 rlpipe sft --data DEMOS.jsonl --out MODEL_DIR [--steps N]
                                   train a policy on chat transcripts (the mid-training stage)
 rlpipe schema [--check]           write (or check) the JSON Schema in proto/schema/
@@ -34,6 +36,7 @@ SERVICES = (
 
 def build_parser() -> argparse.ArgumentParser:
     from libs.launcher.run import add_demo_arguments
+    from libs.report.command import add_report_parser
     from libs.sandbox.cli import add_sandbox_parser
     from libs.sft.cli import add_sft_parser
     from libs.weights.cli import add_weights_parser
@@ -58,6 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_weights_parser(commands)
     add_sandbox_parser(commands)
     add_sft_parser(commands)
+    add_report_parser(commands)
     return parser
 
 
@@ -111,6 +115,12 @@ def on_sandbox(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def on_report(args: argparse.Namespace) -> int:
+    from libs.report.command import run
+
+    return run(args)
+
+
 def on_sft(args: argparse.Namespace) -> int:
     from libs.logs import configure_logging
     from libs.sft.cli import run
@@ -127,6 +137,7 @@ HANDLERS = {
     "weights": on_weights,
     "sandbox": on_sandbox,
     "sft": on_sft,
+    "report": on_report,
 }
 
 

@@ -84,8 +84,9 @@ class ChaosReport:
         }
 
 
-def read_steps(run_dir: Path) -> list[dict[str, Any]]:
-    path = run_dir / "trainer" / "steps.jsonl"
+def read_steps(run_dir: Path, name: str = "steps.jsonl") -> list[dict[str, Any]]:
+    """The trainer's step records (or, with `name="step_samples.jsonl"`, each step's ids)."""
+    path = run_dir / "trainer" / name
     if not path.exists():
         return []
     lines = path.read_text().splitlines()
@@ -274,7 +275,8 @@ def account_samples(run_dir: Path) -> dict[str, Any]:
         stored, dead = asyncio.run(_read_scored_and_dead(server.url))
     finally:
         server.stop()
-    return audit(stored, dead, effective_steps(read_steps(run_dir)), _cursor(run_dir))
+    samples = effective_steps(read_steps(run_dir, "step_samples.jsonl"))
+    return audit(stored, dead, samples, _cursor(run_dir))
 
 
 async def _read_scored_and_dead(url: str) -> tuple[list[tuple[int, str]], list[dict[str, Any]]]:

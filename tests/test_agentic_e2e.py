@@ -25,7 +25,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
 
-import msgspec
 import pytest
 
 import libs.reward as reward_registry
@@ -48,7 +47,7 @@ from libs.rollout.agent import SUMMARY_REQUEST
 from libs.service import Service
 from libs.tokenizer import ByteTokenizer
 from libs.trainer.eval_gate import EvalGateConfig
-from libs.trainer.metrics import StepRecord
+from libs.trainer.metrics import StepRecord, StepSamples, read_step_samples, read_steps
 from proto import messages as m
 from proto import streams
 from proto.messages import ScoredRollout, Task
@@ -143,12 +142,13 @@ class Pipeline:
         return out
 
     def steps(self) -> list[StepRecord]:
-        path = self.run_dir / "trainer" / "steps.jsonl"
-        lines = path.read_bytes().splitlines() if path.exists() else []
-        return [msgspec.json.decode(line, type=StepRecord) for line in lines]
+        return read_steps(self.run_dir)
+
+    def step_samples(self) -> list[StepSamples]:
+        return read_step_samples(self.run_dir)
 
     def trained_ids(self) -> set[str]:
-        return {sample_id for step in self.steps() for sample_id in step.sample_ids}
+        return {sample_id for step in self.step_samples() for sample_id in step.sample_ids}
 
     def trains_all(self, tasks: list[Task]) -> Callable[[], bool]:
         wanted = {f"{task.task_id}.{i}" for task in tasks for i in range(task.group_size)}
@@ -235,9 +235,9 @@ async def test_calc_and_coding_episodes_are_rolled_out_rewarded_and_trained(
 
     # Each step trained on one whole group of one env, at consecutive versions.
     steps = pipeline.steps()
-    for step in steps:
+    for step, samples in zip(steps, pipeline.step_samples(), strict=True):
         assert step.num_samples == GROUP and step.num_loss_tokens > 0
-        assert len({sample_id.rsplit(".", 1)[0] for sample_id in step.sample_ids}) == 1
+        assert len({sample_id.rsplit(".", 1)[0] for sample_id in samples.sample_ids}) == 1
     assert [s.version for s in steps] == list(range(1, len(steps) + 1))
     trained_envs = {scored[i].rollout.env for i in pipeline.trained_ids()}
     assert trained_envs == {"calc", "coding"}
@@ -342,8 +342,8 @@ async def test_a_self_summarizing_episode_is_trained_one_row_per_segment(
         assert [c.name for c in sample.criteria] == ["turns"] and sample.scored
         num_rows += num_segments
 
-    [step] = pipeline.steps()  # one group, one step
-    assert sorted(step.sample_ids) == sorted(s.rollout.rollout_id for s in samples)
-    [batch] = [b for b in batches if set(b.sample_ids) == set(step.sample_ids)]
+    [step], [trained] = pipeline.steps(), pipeline.step_samples()  # one group, one step
+    assert sorted(trained.sample_ids) == sorted(s.rollout.rollout_id for s in samples)
+    [batch] = [b for b in batches if set(b.sample_ids) == set(trained.sample_ids)]
     assert batch.num_rows == num_rows == step.num_rows
     assert step.num_loss_tokens == batch.num_loss_tokens

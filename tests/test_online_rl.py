@@ -43,6 +43,7 @@ from libs.trainer.checkpoint import latest_checkpoint
 from libs.trainer.config import TrainerConfig
 from libs.trainer.eval_gate import EvalGate, EvalGateConfig, held_out_tasks
 from libs.trainer.loop import Trainer
+from libs.trainer.metrics import read_step_samples
 from libs.trainer.mix import Stream, choose_stream, scheduled_stream
 from libs.trainer.online_step import OnlineConfig
 from libs.weights.handoff import stage_weights
@@ -268,6 +269,11 @@ def read_steps(run_dir: Path) -> list[dict[str, object]]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+def read_samples(run_dir: Path) -> list[dict[str, object]]:
+    """Each step's sample ids (trainer/step_samples.jsonl), as the trainer's reader reads them."""
+    return [msgspec.to_builtins(record) for record in read_step_samples(run_dir)]
+
+
 async def test_online_steps_move_the_policy_toward_accepted_and_away_from_rejected(
     bus: Bus, tmp_path: Path, arith_gateway: EnvClient
 ) -> None:
@@ -294,7 +300,7 @@ async def test_online_steps_move_the_policy_toward_accepted_and_away_from_reject
     assert completion_logprob(second.model, rejected) < before
 
     steps = read_steps(tmp_path)
-    assert [s["sample_ids"] for s in steps] == [["fb-accepted"], ["fb-rejected"]]
+    assert [s["sample_ids"] for s in read_samples(tmp_path)] == [["fb-accepted"], ["fb-rejected"]]
     assert [s["stream"] for s in steps] == ["online", "online"]
     assert [s["mean_reward"] for s in steps] == [0.75, -0.25]
     # The baseline of acme:chat: 0.75 after the first sample; the second used it and
@@ -327,9 +333,9 @@ async def test_stale_online_samples_are_dropped_and_impossible_ones_dead_lettere
     await publish_online(bus, sample("stale", version=5))
     await publish_online(bus, sample("fresh", version=11, signal="thumbs_down"))
     await trainer.run()
-    (step,) = read_steps(tmp_path)
-    assert step["sample_ids"] == ["fresh"] and step["mean_reward"] == -0.5
-    assert step["num_dropped"] == 1 and step["dropped_ids"] == ["stale"]
+    (step,), (samples,) = read_steps(tmp_path), read_samples(tmp_path)
+    assert samples["sample_ids"] == ["fresh"] and step["mean_reward"] == -0.5
+    assert step["num_dropped"] == 1 and samples["dropped_ids"] == ["stale"]
     assert step["staleness"] == {"6": 1, "0": 1}
     # The impossible ones are consumed too, each with a dead letter saying why.
     assert trainer.state.online_cursor.floor == 4

@@ -37,6 +37,7 @@ from libs.rollout.evaluate import evaluate, mean_reward
 from libs.service import Service
 from libs.tokenizer import ByteTokenizer
 from libs.trainer.eval_gate import EvalGateConfig, held_out_tasks
+from libs.trainer.metrics import read_step_samples
 from libs.trainer.online_step import OnlineConfig
 from proto import streams
 from proto.messages import ChatMessage, OnlineSample, PromotionDecision, ServedGeneration
@@ -144,6 +145,11 @@ def trainer_steps(run_dir: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+def trained_ids(run_dir: Path) -> list[list[str]]:
+    """The sample ids of each trainer step (trainer/step_samples.jsonl)."""
+    return [record.sample_ids for record in read_step_samples(run_dir)]
+
+
 async def has_messages(bus: Bus, stream: str, num: int = 1) -> bool:
     return (await bus.js.stream_info(stream)).state.messages >= num
 
@@ -211,7 +217,7 @@ async def test_feedback_on_a_served_completion_trains_gates_and_serves_the_new_v
 
     # 5. The trainer's online step on it, and the gate's decision on the version it made.
     await wait_for(
-        lambda: any(s["sample_ids"] == ["fb-e2e-1"] for s in trainer_steps(tmp_path)),
+        lambda: ["fb-e2e-1"] in trained_ids(tmp_path),
         timeout_s=30,
         what="the trainer's online step on the sample",
     )

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
@@ -29,6 +30,7 @@ from libs.trainer.eval_gate import EvalGateConfig
 from libs.trainer.groups import GroupBuffer
 from libs.trainer.lineage import Lineage
 from libs.trainer.loop import Trainer, learning_rate_at
+from libs.trainer.metrics import read_step_samples
 from libs.trainer.step import StepConfig, train_step
 from proto import streams, subjects
 from proto.messages import Rollout, ScoredRollout, Task, Turn, WeightsStaged
@@ -195,6 +197,11 @@ def read_steps(run_dir: Path) -> list[dict[str, object]]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
+def read_samples(run_dir: Path) -> list[dict[str, Any]]:
+    """Each step's sample ids (trainer/step_samples.jsonl), as the trainer's reader reads them."""
+    return [msgspec.to_builtins(record) for record in read_step_samples(run_dir)]
+
+
 async def test_trainer_steps_on_groups_drops_stale_samples_and_stages_each_version(
     bus: Bus, tmp_path: Path
 ) -> None:
@@ -209,12 +216,17 @@ async def test_trainer_steps_on_groups_drops_stale_samples_and_stages_each_versi
     await publish_scored(bus, samples)
     await trainer.run()
 
-    steps = read_steps(tmp_path)
+    steps, samples = read_steps(tmp_path), read_samples(tmp_path)
     assert [s["step"] for s in steps] == [1, 2] and [s["version"] for s in steps] == [12, 13]
-    assert steps[0]["sample_ids"] == [f"g{g}.{i}" for g in (0, 1) for i in range(4)]
+    assert [s["step"] for s in samples] == [1, 2]
+    assert samples[0]["sample_ids"] == [f"g{g}.{i}" for g in (0, 1) for i in range(4)]
     # A stale group does not shrink the step: it is dropped and the next fresh one taken.
-    assert steps[1]["sample_ids"] == [f"g{g}.{i}" for g in (2, 4) for i in range(4)]
-    assert steps[1]["dropped_ids"] == [f"g3.{i}" for i in range(4)]
+    assert samples[1]["sample_ids"] == [f"g{g}.{i}" for g in (2, 4) for i in range(4)]
+    assert samples[1]["dropped_ids"] == [f"g3.{i}" for i in range(4)]
+    # The step record is readable by eye: figures, the learning rate, no ids.
+    assert "sample_ids" not in steps[0]
+    rates = [learning_rate_at(trainer.config, step) for step in (0, 1)]
+    assert [s["learning_rate"] for s in steps] == pytest.approx(rates)
     assert steps[1]["staleness"] == {"1": 8, "6": 4} and steps[1]["num_dropped"] == 4
     info = await bus.js.stream_info(streams.WEIGHTS_STAGED.name)
     assert info.state.messages == 3  # versions 11, 12, 13
@@ -264,21 +276,19 @@ async def test_trainer_killed_mid_run_resumes_without_losing_or_repeating_sample
     )
     assert second.returncode == 0, second.stderr[-2000:]
 
-    records = read_steps(tmp_path)
+    records = read_samples(tmp_path)
     assert max(r["segment"] for r in records) == 1, "the second run resumed from a checkpoint"
     # The history that counts: for each step, the record of the latest segment.
-    effective: dict[int, dict[str, object]] = {}
-    for record in records:
-        effective[record["step"]] = record  # type: ignore[index]
+    effective = {record["step"]: record for record in records}
     assert sorted(effective) == list(range(1, num_groups // 2 + 1))
-    trained = [sid for r in effective.values() for sid in r["sample_ids"]]  # type: ignore[attr-defined]
+    trained = [sid for r in effective.values() for sid in r["sample_ids"]]
     assert len(trained) == len(set(trained)), "a sample was trained twice"
     assert sorted(trained) == sorted(s.rollout.rollout_id for s in published), "a sample was lost"
     # The second run started from a checkpoint (every 3 steps); the first run's steps after
     # it were lost with the kill and done again.
-    resumed_from = min(int(r["step"]) for r in records if r["segment"] == 1) - 1  # type: ignore[call-overload]
+    resumed_from = min(int(r["step"]) for r in records if r["segment"] == 1) - 1
     assert resumed_from >= 3 and resumed_from % 3 == 0 and resumed_from <= steps_at_kill
-    superseded = [r for r in records if r["segment"] == 0 and int(r["step"]) > resumed_from]  # type: ignore[call-overload]
+    superseded = [r for r in records if r["segment"] == 0 and int(r["step"]) > resumed_from]
     assert len(records) == len(effective) + len(superseded)
 
 

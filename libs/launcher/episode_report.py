@@ -1,16 +1,15 @@
 """The demo's learning figures: episodes of the first and last trainer steps, side by side.
 
 At the end of `rlpipe demo` (before NATS stops) the launcher reads every scored rollout from
-the bus and the trainer's step records (`<run>/trainer/steps.jsonl`, which name the samples
-each step trained on), and reports for the first and the last `window` steps: task success,
-mean reward, tool-call validity, and turns, tool calls and segments per episode
+the bus and the trainer's step samples (`<run>/trainer/step_samples.jsonl`, which name the
+samples each step trained on), and reports for the first and the last `window` steps: task
+success, mean reward, tool-call validity, and turns, tool calls and segments per episode
 (libs.rollout.figures). These become `episodes_first_steps` / `episodes_last_steps` in the
 summary line.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -18,10 +17,9 @@ from typing import Any
 from libs.bus import wire
 from libs.bus.connection import connect_bus
 from libs.rollout.figures import episode_figures
+from libs.trainer.metrics import latest_per_step, read_step_samples
 from proto import streams
 from proto.messages import ScoredRollout
-
-STEPS_FILE = Path("trainer") / "steps.jsonl"
 
 
 async def read_scored(nats_url: str) -> list[ScoredRollout]:
@@ -43,11 +41,8 @@ async def read_scored(nats_url: str) -> list[ScoredRollout]:
 
 def step_sample_ids(run_dir: Path) -> list[list[str]]:
     """The sample ids each offline trainer step trained on, in step order."""
-    path = run_dir / STEPS_FILE
-    if not path.exists():
-        return []
-    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [r["sample_ids"] for r in records if r.get("stream", "offline") == "offline"]
+    records = latest_per_step(read_step_samples(run_dir))
+    return [r.sample_ids for r in records if r.stream == "offline"]
 
 
 def first_last_report(

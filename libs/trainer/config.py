@@ -7,7 +7,8 @@
 `RLPIPE_TRAINER_*` variables: the objective's knobs (`StepConfig`) are top-level fields
 (`RLPIPE_TRAINER_CLIP_EPS_LOW`), the nested parts have their own prefix
 (`RLPIPE_TRAINER_POLICY_PATH`, `RLPIPE_TRAINER_ONLINE_FRACTION`,
-`RLPIPE_TRAINER_EVAL_EVERY_VERSIONS`). Every field and default is declared here once.
+`RLPIPE_TRAINER_EVAL_EVERY_VERSIONS`, `RLPIPE_TRAINER_TRACKING_BACKENDS`). Every field and
+default is declared here once.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 from pydantic import Field
 
 from libs.policy import PolicyConfig
+from libs.tracking import TrackingConfig
 from libs.trainer.eval_gate import EvalGateConfig
 from libs.trainer.online_step import OnlineConfig
 from libs.trainer.step import StepConfig
@@ -63,4 +65,8 @@ class TrainerConfig(StepConfig):
     )
     eval: EvalGateConfig = Field(
         default_factory=EvalGateConfig, description="The eval gate promoting versions to serving"
+    )
+    tracking: TrackingConfig = Field(
+        default_factory=TrackingConfig,
+        description="Experiment trackers the step metrics go to (TensorBoard, W&B, MLflow)",
     )

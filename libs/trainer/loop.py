@@ -51,6 +51,7 @@ from libs.logs import bind_context
 from libs.policy import build_policy, check_vocabulary, load_policy_tokenizer, tokenizer_spec
 from libs.policy_identity import describe_policy, store_identity
 from libs.rl import MismatchStats, PolicyLossStats, split_by_staleness, staleness_histogram
+from libs.rollout.figures import is_success
 from libs.trainer.checkpoint import (
     TrainerState,
     latest_checkpoint,
@@ -60,7 +61,7 @@ from libs.trainer.checkpoint import (
 from libs.trainer.config import TrainerConfig
 from libs.trainer.eval_gate import EvalGate
 from libs.trainer.groups import Group, GroupBuffer
-from libs.trainer.metrics import StepLog, StepRecord
+from libs.trainer.metrics import StepRecord, StepSamples, open_step_log
 from libs.trainer.mix import Stream, choose_stream, scheduled_stream
 from libs.trainer.online_source import OnlineSource, OnlineTake
 from libs.trainer.online_step import OnlineStepStats, train_online_step
@@ -97,10 +98,6 @@ class RunPaths:
     @property
     def staging_dir(self) -> Path:
         return default_staging_dir(self.run_dir)
-
-    @property
-    def steps_path(self) -> Path:
-        return self.run_dir / "trainer" / "steps.jsonl"
 
 
 def learning_rate_at(config: TrainerConfig, step: int) -> float:
@@ -152,7 +149,7 @@ class Trainer:
         self._publisher = publisher
         self._stopping = asyncio.Event()
         self._buffer = GroupBuffer(config.incomplete_group_timeout_s)
-        self._steps = StepLog(self.paths.steps_path)
+        self._steps = open_step_log(config, run_dir)
         self._timers = Timers()
         self.state = TrainerState(step=0, version=0)
         self.tokenizer = load_policy_tokenizer(self.policy)
@@ -226,9 +223,7 @@ class Trainer:
         """Resume the gate; with nothing promoted yet, the weights we start from are judged."""
         await self._gate.setup(self._bus.js)
         if self._gate.config.enabled and self._gate.last is None:
-            await self._gate.decide_on(
-                self.model, self.state.version, self._publisher, self._bus.js
-            )
+            await self._decide()
 
     def _load(self, path: Path, state: TrainerState) -> None:
         self.model = build_policy(self.policy.model_copy(update={"path": str(path)}))
@@ -261,6 +256,7 @@ class Trainer:
                 await self._reader.close()
             if self._online is not None:
                 await self._online.close()
+            self._steps.close()
 
     async def stop(self) -> None:
         self._stopping.set()
@@ -420,7 +416,7 @@ class Trainer:
             return
         step_s = self._advance(started_s)
         self.state.scored_cursor.mark_done(batch.sequences)
-        self._steps.write(self._record(batch, stats, step_s))
+        self._steps.write(*self._record(batch, stats, step_s))
         await self._after_step()
 
     async def _train_step_isolating(self, batch: Batch) -> StepStats | None:
@@ -482,7 +478,7 @@ class Trainer:
         )
         step_s = self._advance(started_s)
         self.state.online_cursor.mark_done(taken.sequences)
-        self._steps.write(self._online_record(taken, stats, step_s))
+        self._steps.write(*self._online_record(taken, stats, step_s))
         await self._after_step()
 
     def _set_learning_rate(self, scale: float = 1.0) -> None:
@@ -506,11 +502,17 @@ class Trainer:
         else:
             await self._record_progress()
         if published and self._gate.due(self.state.version):
-            await self._gate.decide_on(
-                self.model, self.state.version, self._publisher, self._bus.js
-            )
+            await self._decide()
         if self.state.step % self.config.checkpoint_every_steps == 0 or self._keeps_version():
             await asyncio.to_thread(self._checkpoint)
+
+    async def _decide(self) -> None:
+        """Run the eval gate on the weights held; its decision joins the step records."""
+        decision = await self._gate.decide_on(
+            self.model, self.state.version, self._publisher, self._bus.js
+        )
+        if decision is not None:
+            self._steps.write_decision(decision, self.state.step)
 
     async def _publish_weights(self) -> None:
         """Record the version as taken (KV), then hand the weights to the broadcaster.
@@ -576,12 +578,15 @@ class Trainer:
         serving = self._gate.last.serving_version if self._gate.last else None
         return {v for v in (serving, self.state.best_eval_version) if v is not None}
 
-    def _record(self, batch: Batch, stats: StepStats, step_s: float) -> StepRecord:
+    def _record(
+        self, batch: Batch, stats: StepStats, step_s: float
+    ) -> tuple[StepRecord, StepSamples]:
         rewards = [s.reward for s in batch.kept]
         tokens = stats.num_loss_tokens
-        return StepRecord(
+        record = StepRecord(
             **self._step_fields(stats.policy, stats.mismatch, step_s),
             mean_reward=sum(rewards) / len(rewards) if rewards else 0.0,
+            success=sum(map(is_success, batch.kept)) / max(len(batch.kept), 1),
             num_samples=len(batch.kept),
             num_rows=stats.num_rows,
             num_groups=len(batch.groups),
@@ -594,10 +599,15 @@ class Trainer:
             wait_s=batch.wait_s,
             tokens_per_s=tokens / max(step_s, 1e-9),
             samples_per_s=len(batch.kept) / max(step_s + batch.wait_s, 1e-9),
+        )
+        return record, self._samples(
             sample_ids=[s.rollout.rollout_id for s in batch.kept],
             dropped_ids=[s.rollout.rollout_id for s in batch.dropped],
             refused_ids=[s.rollout.rollout_id for s in batch.refused],
         )
+
+    def _samples(self, **ids: Any) -> StepSamples:
+        return StepSamples(step=self.state.step, segment=self.state.segment, **ids)
 
     def _step_fields(
         self, policy: PolicyLossStats, mismatch: MismatchStats, step_s: float
@@ -608,6 +618,7 @@ class Trainer:
             "version": self.state.version,
             "segment": self.state.segment,
             "time": time.time(),
+            "learning_rate": self.optimizer.param_groups[0]["lr"],
             "mismatch_tokens": mismatch.num_tokens,
             "mismatch_mean_abs": mismatch.mean_abs_diff,
             "mismatch_kl": mismatch.kl,
@@ -621,8 +632,8 @@ class Trainer:
 
     def _online_record(
         self, taken: OnlineTake, stats: OnlineStepStats, step_s: float
-    ) -> StepRecord:
-        return StepRecord(
+    ) -> tuple[StepRecord, StepSamples]:
+        record = StepRecord(
             **self._step_fields(stats.policy, stats.mismatch, step_s),
             mean_reward=stats.mean_reward,
             num_samples=len(taken.kept),
@@ -637,12 +648,15 @@ class Trainer:
             wait_s=0.0,
             tokens_per_s=stats.num_loss_tokens / max(step_s, 1e-9),
             samples_per_s=len(taken.kept) / max(step_s, 1e-9),
-            sample_ids=[s.sample_id for s in taken.kept],
-            dropped_ids=[s.sample_id for s in taken.stale + taken.invalid],
             stream="online",
             num_online_invalid=len(taken.invalid),
             online_mean_advantage=stats.mean_advantage,
             online_baselines=stats.baselines,
+        )
+        return record, self._samples(
+            stream="online",
+            sample_ids=[s.sample_id for s in taken.kept],
+            dropped_ids=[s.sample_id for s in taken.stale + taken.invalid],
         )
 
     def health(self) -> dict[str, Any]:
@@ -656,5 +670,5 @@ class Trainer:
             "busy_fraction": round(self._timers.busy_fraction, 3),
             "online_pending": self._online.num_pending if self._online is not None else 0,
             "promoted_version": self._gate.last.serving_version if self._gate.last else None,
-            **self._steps.reward_summary(),
+            **self._steps.health_fields(),
         }

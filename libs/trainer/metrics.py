@@ -1,16 +1,32 @@
-"""Per-step trainer metrics: one record per step as a JSON line, Prometheus, and a log line.
+"""Per-step trainer metrics: JSON lines, Prometheus, and the experiment trackers.
 
-The JSON lines (`<run>/trainer/steps.jsonl`) are the run's history: reward, staleness,
-mismatch, importance weights, throughput, and which samples each step trained on or dropped
-(so a resumed run can be checked for lost or repeated samples).
+The run's history lives in `<run>/trainer/`:
+- `steps.jsonl`: one `StepRecord` a step (reward, success, learning rate, staleness,
+  mismatch, importance weights, throughput, busy fraction), readable by eye and by
+  `rlpipe report`;
+- `step_samples.jsonl`: one `StepSamples` a step, the ids of the samples it trained on,
+  dropped or refused (so a resumed run can be checked for lost or repeated samples);
+- `evals.jsonl`: one `EvalRecord` per eval-gate decision.
+A resumed trainer redoes the steps after its checkpoint under a new `segment`; for each step
+the record of the latest segment counts (`latest_per_step`).
+
+The same figures go to the trackers the config names (libs.tracking) as `group/name` scalars.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, TypeVar
 
 import msgspec
 from prometheus_client import Counter, Gauge, Histogram
+
+from libs.tracking import Tracking, build_tracking
+from proto.messages import PromotionDecision
+
+if TYPE_CHECKING:  # the config pulls in torch; readers of the records (rlpipe report) do not
+    from libs.trainer.config import TrainerConfig
 
 STEP = Gauge("rlpipe_trainer_step", "Optimizer steps taken")
 VERSION = Gauge("rlpipe_trainer_policy_version", "Policy version the trainer holds")
@@ -40,6 +56,13 @@ ONLINE_DROPPED = Counter(
 ONLINE_BASELINE = Gauge(
     "rlpipe_trainer_online_baseline", "Running reward baseline per context kind", ["kind"]
 )
+LEARNING_RATE = Gauge("rlpipe_trainer_learning_rate", "Learning rate of the last step")
+
+STEPS_FILE = Path("trainer") / "steps.jsonl"
+STEP_SAMPLES_FILE = Path("trainer") / "step_samples.jsonl"
+EVALS_FILE = Path("trainer") / "evals.jsonl"
+# Steps whose rewards make the "recent" figures of the trainer's health answer.
+RECENT_STEPS = 10
 
 
 class StepRecord(msgspec.Struct, kw_only=True):
@@ -50,6 +73,9 @@ class StepRecord(msgspec.Struct, kw_only=True):
     segment: int
     time: float
     mean_reward: float
+    # Fraction of samples whose environment said the answer is right (None: online steps).
+    success: float | None = None
+    learning_rate: float = 0.0
     num_samples: int
     # Training rows: one per sample, one per context segment of a self-summarizing episode.
     num_rows: int = 0
@@ -72,11 +98,6 @@ class StepRecord(msgspec.Struct, kw_only=True):
     tokens_per_s: float
     samples_per_s: float
     busy_fraction: float
-    sample_ids: list[str]
-    dropped_ids: list[str]
-    # Samples of the step's groups refused and dead-lettered (invalid for the policy, or a
-    # sample that made the optimizer step fail): neither trained nor dropped as stale.
-    refused_ids: list[str] = msgspec.field(default_factory=list)
     # Which stream the step trained on: "offline" (scored GRPO groups) or "online" (product
     # feedback). For an online step the fields above describe its online samples
     # (mean_reward: the mean mapped reward; num_groups 0), and these add the rest.
@@ -87,20 +108,71 @@ class StepRecord(msgspec.Struct, kw_only=True):
     online_baselines: dict[str, float] = msgspec.field(default_factory=dict)
 
 
+class StepSamples(msgspec.Struct, kw_only=True):
+    """Which samples one step trained on, dropped as stale, or refused."""
+
+    step: int
+    segment: int
+    stream: str = "offline"
+    sample_ids: list[str]
+    dropped_ids: list[str]
+    # Samples of the step's groups refused and dead-lettered (invalid for the policy, or a
+    # sample that made the optimizer step fail): neither trained nor dropped as stale.
+    refused_ids: list[str] = msgspec.field(default_factory=list)
+
+
+class EvalRecord(msgspec.Struct, kw_only=True):
+    """One eval-gate decision, at the trainer step it was taken."""
+
+    step: int
+    time: float
+    version: int
+    promoted: bool
+    candidate_score: float
+    serving_version: int | None
+    serving_score: float | None
+    reason: str
+
+
 class StepLog:
-    """Appends step records to a JSON-lines file and keeps the reward history."""
+    """Writes the step, sample and eval records of a run, feeds Prometheus and the trackers,
+    and keeps the recent figures the trainer's health answer shows."""
 
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        path.parent.mkdir(parents=True, exist_ok=True)
+    def __init__(self, run_dir: Path, tracking: Tracking) -> None:
+        self.run_dir = run_dir
+        self.tracking = tracking
+        (run_dir / STEPS_FILE).parent.mkdir(parents=True, exist_ok=True)
         self.rewards: list[float] = []
+        self.recent: list[StepRecord] = []
 
-    def write(self, record: StepRecord) -> None:
-        with self.path.open("ab") as file:
-            file.write(msgspec.json.encode(record) + b"\n")
+    def write(self, record: StepRecord, samples: StepSamples) -> None:
+        # The ids first: a step whose record exists always has its ids.
+        append_line(self.run_dir / STEP_SAMPLES_FILE, samples)
+        append_line(self.run_dir / STEPS_FILE, record)
         if record.stream == "offline":  # the learning curve is the offline task's
             self.rewards.append(record.mean_reward)
+            self.recent = [*self.recent, record][-RECENT_STEPS:]
         export(record)
+        self.tracking.log(step_scalars(record), record.step)
+
+    def write_decision(self, decision: PromotionDecision, step: int) -> None:
+        """Record an eval-gate decision taken at trainer step `step`."""
+        record = EvalRecord(
+            step=step,
+            time=decision.decided_at,
+            version=decision.version,
+            promoted=decision.promoted,
+            candidate_score=decision.candidate_score,
+            serving_version=decision.serving_version,
+            serving_score=decision.serving_score,
+            reason=decision.reason,
+        )
+        append_line(self.run_dir / EVALS_FILE, record)
+        self.tracking.log(eval_scalars(record), step)
+
+    def health_fields(self, window: int = RECENT_STEPS) -> dict[str, float | None]:
+        """Reward of the first and last `window` steps, and the recent steps' figures."""
+        return {**self.reward_summary(window), **recent_figures(self.recent)}
 
     def reward_summary(self, window: int = 10) -> dict[str, float | None]:
         """Mean reward of the first and last `window` steps (None before any step)."""
@@ -111,6 +183,146 @@ class StepLog:
             "reward_first_10": round(sum(first) / len(first), 4),
             "reward_last_10": round(sum(last) / len(last), 4),
         }
+
+    def close(self) -> None:
+        self.tracking.close()
+
+
+def open_step_log(config: TrainerConfig, run_dir: Path) -> StepLog:
+    """The step log of a trainer run, with the trackers its config names (the trainer's
+    own fields go to them as the run's parameters: no service address or secret)."""
+    from libs.trainer.config import TrainerConfig
+
+    values = config.model_dump(mode="json")
+    params = {name: values[name] for name in TrainerConfig.model_fields if name in values}
+    return StepLog(run_dir, build_tracking(config.tracking, run_dir, params))
+
+
+def append_line(path: Path, record: msgspec.Struct) -> None:
+    with path.open("ab") as file:
+        file.write(msgspec.json.encode(record) + b"\n")
+
+
+def recent_figures(recent: Sequence[StepRecord]) -> dict[str, float | None]:
+    """Mean reward, success, staleness and samples/s over `recent` offline steps."""
+    if not recent:
+        return {"reward_recent": None, "success_recent": None, "staleness_recent": None}
+    successes = [r.success for r in recent if r.success is not None]
+    counts = [sum(r.staleness.values()) for r in recent]
+    elapsed_s = recent[-1].time - recent[0].time
+    samples = sum(r.num_samples for r in recent[1:])  # those trained after the first's time
+    figures: dict[str, float | None] = {
+        "reward_recent": round(sum(r.mean_reward for r in recent) / len(recent), 4),
+        "success_recent": round(sum(successes) / len(successes), 4) if successes else None,
+        "staleness_recent": round(
+            sum(mean_staleness(r) * n for r, n in zip(recent, counts, strict=True))
+            / max(sum(counts), 1),
+            3,
+        ),
+    }
+    if elapsed_s > 0:
+        figures["samples_per_s_recent"] = round(samples / elapsed_s, 2)
+    return figures
+
+
+def mean_staleness(record: StepRecord) -> float:
+    """Mean versions between a trained or dropped sample's policy and the trainer's."""
+    total = sum(record.staleness.values())
+    return sum(int(k) * n for k, n in record.staleness.items()) / total if total else 0.0
+
+
+def step_scalars(record: StepRecord) -> dict[str, float]:
+    """The step's figures as tracker scalars, `group/name`; an online step's reward goes
+    under `online/` so the offline learning curve stays one task's."""
+    reward = "online" if record.stream == "online" else "reward"
+    scalars = {
+        f"{reward}/mean": record.mean_reward,
+        "train/loss": record.loss,
+        "train/grad_norm": record.grad_norm,
+        "train/learning_rate": record.learning_rate,
+        "train/clip_fraction": record.clip_fraction,
+        "train/samples": record.num_samples,
+        "train/loss_tokens": record.num_loss_tokens,
+        "train/zero_variance_groups": record.num_zero_variance_groups,
+        "train/policy_version": record.version,
+        "staleness/mean": mean_staleness(record),
+        "staleness/max": max((int(k) for k in record.staleness), default=0),
+        "staleness/dropped": record.num_dropped,
+        "mismatch/mean_abs": record.mismatch_mean_abs,
+        "mismatch/kl": record.mismatch_kl,
+        "importance/weight_mean": record.is_weight_mean,
+        "importance/weight_max": record.is_weight_max,
+        "importance/truncated_fraction": record.is_truncated_fraction,
+        "throughput/samples_per_s": record.samples_per_s,
+        "throughput/tokens_per_s": record.tokens_per_s,
+        "time/step_s": record.step_s,
+        "time/wait_s": record.wait_s,
+        "time/busy_fraction": record.busy_fraction,
+    }
+    if record.success is not None:
+        scalars[f"{reward}/success"] = record.success
+    if record.stream == "online":
+        scalars["online/mean_advantage"] = record.online_mean_advantage
+        scalars["online/invalid"] = record.num_online_invalid
+    return {name: float(value) for name, value in scalars.items()}
+
+
+def eval_scalars(record: EvalRecord) -> dict[str, float]:
+    """An eval-gate decision as tracker scalars."""
+    scalars = {
+        "eval/candidate_score": record.candidate_score,
+        "eval/promoted": float(record.promoted),
+        "eval/candidate_version": float(record.version),
+    }
+    if record.serving_version is not None and record.serving_score is not None:
+        scalars["eval/serving_version"] = float(record.serving_version)
+        scalars["eval/serving_score"] = record.serving_score
+    return scalars
+
+
+T = TypeVar("T", bound=msgspec.Struct)
+
+
+def read_records(path: Path, kind: type[T]) -> list[T]:
+    """The records of a JSON-lines file; a last line still being written is left out."""
+    if not path.exists():
+        return []
+    records = []
+    for line in path.read_bytes().splitlines():
+        if not line.strip():
+            continue
+        try:
+            records.append(msgspec.json.decode(line, type=kind))
+        except msgspec.DecodeError:
+            break
+    return records
+
+
+def read_steps(run_dir: Path) -> list[StepRecord]:
+    """Every step record of the run, in the order written (resumed steps appear twice)."""
+    return read_records(run_dir / STEPS_FILE, StepRecord)
+
+
+def read_step_samples(run_dir: Path) -> list[StepSamples]:
+    """Every step's sample ids, in the order written (resumed steps appear twice)."""
+    return read_records(run_dir / STEP_SAMPLES_FILE, StepSamples)
+
+
+def read_evals(run_dir: Path) -> list[EvalRecord]:
+    return read_records(run_dir / EVALS_FILE, EvalRecord)
+
+
+R = TypeVar("R", StepRecord, StepSamples)
+
+
+def latest_per_step(records: Sequence[R]) -> list[R]:
+    """For each step, the record of the latest segment, in step order: a resumed
+    trainer redoes the steps after its checkpoint, superseding the first run's records."""
+    latest: dict[int, R] = {}
+    for record in records:
+        if record.step not in latest or record.segment >= latest[record.step].segment:
+            latest[record.step] = record
+    return [latest[step] for step in sorted(latest)]
 
 
 def export(record: StepRecord) -> None:
@@ -131,6 +343,7 @@ def export(record: StepRecord) -> None:
     IS_WEIGHT.set(record.is_weight_mean)
     TOKENS_PER_S.set(record.tokens_per_s)
     BUSY.set(record.busy_fraction)
+    LEARNING_RATE.set(record.learning_rate)
     STEP_SECONDS.observe(record.step_s)
 
 
