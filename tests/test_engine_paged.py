@@ -340,13 +340,27 @@ def test_gpu_kernels_match_the_torch_paths() -> None:
 
 
 @CUDA
-def test_gpu_greedy_completions_equal_the_hf_engines_in_fp32() -> None:
-    model = build_policy(PolicyConfig(device="cuda", dtype="float32"))
+@pytest.mark.parametrize("preset", ["tiny", "qwen2-0.5b"])
+def test_gpu_greedy_completions_equal_the_hf_engines_in_fp32(preset: str) -> None:
+    # fp32 on CUDA: both engines compute the same function up to fp32 rounding, so greedy
+    # tokens must match exactly (a logic error would not). Prompts staged in the decode
+    # graph and prompts prefilled eagerly, concurrent with decoding rows.
+    model = build_policy(PolicyConfig(preset=preset, device="cuda", dtype="float32"))
     torch.backends.cuda.matmul.allow_tf32 = False
-    expected = HFEngine(model, TOKENIZER, 64).generate(PROMPTS, GREEDY, num_samples=3)
-    paged = PagedEngine(model, TOKENIZER, 64, kv_cache_tokens=65536)
+    long_prompt = TOKENIZER.encode("a prompt long enough for the eager prefill path. " * 12)
+    prompts = [*PROMPTS, long_prompt]
+    expected = HFEngine(model, TOKENIZER, 64).generate(prompts, GREEDY, num_samples=3)
+    paged = PagedEngine(model, TOKENIZER, 64, kv_cache_tokens=65536, eager_prefill_above=256)
     assert paged.runner.fused is not None and paged.runner._graphs, "the fast path must run"
-    assert tokens(paged.generate(PROMPTS, GREEDY, num_samples=3)) == tokens(expected)
+    assert len(long_prompt) >= paged.eager_prefill_above > max(len(p) for p in PROMPTS)
+    crowd: list[list[Completion]] = []
+    other = threading.Thread(target=lambda: crowd.append(paged.generate(prompts, GREEDY, 2)))
+    other.start()
+    got = paged.generate(prompts, GREEDY, num_samples=3)
+    other.join()
+    assert tokens(got) == tokens(expected)
+    assert tokens(crowd[0]) == [t for i, t in enumerate(tokens(expected)) if i % 3 < 2]
+    assert paged.timings_s["prefill"] > 0.0, "the long prompt must take the eager path"
 
 
 @CUDA

@@ -40,6 +40,13 @@ except ImportError:  # pragma: no cover - depends on the machine
 CHUNK_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
+DECODE_P_IN_INPUT_DTYPE = True
+"""Whether the decode kernel rounds the attention probabilities P to the cache's dtype
+(bf16) before P @ V, as the flash-style kernels of the trainer's forward do (its
+scaled_dot_product_attention), rather than keeping them in tf32. Measured on an H200
+(qwen2-0.5b bf16, mean |sampled - trainer logprob|): see bench/results/h200/engine.json."""
+
+
 @dataclass(frozen=True)
 class AttentionPlan:
     """Index tensors that pad S chunks of a flat batch of tokens into [S, Lq] x [S, Lk].
@@ -138,6 +145,7 @@ if HAS_TRITON:
         TILE: tl.constexpr,
         SPLITS: tl.constexpr,
         IEEE: tl.constexpr,
+        P_IN_INPUT_DTYPE: tl.constexpr,
     ):
         row = tl.program_id(0)
         kv_head = tl.program_id(1)
@@ -179,7 +187,9 @@ if HAS_TRITON:
             v = tl.load(v_ptr + kv_offsets, mask=is_token[:, None], other=0.0)
             if IEEE:
                 acc = acc * rescale[:, None] + tl.dot(probs, v, input_precision="ieee")
-            else:  # P kept in tf32 (10-bit mantissa), not rounded to bf16 as flash kernels do
+            elif P_IN_INPUT_DTYPE:  # P rounded to bf16/fp16, as flash-style kernels do
+                acc = acc * rescale[:, None] + tl.dot(probs.to(v.dtype), v)
+            else:  # P kept in tf32 (10-bit mantissa)
                 pv = tl.dot(probs, v.to(tl.float32), input_precision="tf32")
                 acc = acc * rescale[:, None] + pv
             running_max = new_max
@@ -266,6 +276,7 @@ def decode_attention(
         TILE=64,
         SPLITS=splits,
         IEEE=q.dtype == torch.float32,
+        P_IN_INPUT_DTYPE=DECODE_P_IN_INPUT_DTYPE,
     )
     if splits > 1:
         _combine_splits_kernel[(num_rows * num_heads,)](
