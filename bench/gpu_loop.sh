@@ -3,7 +3,12 @@
 # of about 0.5B parameters (preset byte-0.5b: Qwen2.5-0.5B layers over the byte vocabulary,
 # 492M parameters, bf16), everything else as in `make demo`.
 #
-#   [MODE=sync|async] [ENGINE=hf|paged] bash bench/gpu_loop.sh [SECONDS] [OUT_DIR]
+#   [MODE=sync|async] [ENGINE=hf|paged] [MAX_STALENESS=N] [PUBLISH_EVERY=N] \
+#       bash bench/gpu_loop.sh [SECONDS] [OUT_DIR]
+#
+# Trainer settings are the trainer's defaults unless given: for byte-0.5b that is fp32 master
+# weights at a learning rate of 1e-5 (chosen by model size, libs/trainer/config.py), a new
+# version staged after every step in the background (libs/trainer/staging.py).
 #
 # Writes the trainer's step records, the run summary and the tails of the service logs to
 # OUT_DIR (default bench/results/gpu_loop) with the version latency by part
@@ -18,10 +23,12 @@ mkdir -p "$out"
 preset=${PRESET:-byte-0.5b} device=${DEVICE:-cuda}
 export RLPIPE_TRAINER_POLICY_PRESET=$preset RLPIPE_ROLLOUT_WORKER_POLICY_PRESET=$preset
 export RLPIPE_TRAINER_POLICY_DEVICE=$device RLPIPE_ROLLOUT_WORKER_POLICY_DEVICE=$device
-export RLPIPE_TRAINER_PUBLISH_EVERY_STEPS=${PUBLISH_EVERY:-4}
-# A 0.5B checkpoint (weights + AdamW state, ~3 GB) takes seconds the trainer waits for:
-# the default every 4 steps made 11 of them in a 150 s run on an H200.
-export RLPIPE_TRAINER_CHECKPOINT_EVERY_STEPS=${CHECKPOINT_EVERY:-100}
+[ -n "${PUBLISH_EVERY:-}" ] && export RLPIPE_TRAINER_PUBLISH_EVERY_STEPS=$PUBLISH_EVERY
+[ -n "${MAX_STALENESS:-}" ] && export RLPIPE_TRAINER_MAX_STALENESS=$MAX_STALENESS
+[ -n "${LEARNING_RATE:-}" ] && export RLPIPE_TRAINER_LEARNING_RATE=$LEARNING_RATE
+# A 0.5B checkpoint (fp32 weights + AdamW state, ~6 GB) takes seconds the trainer waits for:
+# the default every 4 steps made 11 of them in a 150 s run on an H200. One at the end.
+export RLPIPE_TRAINER_CHECKPOINT_EVERY_STEPS=${CHECKPOINT_EVERY:-100000}
 # ENGINE=paged for the continuous-batching engine. On this task (2-token arith episodes, one
 # request per sample) hf did 129 steps in 150 s and paged 63 on an H200 (2026-11-26): the
 # paged scheduler's per-request admission, not decoding, bounds it here.
@@ -46,24 +53,50 @@ if [ "${KEEP_LOGS:-1}" = 1 ]; then
     tail -n 40 "$run/logs/$s.log" > "$out/$s.log.txt" || true
   done
 fi
-python3 - "$out" <<'PY'
+python3 - "$out" "$seconds" <<'PY'
 import json, sys, pathlib
-out = pathlib.Path(sys.argv[1])
+out, seconds = pathlib.Path(sys.argv[1]), float(sys.argv[2])
 rows = [json.loads(l) for l in (out / "steps.jsonl").read_text().splitlines() if l.strip()]
 if not rows:
     sys.exit("no trainer steps recorded")
 steady = rows[len(rows) // 4:] or rows
-def mean(k): return sum(r[k] for r in steady) / len(steady)
+def mean(k, rs=steady): return sum(r.get(k, 0.0) for r in rs) / max(len(rs), 1)
 same = [r for r in rows if r["mismatch_tokens"]]
 trained = sum(r["num_samples"] for r in rows)
 dropped = sum(r["num_dropped"] for r in rows)
-print(f"samples trained {trained}, dropped as stale {dropped} "
-      f"({dropped / max(trained + dropped, 1):.1%} of those generated)")
-print(f"steps {len(rows)}, step_s {mean('step_s'):.3f}, trained tokens/s {mean('tokens_per_s'):.0f}, "
-      f"busy {rows[-1]['busy_fraction']:.2f}, reward first/last10 "
-      f"{sum(r['mean_reward'] for r in rows[:10])/min(10,len(rows)):.3f}/"
-      f"{sum(r['mean_reward'] for r in rows[-10:])/min(10,len(rows)):.3f}")
-if same:
-    print(f"mismatch (same-version tokens) mean_abs {sum(r['mismatch_mean_abs'] for r in same)/len(same):.5f}, "
-          f"kl {sum(r['mismatch_kl'] for r in same)/len(same):.6f}, over {sum(r['mismatch_tokens'] for r in same)} tokens")
+start = rows[0]["time"] - rows[0]["step_s"] - rows[0]["wait_s"]
+window = [sum(r["mean_reward"] for r in rows[i - 10:i]) / 10 for i in range(10, len(rows) + 1)]
+best = max(window, default=0.0)
+above = next((i + 10 for i, w in enumerate(window) if w > 0.8), None)
+summary = {
+    "steps": len(rows),
+    "seconds": seconds,
+    "stopped_because": f"the {seconds:.0f} s duration of the run ended",
+    "samples_trained": trained,
+    "samples_dropped_stale": dropped,
+    "dropped_fraction": round(dropped / max(trained + dropped, 1), 4),
+    "trainer_busy_fraction": round(rows[-1]["busy_fraction"], 3),
+    "wait_for_weights_fraction_of_wait": round(
+        sum(r.get("wait_weights_s", 0.0) for r in rows) / max(sum(r["wait_s"] for r in rows), 1e-9), 3),
+    "step_s": round(mean("step_s"), 4),
+    "trained_tokens_per_s": round(mean("tokens_per_s")),
+    "samples_trained_per_s": round(trained / max(rows[-1]["time"] - start, 1e-9), 1),
+    "samples_dropped_per_s": round(dropped / max(rows[-1]["time"] - start, 1e-9), 1),
+    "reward_first10": round(sum(r["mean_reward"] for r in rows[:10]) / min(10, len(rows)), 4),
+    "reward_last10": round(sum(r["mean_reward"] for r in rows[-10:]) / min(10, len(rows)), 4),
+    "reward_best10": round(best, 4),
+    "first_step_10_step_mean_above_0.8": above,
+    "seconds_to_10_step_mean_above_0.8": round(rows[above - 1]["time"] - start, 1) if above else None,
+    "reward_by_30s": [
+        round(sum(r["mean_reward"] for r in b) / len(b), 3) if (b := [r for r in rows if t <= r["time"] - start < t + 30]) else None
+        for t in range(0, int(seconds), 30)
+    ],
+    "mismatch_mean_abs": round(sum(r["mismatch_mean_abs"] for r in same) / len(same), 5) if same else None,
+    "mismatch_tokens": sum(r["mismatch_tokens"] for r in same),
+}
+latency = out / "version_latency.json"
+if latency.exists():
+    summary["version_latency"] = json.loads(latency.read_text()).get("summary")
+(out / "loop_summary.json").write_text(json.dumps(summary, indent=1))
+print(json.dumps({k: v for k, v in summary.items() if k != "version_latency"}, indent=1))
 PY

@@ -4,8 +4,10 @@ Reads a run folder of `rlpipe demo` (or bench/gpu_loop.sh): the trainer's step r
 the JSON log lines of the trainer, the weight-broadcaster and the rollout-worker, joined by
 version. Per version, in order:
 
-    stage     optimizer step end -> staged file written and announced to the broadcaster
-              (gathering the state to the host and writing safetensors)
+    hold      optimizer step end -> the trainer's stager starts on it (the previous
+              version still being staged; libs/trainer/staging.py)
+    stage     the copy to the host, the safetensors file written and announced to the
+              broadcaster
     queue     staged -> the broadcaster starts on it (the previous version still encoding)
     encode    load the staged file, diff against the base, encode the chunks
     store     chunks onto the bus, announcement published
@@ -32,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 PARTS = (
+    "hold",
     "stage",
     "queue",
     "encode",
@@ -111,9 +114,11 @@ def row(
     gate_wait_s = float(swapped.get("gate_wait_s", 0.0))
     t_staged, t_announced = timestamp(staged), timestamp(announced)
     t_fetched, t_swapped = timestamp(fetched), timestamp(swapped)
+    hold_s = float(staged.get("waited_s", 0.0))
     return {
         "version": version,
-        "stage": t_staged - step_end,
+        "hold": hold_s,
+        "stage": t_staged - step_end - hold_s,
         "queue": t_announced - t_staged - encode_s - store_s,
         "encode": encode_s,
         "store": store_s,

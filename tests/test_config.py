@@ -84,8 +84,8 @@ def test_show_gives_every_field_with_its_value_and_source(tmp_path: Path) -> Non
     }
     assert rows["learning_rate"] | {"description": ""} == {
         "field": "learning_rate",
-        "type": "float",
-        "default": 5e-4,
+        "type": "float | None",  # unset: chosen by model size when the trainer starts
+        "default": None,
         "value": 1e-4,
         "source": "--set",
         "description": "",
@@ -103,7 +103,7 @@ def test_show_gives_every_field_with_its_value_and_source(tmp_path: Path) -> Non
     table = rlpipe("config", "show", "trainer", "--set", "trainer.learning_rate=1e-4", env=env)
     assert table.returncode == 0, table.stderr
     line = next(x for x in table.stdout.splitlines() if x.startswith("learning_rate "))
-    assert line.split() == ["learning_rate", "float", "0.0005", "0.0001", "--set"]
+    assert line.split() == ["learning_rate", "float", "|", "None", "null", "0.0001", "--set"]
 
 
 def test_a_bad_value_is_one_line_and_exit_2() -> None:

@@ -110,9 +110,12 @@ class Harness:
         await stage_weights(self.publisher, self.staging_dir, state, version)
 
     async def stage_until(self, version: int) -> None:
+        """Stage each version up to `version`, one at a time: each is announced before the
+        next is staged (staged faster, the broadcaster skips versions superseded in its
+        queue: tested on its own below)."""
         for v in range(max(self.versions, default=0) + 1, version + 1):
             await self.stage(v)
-        await wait_for(self.announced(version), 20, f"version {version} announced")
+            await wait_for(self.announced(v), 20, f"version {v} announced")
 
     def announced(self, version: int) -> Any:
         async def check() -> bool:
@@ -193,6 +196,32 @@ async def test_a_late_joiner_catches_up_from_the_snapshot_and_old_chunks_are_gon
     assert kinds == ["snapshot", "delta", "delta"]
     assert late.current is not None and late.current.version == 6
     assert_bit_exact(state, harness.versions[6])
+
+
+async def test_versions_staged_faster_than_broadcast_are_skipped_for_the_newest(
+    harness: Harness,
+) -> None:
+    await harness.stage_until(1)
+    await harness.stop_broadcaster()
+    for version in (2, 3):  # staged while the broadcaster is busy (here: away)
+        await harness.stage(version)
+    await harness.start_broadcaster()
+    await wait_for(harness.announced(3), 20, "version 3 announced")
+
+    delta = await latest_announcement(harness.bus.js, "delta")
+    assert delta is not None and (delta[1].version, delta[1].base_version) == (3, 1)
+    with pytest.raises(NotFoundError):  # 2 was never encoded nor stored
+        await harness.bus.js.get_msg(
+            streams.WEIGHT_CHUNKS.name, subject=weight_chunk_subject(2, "delta", 0), direct=True
+        )
+    assert staged_versions(harness.staging_dir) == [3]  # 2's file is gone with it
+    state: dict[str, Any] = {}
+    receiver = WeightReceiver(harness.bus)
+    try:
+        await receiver.catch_up(state, version=3, timeout_s=20)
+    finally:
+        await receiver.close()
+    assert_bit_exact(state, harness.versions[3])
 
 
 async def test_a_restarted_broadcaster_continues_the_chain(harness: Harness) -> None:

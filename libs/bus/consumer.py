@@ -231,6 +231,7 @@ class PullConsumer(Generic[M]):
             stream_sequence=meta.sequence.stream,
             num_delivered=meta.num_delivered,
             headers=dict(msg.headers or {}),
+            num_pending=meta.num_pending or 0,
         )
 
     async def stop(self, grace_s: float = 10.0) -> None:

@@ -25,6 +25,8 @@ class Delivery:
     stream_sequence: int
     num_delivered: int
     headers: dict[str, str]
+    num_pending: int = 0
+    """Messages left for the consumer after this one when it was delivered (0 if unknown)."""
 
     @property
     def msg_id(self) -> str | None:

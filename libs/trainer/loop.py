@@ -34,9 +34,10 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import nats.errors
 import structlog
@@ -48,7 +49,7 @@ from libs.bus.publisher import Publisher
 from libs.bus.stream_reader import StreamReader, StreamRecord
 from libs.envs.client import EnvClient
 from libs.logs import bind_context
-from libs.policy import build_policy, check_vocabulary, load_policy_tokenizer, tokenizer_spec
+from libs.policy import check_vocabulary, load_policy_tokenizer, tokenizer_spec
 from libs.policy_identity import describe_policy, store_identity
 from libs.rl import MismatchStats, PolicyLossStats, split_by_staleness, staleness_histogram
 from libs.rollout.figures import is_success
@@ -65,6 +66,7 @@ from libs.trainer.metrics import StepRecord, StepSamples, open_step_log
 from libs.trainer.mix import Stream, choose_stream, scheduled_stream
 from libs.trainer.online_source import OnlineSource, OnlineTake
 from libs.trainer.online_step import OnlineStepStats, train_online_step
+from libs.trainer.precision import TrainingPrecision
 from libs.trainer.reference import setup_reference
 from libs.trainer.refusals import (
     find_failing_samples,
@@ -72,13 +74,16 @@ from libs.trainer.refusals import (
     online_problem,
     scored_problem,
 )
+from libs.trainer.staging import WeightStager
 from libs.trainer.step import StepStats, train_step
-from libs.weights.handoff import default_staging_dir, stage_weights
+from libs.weights.handoff import default_staging_dir
 from libs.weights.receiver import latest_announcement
 from proto import streams, subjects
 from proto.messages import OnlineSample, ScoredRollout
 
 log = structlog.get_logger(__name__)
+
+T = TypeVar("T")
 
 
 # Scored or online messages read from the stream at once.
@@ -102,6 +107,8 @@ class RunPaths:
 
 def learning_rate_at(config: TrainerConfig, step: int) -> float:
     """The learning rate of step `step` (0-based), from the step alone so a resume agrees."""
+    if config.learning_rate is None:
+        raise ValueError("the learning rate is unset: resolve it with with_learning_rate_for")
     if config.learning_rate_decay_steps is None:
         return config.learning_rate
     progress = min(step / config.learning_rate_decay_steps, 1.0)
@@ -117,6 +124,9 @@ class Batch:
     dropped: list[ScoredRollout]
     staleness: dict[int, int]
     wait_s: float
+    # Of wait_s, the time samples were ready but held back until the trainer's weights
+    # reached the workers (_weights_announced).
+    weights_wait_s: float = 0.0
     # Samples dead-lettered because the step failed on them alone.
     refused: list[ScoredRollout] = field(default_factory=list)
 
@@ -153,10 +163,16 @@ class Trainer:
         self._timers = Timers()
         self.state = TrainerState(step=0, version=0)
         self.tokenizer = load_policy_tokenizer(self.policy)
-        self.model = build_policy(self.policy)
+        self.precision = TrainingPrecision.for_policy(config.master_weights, self.policy)
+        self.model = self.precision.build_model(self.policy)
         check_vocabulary(self.model, self.tokenizer, self.policy)
+        num_parameters = sum(p.numel() for p in self.model.parameters())
+        self.config = config = config.with_learning_rate_for(num_parameters)
+        self._stager = WeightStager(publisher, self.paths.staging_dir)
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay
+            self.model.parameters(),
+            lr=learning_rate_at(config, 0),
+            weight_decay=config.weight_decay,
         )
         # The configured policy, never a checkpoint: a resumed run keeps its anchor.
         self._reference = setup_reference(config.kl_coef, self.policy)
@@ -191,6 +207,7 @@ class Trainer:
             if checkpoint is not None:
                 self.state.lineage = self.state.lineage.resumed(resumed_from, self.state.version)
         await self._publish_weights()
+        await self._stager.flush()  # workers start from these weights: staged before any step
         self._reader = StreamReader(
             self._bus.js,
             streams.ROLLOUTS_SCORED.name,
@@ -226,10 +243,10 @@ class Trainer:
             await self._decide()
 
     def _load(self, path: Path, state: TrainerState) -> None:
-        self.model = build_policy(self.policy.model_copy(update={"path": str(path)}))
+        self.model = self.precision.build_model(self.policy.model_copy(update={"path": str(path)}))
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(),
-            lr=self.config.learning_rate,
+            lr=learning_rate_at(self.config, self.state.step),
             weight_decay=self.config.weight_decay,
         )
         device = next(self.model.parameters()).device
@@ -250,6 +267,7 @@ class Trainer:
                     break
                 await self._train(batch)
         finally:
+            await self._stager.flush()
             if self.state.step > 0:
                 await asyncio.to_thread(self._checkpoint)
             if self._reader is not None:
@@ -277,11 +295,14 @@ class Trainer:
         dropped: list[ScoredRollout] = []
         staleness: list[int] = []
         num_fresh_groups = 0
+        weights_wait_s = 0.0
         while num_fresh_groups < self.config.batch_groups:
-            if not await self._fill_buffer():
+            waited_s = await self._fill_buffer()
+            if waited_s is None:
                 self._buffer.put_back(taken)  # not consumed: read again after a resume
                 self.state.groups_taken -= len(taken)
                 return None
+            weights_wait_s += waited_s
             groups = self._buffer.take(self.config.batch_groups - num_fresh_groups)
             fresh_before = num_fresh_groups
             for group in groups:
@@ -307,16 +328,24 @@ class Trainer:
             dropped=dropped,
             staleness=staleness_histogram(staleness),
             wait_s=time.monotonic() - started_s,
+            weights_wait_s=weights_wait_s,
         )
 
-    async def _fill_buffer(self) -> bool:
+    async def _fill_buffer(self) -> float | None:
         """Read until at least one group is ready and the workers can have weights fresh
-        enough to train on; False when stopping first."""
-        while self._buffer.num_ready == 0 or not await self._weights_announced():
+        enough to train on; returns the seconds spent holding ready groups back for the
+        weights, None when stopping first."""
+        weights_wait_s = 0.0
+        while True:
+            ready = self._buffer.num_ready > 0
+            if ready and await self._weights_announced():
+                return weights_wait_s
             if self._stopping.is_set():
-                return False
+                return None
+            started_s = time.monotonic()
             await self._poll_scored(timeout_s=0.5)
-        return True
+            if ready:
+                weights_wait_s += time.monotonic() - started_s
 
     async def _weights_announced(self) -> bool:
         """False while the newest announced version is so far behind the trainer's that
@@ -425,6 +454,7 @@ class Trainer:
         while batch.kept:
             try:
                 return await asyncio.to_thread(
+                    self._computing,
                     train_step,
                     self.model,
                     self.optimizer,
@@ -436,6 +466,7 @@ class Trainer:
                 )
             except Exception as exc:
                 failing = await asyncio.to_thread(
+                    self._computing,
                     find_failing_samples,
                     self.model,
                     batch.kept,
@@ -466,6 +497,7 @@ class Trainer:
         self._set_learning_rate(scale=self.config.online.learning_rate_scale)
         started_s = time.monotonic()
         stats = await asyncio.to_thread(
+            self._computing,
             train_online_step,
             self.model,
             self.optimizer,
@@ -480,6 +512,12 @@ class Trainer:
         self.state.online_cursor.mark_done(taken.sequences)
         self._steps.write(*self._online_record(taken, stats, step_s))
         await self._after_step()
+
+    def _computing(self, function: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """`function` in the trainer's compute precision (call it in the worker thread:
+        autocast state is per thread)."""
+        with self.precision.compute():
+            return function(*args, **kwargs)
 
     def _set_learning_rate(self, scale: float = 1.0) -> None:
         for group in self.optimizer.param_groups:
@@ -515,22 +553,15 @@ class Trainer:
             self._steps.write_decision(decision, self.state.step)
 
     async def _publish_weights(self) -> None:
-        """Record the version as taken (KV), then hand the weights to the broadcaster.
+        """Record the version as taken (KV), then hand a copy of the weights to the stager,
+        which stages it in the background (a version still waiting is replaced: the newest
+        ships first, libs/trainer/staging.py).
 
         The KV write comes first so a crash in between can only skip a number, never reuse it.
         """
         await self._record_progress()
-        state = {name: tensor.detach() for name, tensor in self.model.state_dict().items()}
-        await ride_through(
-            lambda: stage_weights(
-                self._publisher,
-                self.paths.staging_dir,
-                state,
-                self.state.version,
-                step=self.state.step,
-            ),
-            "staging weights",
-        )
+        state = await asyncio.to_thread(self.precision.published_copy, self.model)
+        await self._stager.offer(state, self.state.version, step=self.state.step)
 
     async def _record_progress(self) -> None:
         """Publish the version and the groups taken to the KV bucket (the feeder reads them);
@@ -597,6 +628,7 @@ class Trainer:
             staleness=batch.staleness,
             num_dropped=len(batch.dropped),
             wait_s=batch.wait_s,
+            wait_weights_s=batch.weights_wait_s,
             tokens_per_s=tokens / max(step_s, 1e-9),
             samples_per_s=len(batch.kept) / max(step_s + batch.wait_s, 1e-9),
         )

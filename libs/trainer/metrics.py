@@ -94,7 +94,12 @@ class StepRecord(msgspec.Struct, kw_only=True):
     is_weight_max: float
     is_truncated_fraction: float
     step_s: float
+    # Seconds between the previous step and this one, and of those, the seconds complete
+    # groups were ready but the trainer held back until its newest weights reached the
+    # workers (their announced version too far behind: samples made now would only be
+    # dropped as stale). The rest waited for samples.
     wait_s: float
+    wait_weights_s: float = 0.0
     tokens_per_s: float
     samples_per_s: float
     busy_fraction: float
@@ -257,6 +262,7 @@ def step_scalars(record: StepRecord) -> dict[str, float]:
         "throughput/tokens_per_s": record.tokens_per_s,
         "time/step_s": record.step_s,
         "time/wait_s": record.wait_s,
+        "time/wait_weights_s": record.wait_weights_s,
         "time/busy_fraction": record.busy_fraction,
     }
     if record.success is not None:

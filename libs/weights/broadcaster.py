@@ -1,6 +1,8 @@
 """The weight-broadcaster's logic: staged versions in, stored chunks and announcements out.
 
-For each staged version (libs/weights/handoff.py), in order:
+For each staged version (libs/weights/handoff.py), in order (a version with a newer one
+already waiting behind it is skipped: the newer one is what workers need, and the delta is
+encoded against the last announced version either way):
 
 1. encode a delta against the previous version (the codec, bit-exact; the base is the
    previous staged file, memory-mapped), store its chunks (transport.py) and announce it on
@@ -75,6 +77,10 @@ COMPRESSION_RATIO = Gauge(
     "rlpipe_weights_compression_ratio",
     "Model bytes over stored bytes of the latest version",
     ["kind"],
+)
+SUPERSEDED = Counter(
+    "rlpipe_weights_superseded_total",
+    "Staged versions skipped because a newer one was already waiting",
 )
 LATEST_VERSION = Gauge("rlpipe_weights_latest_version", "Latest announced policy version")
 SNAPSHOT_VERSION = Gauge("rlpipe_weights_snapshot_version", "Version of the latest snapshot")
@@ -181,11 +187,28 @@ class WeightBroadcaster:
         """Handle one staged version (the consumer's handler; idempotent on redelivery),
         recording whether it worked for /healthz."""
         try:
+            if self._superseded(message, delivery):
+                return
             await self._broadcast(message)
         except Exception as exc:
             self.failures.failed(f"version {message.version}: {exc}")
             raise
         self.failures.succeeded()
+
+    def _superseded(self, message: WeightsStaged, delivery: Delivery | None) -> bool:
+        """True (and the staged file deleted) when a newer staged version is already waiting
+        and this one can be skipped: it would reach the workers after the newer one was due,
+        and the next delta is encoded against the last announced version anyway. The first
+        version of a chain and a due snapshot are never skipped."""
+        head = self.head
+        if delivery is None or delivery.num_pending == 0 or head is None:
+            return False
+        if message.version <= head.version or self._snapshot_due():
+            return False
+        (self.staging_dir / staged_file_name(message.version)).unlink(missing_ok=True)
+        SUPERSEDED.inc()
+        log.info("staged version superseded", version=message.version, pending=delivery.num_pending)
+        return True
 
     async def _broadcast(self, message: WeightsStaged) -> None:
         head = self.head

@@ -57,14 +57,17 @@ async def stage_weights(
     version: int,
     *,
     step: int | None = None,
+    offered_s: float | None = None,
 ) -> WeightsStaged:
     """Write `state` (numpy arrays or torch tensors, any device) as version `version` and
-    tell the broadcaster; returns once the message is stored on the bus."""
+    tell the broadcaster; returns once the message is stored on the bus. `offered_s`
+    (time.monotonic) is when the trainer handed the version over, if it waited since."""
     directory = Path(staging_dir)
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / staged_file_name(version)
     started_s = time.monotonic()
-    await asyncio.to_thread(write_safetensors, path, raw_state(_on_cpu(state)))
+    # The copy to the host blocks until the device is done: off the event loop with the write.
+    await asyncio.to_thread(_write_state, path, state)
     stage_s = time.monotonic() - started_s
     message = WeightsStaged(
         version=version,
@@ -76,8 +79,13 @@ async def stage_weights(
     await publisher.publish(WEIGHTS_STAGED, message, msg_id=f"staged.{version}")
     # The first part of a version's latency (bench/version_latency.py reads this line).
     mb = round(message.num_bytes / 1e6, 2)
-    log.info("weights staged", version=version, mb=mb, stage_s=round(stage_s, 4))
+    waited_s = round(started_s - offered_s, 4) if offered_s is not None else 0.0
+    log.info("weights staged", version=version, mb=mb, stage_s=round(stage_s, 4), waited_s=waited_s)
     return message
+
+
+def _write_state(path: Path, state: Mapping[str, Any]) -> None:
+    write_safetensors(path, raw_state(_on_cpu(state)))
 
 
 def _on_cpu(state: Mapping[str, Any]) -> dict[str, Any]:
