@@ -88,7 +88,7 @@ async def connect_bus(
             if attempt < max_attempts:
                 await asyncio.sleep(min(retry_delay_s * 2 ** (attempt - 1), 5.0))
             continue
-        callbacks.connected = True
+        callbacks.connected, callbacks.nc = True, nc
         try:
             check_server_version(str(nc.connected_server_version), shown_url)
         except BusConnectError:
@@ -122,13 +122,16 @@ class ConnectionCallbacks:
 
     def __init__(self) -> None:
         self.connected = False
+        self.nc: Client | None = None
 
     async def on_error(self, exc: Exception) -> None:
         if self.connected:
             log.warning("bus error", error=repr(exc))
 
     async def on_disconnected(self) -> None:
-        if self.connected:
+        # nats-py reports a close we asked for (close, drain) as a disconnect too.
+        closing = self.nc is not None and (self.nc.is_closed or self.nc.is_draining)
+        if self.connected and not closing:
             log.warning("bus disconnected")
 
 

@@ -8,7 +8,9 @@
 Everything lives in the run folder (`runs/<UTC timestamp>/` unless `--run-dir`):
 `nats/` (JetStream store; `nats/n1`, `nats/n2`, ... for a cluster, every stream and bucket
 then replicated on 3 nodes), `logs/<service>.log`, `pids.json` (every pid started, for
-leak checks) and `summary.json`. The summary is also the last line on stdout; for a tool
+leak checks), `summary.json` and `report/` (plots, libs.report). The run ends by printing
+a summary for a person (libs.launcher.summary); when stdout is not a terminal, the JSON
+summary is also its last line there (the human one goes to stderr). For a tool
 environment it holds task success, reward, tool-call validity and turns per episode of the
 first and last trainer steps (libs.launcher.episode_report).
 
@@ -43,8 +45,8 @@ from libs.launcher import warm_start
 from libs.launcher.episode_report import episode_report
 from libs.launcher.health import HealthMonitor
 from libs.launcher.nats_watch import NatsWatch
-from libs.launcher.status_view import LauncherLog, StatusView
-from libs.launcher.summary import build_summary
+from libs.launcher.status_view import Bound, LauncherLog, StatusView
+from libs.launcher.summary import build_summary, print_summary
 from libs.launcher.supervisor import Backoff, ChildSpec, Supervisor
 from libs.nats_server import NatsCluster, NatsServer, free_port
 
@@ -352,7 +354,9 @@ class LocalRun:
             return
         health_task = asyncio.create_task(monitor.run(self._live_pids))
         nats_tasks = [asyncio.create_task(self._nats_watch(n).run()) for n in self.nats.nodes]
-        with StatusView(self.log, supervisor, monitor, self.nats.url, self.run_dir) as view:
+        bound = Bound(self.options.max_trainer_steps, self.options.duration_s)
+        view = StatusView(self.log, supervisor, monitor, self.nats.url, self.run_dir, bound=bound)
+        with view:
             try:
                 await self._watch(view)
             finally:
@@ -517,9 +521,8 @@ class LocalRun:
         summary.update(self.episode_figures)
         if self.error:
             summary["error"] = self.error
-        line = json.dumps(summary)
-        (self.run_dir / "summary.json").write_text(line + "\n")
-        print(line, flush=True)
+        (self.run_dir / "summary.json").write_text(json.dumps(summary) + "\n")
+        print_summary(summary, self.run_dir)
         return exit_code
 
     def _write_pids(self) -> None:

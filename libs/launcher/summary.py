@@ -1,4 +1,6 @@
-"""The one-line JSON summary a launcher run ends with (also written to `<run>/summary.json`).
+"""The summary a launcher run ends with: written to `<run>/summary.json` (one JSON line) and
+printed for a person (how the run ended, the training figures and plots of `rlpipe report`,
+the services), with the JSON line on stdout when stdout is not a terminal (scripts read it).
 
 Scalar fields of the trainer's last health answer flow in as `trainer_<field>`, so a figure
 the trainer starts reporting (a reward mean, say) shows up here without touching this module.
@@ -6,6 +8,8 @@ the trainer starts reporting (a reward mean, say) shows up here without touching
 
 from __future__ import annotations
 
+import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -58,3 +62,67 @@ def build_summary(
     summary["all_services_seen_healthy"] = all(s["ever_healthy"] for s in per_service.values())
     summary["services"] = per_service
     return summary
+
+
+def human_lines(summary: dict[str, Any], run_dir: Path) -> list[str]:
+    """The summary for a person: how the run ended, what it learned, where things are."""
+    lines = [outcome_line(summary)]
+    if summary.get("error"):
+        lines.append(f"error: {summary['error']}")
+    lines += training_lines(run_dir)
+    lines += episode_lines(summary)
+    lines.append(services_line(summary.get("services", {})))
+    lines.append(f"details: {run_dir / 'summary.json'}, logs in {run_dir / 'logs'}/")
+    return lines
+
+
+def outcome_line(summary: dict[str, Any]) -> str:
+    reasons = {
+        "max_trainer_steps": "reached its trainer step bound",
+        "duration": "reached its duration",
+        "signal": "stopped on request",
+    }
+    reason = str(summary.get("stop_reason") or "")
+    how = reasons.get(reason, f"stopped ({reason})" if reason else "ended")
+    duration = summary.get("duration_s")
+    took = f" after {duration / 60:.1f} min" if isinstance(duration, int | float) else ""
+    return f"run {how}{took}, exit code {summary.get('exit_code')}: {summary.get('run_dir')}"
+
+
+def training_lines(run_dir: Path) -> list[str]:
+    """The report's summary and plots (libs.report), or why there is none."""
+    from libs.report.command import report_lines
+
+    try:
+        return report_lines(run_dir)
+    except FileNotFoundError:
+        return ["trainer: no step recorded"]
+
+
+def episode_lines(summary: dict[str, Any]) -> list[str]:
+    """Tool environments: the first and last steps' episodes side by side."""
+    first, last = summary.get("episodes_first_steps"), summary.get("episodes_last_steps")
+    if not isinstance(first, dict) or not isinstance(last, dict):
+        return []
+    keys = ("success", "tool_call_validity", "tool_calls_per_episode", "turns_per_episode")
+    pairs = [f"{k.replace('_', ' ')} {first.get(k)} -> {last.get(k)}" for k in keys]
+    window = summary.get("episode_window_steps")
+    return [f"episodes (first vs last {window} steps): " + ", ".join(pairs)]
+
+
+def services_line(services: dict[str, Any]) -> str:
+    healthy = sum(bool(s.get("ever_healthy")) for s in services.values())
+    restarts = {name: s["restarts"] for name, s in services.items() if s.get("restarts")}
+    restarted = ", ".join(f"{name} {count}" for name, count in restarts.items())
+    return f"services: {healthy} of {len(services)} seen healthy; restarts: {restarted or 'none'}"
+
+
+def print_summary(summary: dict[str, Any], run_dir: Path) -> None:
+    """The human summary on a terminal; for a script (stdout not a terminal) the JSON line
+    on stdout, the human summary on stderr."""
+    text = "\n".join(human_lines(summary, run_dir))
+    if sys.stdout.isatty():
+        print(text, flush=True)
+        return
+    print(text, file=sys.stderr, flush=True)
+    print(json.dumps(summary), flush=True)

@@ -16,8 +16,6 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic_settings import NoDecode
 
-Backend = Literal["tensorboard", "wandb", "mlflow"]
-
 # The module each backend imports, and the extra that installs it.
 BACKEND_MODULES: dict[str, str] = {
     "tensorboard": "tensorboard",
@@ -45,7 +43,7 @@ class TrackingConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    backends: Annotated[list[Backend], NoDecode] = Field(
+    backends: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
         description="Trackers to log to: tensorboard, wandb, mlflow (comma-separated)",
     )
@@ -76,7 +74,10 @@ class TrackingConfig(BaseModel):
 
     @field_validator("backends")
     @classmethod
-    def _installed(cls, value: list[Backend]) -> list[Backend]:
+    def _known_and_installed(cls, value: list[str]) -> list[str]:
         for backend in value:
+            if backend not in BACKEND_MODULES:
+                choices = ", ".join(BACKEND_MODULES)
+                raise ValueError(f"unknown tracker {backend!r}: choose from {choices}")
             require_extra(backend)
         return list(dict.fromkeys(value))
