@@ -30,8 +30,12 @@ export RLPIPE_TRAINER_POLICY_DEVICE=$device RLPIPE_ROLLOUT_WORKER_POLICY_DEVICE=
 # the default every 4 steps made 11 of them in a 150 s run on an H200. One at the end.
 export RLPIPE_TRAINER_CHECKPOINT_EVERY_STEPS=${CHECKPOINT_EVERY:-100000}
 # ENGINE=paged for the continuous-batching engine. On this task (2-token arith episodes, one
-# request per sample) hf did 129 steps in 150 s and paged 63 on an H200 (2026-11-26): the
-# paged scheduler's per-request admission, not decoding, bounds it here.
+# request per sample) hf still trains more steps on an NVIDIA H200: 40 against 26 in 100 s,
+# run back to back (2026-11-26, bench/results/h200/gpu_loop_100s_*), though paged now serves
+# this request pattern faster by itself (1,255 against 823 episodes/s: bench/harness_bench.py,
+# arith_loop). The loop is bound by weight-version latency (median 7.6 s paged, 4.3 s hf): in
+# the rollout-worker a version's decode took 2.6 s beside the paged driver thread against
+# 0.3 s beside hf (median), so more samples went stale (33% dropped against 20%).
 export RLPIPE_ROLLOUT_WORKER_ENGINE_TYPE=${ENGINE:-hf}
 export RLPIPE_ROLLOUT_WORKER_ENGINE_MAX_BATCH_ROWS=${MAX_BATCH_ROWS:-256}
 if [ "${MODE:-async}" = sync ]; then

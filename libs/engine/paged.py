@@ -4,8 +4,10 @@ For GPUs (it also runs, eagerly, on CPU). Every `generate` call, from any thread
 sequences to one running batch: they join at the next step and leave when they finish, so
 one agent's next turn starts at once instead of waiting for another call's slowest row.
 One driver thread runs the steps while there is work (see `libs.engine.scheduler`): admit,
-prefill a chunk, decode a token for every running row (`libs.engine.model_runner`), sample
-with per-row parameters and seeds (`libs.engine.row_sampling`). The KV cache is allocated
+then one forward that decodes a token for every running row and computes the waiting
+prompts beside them as extra rows of the same graph (`libs.engine.model_runner`; a prompt
+of 2,048 tokens or more is prefilled eagerly, in chunks, instead), then sample with
+per-row parameters and seeds (`libs.engine.row_sampling`). The KV cache is allocated
 once, sized from free GPU memory, and shares prefixes (a GRPO group's prompt, an episode's
 earlier turns) between sequences (`libs.engine.kv_cache`).
 
@@ -15,9 +17,13 @@ earlier turns) between sequences (`libs.engine.kv_cache`).
 Or through the factory: `EngineConfig(type="paged")`; the rollout-worker takes it from
 RLPIPE_ROLLOUT_WORKER_ENGINE_TYPE=paged. Models: Llama and Qwen2 (others are refused).
 
-Measured on one H200 (qwen2-0.5b, bf16; bench/engine_bench.py, bench/results/h200/):
-41K tokens/s at 64 rows and 97K at 256 (hf, same run: 4.1K and 16.5K), 9.9K for 16
-samples of a 1,024-token prompt, 1.1 ms per token for one row at a 1,400-token context.
+Measured on one NVIDIA H200 (qwen2-0.5b, bf16; bench/engine_bench.py, results in
+bench/results/h200/engine.json): 42.9K tokens/s at 64 rows and 100.4K at 256 (hf, same run:
+2.7K and 12.8K), 11.9K for 16 samples of a 1,024-token prompt, 1.1 ms per token for one row
+at a 1,400-token context. Through the rollout harness (bench/harness_bench.py, byte-0.5b):
+64 concurrent multi-turn calc episodes 15.9K tokens/s (hf 1.2K), and the GPU loop's
+request pattern (arith, one request per sample) 1,255 episodes/s (hf 823). In the full GPU
+loop (bench/gpu_loop.sh) it still trains fewer steps than hf: see that script's comment.
 
 Weights: `write_in_place` and `update_weights` wait until no `generate` call is running
 (so every completion still comes from exactly one version), write into the model's own
