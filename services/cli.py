@@ -2,7 +2,10 @@
 
 rlpipe demo [--duration-s N] [--max-trainer-steps N] [--run-dir DIR]
                                   NATS + every service on this machine, supervised
-rlpipe run SERVICE                one service, configured by RLPIPE_* variables
+rlpipe run SERVICE [--set SERVICE.FIELD=VALUE]
+                                  one service, configured by RLPIPE_* variables
+rlpipe config show SERVICE | check
+                                  every setting and where it came from; validate them all
 rlpipe provision [--nats-url URL] create or update streams, consumers, KV buckets
 rlpipe report RUN_DIR [--no-plots]
                                   a run's summary and plots (reward, staleness, throughput)
@@ -13,9 +16,6 @@ rlpipe weights diff|apply|verify|snapshot ...
                                   lossless weight deltas of safetensors files
 rlpipe weights relay-setup --hub-domain HUB [--nats-url URL]
                                   mirror the hub's weight streams into a region
-rlpipe ray up|status|scale|down [--address ADDR] ...
-                                  the services as Ray actors: placed, restarted, the
-                                  rollout-workers scaled with the task backlog (the ray extra)
 """
 
 from __future__ import annotations
@@ -25,7 +25,9 @@ import asyncio
 import importlib
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+
+from libs.settings import ServiceSettings, SettingsError
 
 SERVICES = (
     "trainer",
@@ -37,9 +39,29 @@ SERVICES = (
 )
 
 
+def settings_classes() -> dict[str, Callable[[], type[ServiceSettings]]]:
+    """Each service's settings class, imported when asked for (`rlpipe config`, `--set`)."""
+
+    def loader(service: str) -> Callable[[], type[ServiceSettings]]:
+        def load() -> type[ServiceSettings]:
+            module = importlib.import_module(f"services.{service.replace('-', '_')}.settings")
+            found = [
+                value
+                for value in vars(module).values()
+                if isinstance(value, type)
+                and issubclass(value, ServiceSettings)
+                and service == value.SERVICE
+            ]
+            return found[0]
+
+        return load
+
+    return {service: loader(service) for service in SERVICES}
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from libs.config_cli import add_config_parser, add_set_argument
     from libs.launcher.run import add_demo_arguments
-    from libs.ray_deploy.cli import add_ray_parser
     from libs.report.command import add_report_parser
     from libs.sandbox.cli import add_sandbox_parser
     from libs.sft.cli import add_sft_parser
@@ -54,26 +76,41 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     demo = commands.add_parser("demo", help="run NATS and every service locally, supervised")
     add_demo_arguments(demo)
-    run = commands.add_parser("run", help="run one service against RLPIPE_NATS_URL")
+    add_set_argument(demo)
+    run = commands.add_parser(
+        "run",
+        help="run one service against RLPIPE_NATS_URL",
+        description="Run one service. Its settings, their defaults and where each value comes "
+        "from: rlpipe config show SERVICE.",
+    )
     run.add_argument("service", choices=SERVICES)
+    add_set_argument(run)
+    add_config_parser(commands, SERVICES)
     provision = commands.add_parser("provision", help="create or update the bus definitions")
     provision.add_argument(
         "--nats-url", default=os.environ.get("RLPIPE_NATS_URL", "nats://127.0.0.1:4222")
-    )
-    provision.add_argument(
-        "--replicas",
-        type=int,
-        default=int(os.environ.get("RLPIPE_NATS_REPLICAS", "1")),
-        help="nodes that keep each stream and bucket: 1, or 3 on a NATS cluster",
     )
     schema = commands.add_parser("schema", help="write the wire contract's JSON Schema")
     schema.add_argument("--check", action="store_true", help="exit 1 if proto/schema is stale")
     add_weights_parser(commands)
     add_sandbox_parser(commands)
     add_sft_parser(commands)
-    add_ray_parser(commands)
     add_report_parser(commands)
     return parser
+
+
+def with_overrides(args: argparse.Namespace) -> bool:
+    """Check `--set` overrides and hand them to the services (RLPIPE_SET); False after
+    printing why they are refused."""
+    from libs.config_cli import apply_overrides
+
+    try:
+        apply_overrides(args.overrides, settings_classes())
+    except SettingsError as exc:
+        for line in str(exc).splitlines():
+            print(f"error: {line}", file=sys.stderr)
+        return False
+    return True
 
 
 def on_demo(args: argparse.Namespace) -> int:
@@ -81,12 +118,22 @@ def on_demo(args: argparse.Namespace) -> int:
 
     from libs.launcher.run import options_from_args, run_local
 
+    if not with_overrides(args):
+        return 2
+
     # Library log lines (provisioning) go to stderr: stdout carries only the summary line.
     structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
-    return run_local(options_from_args(args))
+    try:
+        options = options_from_args(args)
+    except ValueError as exc:  # a flag's mistake (a bad dataset row): one line, exit 2
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return run_local(options)
 
 
 def on_run(args: argparse.Namespace) -> int:
+    if not with_overrides(args):
+        return 2
     module = importlib.import_module(f"services.{args.service.replace('-', '_')}.__main__")
     module.main()
     return 0
@@ -99,7 +146,7 @@ def on_provision(args: argparse.Namespace) -> int:
 
     configure_logging("provision")
     try:
-        report = asyncio.run(provision_bus(args.nats_url, args.replicas))
+        report = asyncio.run(provision_bus(args.nats_url))
     except (BusConnectError, ProvisionError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -114,14 +161,14 @@ def on_schema(args: argparse.Namespace) -> int:
     return schema_main(["--check"] if args.check else [])
 
 
+def on_config(args: argparse.Namespace) -> int:
+    from libs.config_cli import run
+
+    return run(args, settings_classes())
+
+
 def on_weights(args: argparse.Namespace) -> int:
     from libs.weights.cli import run
-
-    return run(args)
-
-
-def on_ray(args: argparse.Namespace) -> int:
-    from libs.ray_deploy.cli import run
 
     return run(args)
 
@@ -151,9 +198,9 @@ HANDLERS = {
     "run": on_run,
     "provision": on_provision,
     "schema": on_schema,
+    "config": on_config,
     "weights": on_weights,
     "sandbox": on_sandbox,
-    "ray": on_ray,
     "sft": on_sft,
     "report": on_report,
 }

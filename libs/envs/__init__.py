@@ -1,5 +1,5 @@
 """Environments: the plug-in interface, the registry, the built-in environments (arith,
-calc, coding, recall), and the bus client.
+calc, coding, recall, and dataset: the rows of a user's file), and the bus client.
 
 Importing this package registers the built-in environments.
 """
@@ -18,17 +18,20 @@ from libs.envs.base import (
 )
 from libs.envs.calc import CalcEnv
 from libs.envs.coding import CodingEnv
+from libs.envs.dataset import DatasetEnv
 from libs.envs.recall import RecallEnv
 
 register_env(ArithmeticEnv.name, ArithmeticEnv)
 register_env(CalcEnv.name, CalcEnv)
 register_env(CodingEnv.name, CodingEnv)
+register_env(DatasetEnv.name, DatasetEnv)
 register_env(RecallEnv.name, RecallEnv)
 
 __all__ = [
     "ArithmeticEnv",
     "CalcEnv",
     "CodingEnv",
+    "DatasetEnv",
     "Environment",
     "Episode",
     "Opening",

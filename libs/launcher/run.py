@@ -3,6 +3,7 @@
     python -m services.cli demo                     # until Ctrl-C
     python -m services.cli demo --duration-s 60     # a bounded run for scripts
     python -m services.cli demo --env calc          # tool use: warm start (SFT), then RL
+    python -m services.cli demo --dataset rows.jsonl   # your prompts and answers as tasks
     python -m services.cli demo --nats-cluster 3    # the bus as a 3-node JetStream cluster
 
 Everything lives in the run folder (`runs/<UTC timestamp>/` unless `--run-dir`):
@@ -135,6 +136,20 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
         "self-summarization) or coding (Python tasks in sandboxes)",
     )
     parser.add_argument(
+        "--dataset",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="train on a JSONL or parquet file of {prompt, answer, metadata} rows "
+        "(libs/envs/dataset.py) instead of a built-in environment",
+    )
+    parser.add_argument(
+        "--dataset-match",
+        default="exact",
+        help="how answers to --dataset rows are checked: exact, numeric, regex or "
+        "module:function (default: exact)",
+    )
+    parser.add_argument(
         "--no-warm-start",
         action="store_true",
         help="start calc/recall from the random-init policy instead of the SFT warm start",
@@ -157,8 +172,10 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def options_from_args(args: argparse.Namespace) -> LaunchOptions:
+    """The run the flags ask for; ValueError (a DatasetError naming the line and field of a
+    bad row) before anything starts."""
     services = tuple(name.strip() for name in args.services.split(",") if name.strip())
-    extra_env: dict[str, dict[str, str]] = {}
+    extra_env: dict[str, dict[str, str]] = dataset_env(args) if args.dataset else {}
     if args.env:
         extra_env["env-gateway"] = {"RLPIPE_ENV_GATEWAY_ENV": args.env}
     if args.env and args.env != "arith":
@@ -188,6 +205,26 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
         warm_start_root=args.warm_start_dir or warm_start.default_cache_root(),
         nats_cluster=args.nats_cluster,
     )
+
+
+def dataset_env(args: argparse.Namespace) -> dict[str, dict[str, str]]:
+    """The variables that make env-gateway feed the rows of `--dataset` (read here first, so
+    a bad row stops the demo before anything starts)."""
+    from libs.envs.dataset import DatasetConfig, load_rows
+
+    if args.env:
+        raise ValueError("--dataset and --env: choose one (--dataset serves env 'dataset')")
+    path = args.dataset.resolve()
+    load_rows(DatasetConfig(path=path, match=args.dataset_match).path)
+    return {
+        "env-gateway": {
+            "RLPIPE_ENV_GATEWAY_ENV": "dataset",
+            "RLPIPE_ENV_GATEWAY_DATASET_PATH": str(path),
+            "RLPIPE_ENV_GATEWAY_DATASET_MATCH": args.dataset_match,
+        },
+        # The eval gate's held-out tasks come from a built-in environment, not the file.
+        "trainer": {"RLPIPE_TRAINER_EVAL_EVERY_VERSIONS": "0"},
+    }
 
 
 def with_warm_start(options: LaunchOptions) -> LaunchOptions:
@@ -231,6 +268,17 @@ def nats_replicas(options: LaunchOptions) -> int:
     return 1 if options.nats_cluster == 1 else min(3, options.nats_cluster)
 
 
+def final_trainer_step(run_dir: Path, seen: int | None) -> int | None:
+    """The trainer's last step: its final checkpoint's when later than the last health check
+    (a trainer that reached its bound checkpoints and exits between two checks)."""
+    from libs.trainer.checkpoint import latest_checkpoint
+
+    checkpoint = latest_checkpoint(run_dir / "trainer" / "checkpoints")
+    if checkpoint is None:
+        return seen
+    return max(checkpoint.state.step, seen or 0)
+
+
 def default_run_dir() -> Path:
     return Path("runs") / datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
 
@@ -254,10 +302,19 @@ def service_spec(
         # The services share this machine's cores: one math thread each unless told otherwise,
         # so torch in the trainer and the workers does not oversubscribe them.
         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+        **trainer_bound(name, options),
         **options.extra_env.get(name, {}),
     }
     argv = list(options.commands.get(name) or [sys.executable, "-m", f"services.{pkg}"])
     return ChildSpec(name, argv, env), f"http://127.0.0.1:{port}/healthz"
+
+
+def trainer_bound(name: str, options: LaunchOptions) -> dict[str, str]:
+    """The trainer stops itself at `max_trainer_steps` (exactly: the launcher only sees its
+    step through health checks, a step or two late)."""
+    if name != "trainer" or options.max_trainer_steps is None:
+        return {}
+    return {"RLPIPE_TRAINER_MAX_STEPS": str(options.max_trainer_steps)}
 
 
 class LocalRun:
@@ -420,6 +477,8 @@ class LocalRun:
         step, max_steps = self._trainer_step(), options.max_trainer_steps
         if max_steps is not None and step is not None and step >= max_steps:
             self._request_stop("max_trainer_steps")
+        if max_steps is not None and self._trainer_finished():
+            self._request_stop("max_trainer_steps")
         stuck = self._stuck_service(elapsed_s)
         if stuck:
             self._fail("unhealthy", stuck)
@@ -447,6 +506,11 @@ class LocalRun:
         record = self.monitor.records.get("trainer") if self.monitor else None
         step = record.body.get("step") if record else None
         return step if isinstance(step, int) else None
+
+    def _trainer_finished(self) -> bool:
+        """The trainer exited 0: it reached its step bound (before a health check saw it)."""
+        child = self.supervisor.children.get("trainer") if self.supervisor else None
+        return child is not None and child.last_exit_code == 0
 
     def _live_pids(self) -> dict[str, int | None]:
         assert self.supervisor is not None
@@ -519,6 +583,7 @@ class LocalRun:
             nats_url=self.nats.url if self.nats else None,
         )
         summary.update(self.episode_figures)
+        summary["trainer_step"] = final_trainer_step(self.run_dir, summary["trainer_step"])
         if self.error:
             summary["error"] = self.error
         (self.run_dir / "summary.json").write_text(json.dumps(summary) + "\n")

@@ -4,7 +4,7 @@
 - `criteria`: verifiable checks; `group_criteria`: checks comparing the samples of a group;
 - `judge`: LLM judges behind an OpenAI-compatible endpoint;
 - `group_gate`: holding a group's rollouts until the whole group can be scored;
-- `arith`, `calc`, `coding`, `recall`: the rubric of each built-in environment.
+- `arith`, `calc`, `coding`, `recall`, `dataset`: the rubric of each built-in environment.
 """
 
 from collections.abc import Callable
@@ -15,6 +15,8 @@ from libs.reward.calc import ENV_NAME as CALC
 from libs.reward.calc import calc_rubric
 from libs.reward.coding import ENV_NAME as CODING
 from libs.reward.coding import coding_rubric
+from libs.reward.dataset import ENV_NAME as DATASET
+from libs.reward.dataset import dataset_rubric
 from libs.reward.recall import ENV_NAME as RECALL
 from libs.reward.recall import recall_rubric
 from libs.reward.rubric import (
@@ -33,6 +35,7 @@ _RUBRICS: dict[str, Callable[[], Rubric]] = {
     ARITH: arith_rubric,
     CALC: calc_rubric,
     CODING: coding_rubric,
+    DATASET: dataset_rubric,
     RECALL: recall_rubric,
 }
 

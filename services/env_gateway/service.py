@@ -7,7 +7,8 @@ from typing import Any
 
 from libs.bus.connection import Bus
 from libs.bus.publisher import Publisher
-from libs.envs import env_names, make_env
+from libs.envs import env_names, make_env, register_env
+from libs.envs.dataset import DatasetEnv
 from libs.envs.feeder import TaskFeeder
 from libs.envs.latency import parse_tool_latency, with_tool_latency
 from libs.envs.server import EnvServer, ServerLimits
@@ -30,6 +31,9 @@ class EnvGatewayService(Service):
         await super().start(bus)
         s = self.settings
         latency = parse_tool_latency(s.tool_latency)
+        dataset = s.dataset_config()
+        if dataset is not None:
+            register_env(DatasetEnv.name, lambda: DatasetEnv(dataset))
         envs = {name: with_tool_latency(make_env(name), latency, s.seed) for name in env_names()}
         if s.env not in envs:
             raise ValueError(f"env {s.env!r} is not registered; known: {', '.join(sorted(envs))}")

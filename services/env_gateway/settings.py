@@ -1,10 +1,13 @@
 """Settings of the env-gateway service, from RLPIPE_ENV_GATEWAY_* variables."""
 
-from typing import ClassVar, Literal
+from pathlib import Path
+from typing import ClassVar, Literal, Self
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
+from libs.envs.dataset import ENV_NAME as DATASET_ENV
+from libs.envs.dataset import DatasetConfig, check_match, load_rows
 from libs.envs.latency import parse_tool_latency
 from libs.settings import ServiceSettings, env_prefix
 
@@ -51,6 +54,39 @@ class EnvGatewaySettings(ServiceSettings):
         description="Latency of each tool call (libs.envs.latency): none, constant:seconds=S or "
         "lognormal:median_s=M,sigma=S,max_s=X (heavy-tailed, for benchmarks)",
     )
+
+    dataset_path: Path | None = Field(
+        None,
+        description="JSONL or parquet file of {prompt, answer, metadata} rows served as env "
+        "'dataset' (libs.envs.dataset); set env=dataset to feed them",
+    )
+    dataset_match: str = Field(
+        "exact", description="How dataset answers are checked: exact, numeric, regex, module:fn"
+    )
+    dataset_max_tokens: int = Field(64, ge=1, description="Longest answer to a dataset task")
+
+    @model_validator(mode="after")
+    def _dataset_reads(self) -> Self:
+        """A dataset file is read at start: a bad row stops the service naming line and field."""
+        config = self.dataset_config()
+        if config is not None:
+            load_rows(config.path)
+        elif self.env == DATASET_ENV:
+            raise ValueError("env is 'dataset': set dataset_path (RLPIPE_ENV_GATEWAY_DATASET_PATH)")
+        return self
+
+    def dataset_config(self) -> DatasetConfig | None:
+        """The dataset env's file and answer check, None without `dataset_path`."""
+        if self.dataset_path is None:
+            return None
+        return DatasetConfig(
+            path=self.dataset_path, match=self.dataset_match, max_tokens=self.dataset_max_tokens
+        )
+
+    @field_validator("dataset_match")
+    @classmethod
+    def _match_known(cls, value: str) -> str:
+        return check_match(value)
 
     @field_validator("tool_latency")
     @classmethod
