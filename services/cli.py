@@ -16,6 +16,9 @@ rlpipe weights diff|apply|verify|snapshot ...
                                   lossless weight deltas of safetensors files
 rlpipe weights relay-setup --hub-domain HUB [--nats-url URL]
                                   mirror the hub's weight streams into a region
+rlpipe ray up|status|scale|down [--address ADDR] ...
+                                  the services as Ray actors: placed, restarted, the
+                                  rollout-workers scaled with the task backlog (the ray extra)
 """
 
 from __future__ import annotations
@@ -62,6 +65,7 @@ def settings_classes() -> dict[str, Callable[[], type[ServiceSettings]]]:
 def build_parser() -> argparse.ArgumentParser:
     from libs.config_cli import add_config_parser, add_set_argument
     from libs.launcher.run import add_demo_arguments
+    from libs.ray_deploy.cli import add_ray_parser
     from libs.report.command import add_report_parser
     from libs.sandbox.cli import add_sandbox_parser
     from libs.sft.cli import add_sft_parser
@@ -90,11 +94,18 @@ def build_parser() -> argparse.ArgumentParser:
     provision.add_argument(
         "--nats-url", default=os.environ.get("RLPIPE_NATS_URL", "nats://127.0.0.1:4222")
     )
+    provision.add_argument(
+        "--replicas",
+        type=int,
+        default=int(os.environ.get("RLPIPE_NATS_REPLICAS", "1")),
+        help="nodes that keep each stream and bucket: 1, or 3 on a NATS cluster",
+    )
     schema = commands.add_parser("schema", help="write the wire contract's JSON Schema")
     schema.add_argument("--check", action="store_true", help="exit 1 if proto/schema is stale")
     add_weights_parser(commands)
     add_sandbox_parser(commands)
     add_sft_parser(commands)
+    add_ray_parser(commands)
     add_report_parser(commands)
     return parser
 
@@ -146,7 +157,7 @@ def on_provision(args: argparse.Namespace) -> int:
 
     configure_logging("provision")
     try:
-        report = asyncio.run(provision_bus(args.nats_url))
+        report = asyncio.run(provision_bus(args.nats_url, args.replicas))
     except (BusConnectError, ProvisionError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -169,6 +180,12 @@ def on_config(args: argparse.Namespace) -> int:
 
 def on_weights(args: argparse.Namespace) -> int:
     from libs.weights.cli import run
+
+    return run(args)
+
+
+def on_ray(args: argparse.Namespace) -> int:
+    from libs.ray_deploy.cli import run
 
     return run(args)
 
@@ -201,6 +218,7 @@ HANDLERS = {
     "config": on_config,
     "weights": on_weights,
     "sandbox": on_sandbox,
+    "ray": on_ray,
     "sft": on_sft,
     "report": on_report,
 }

@@ -11,11 +11,13 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +29,7 @@ from libs.bus import wire
 from libs.bus.connection import Bus, connect_bus, ride_through, server_urls
 from libs.bus.provision import ProvisionError, ensure_stream, provision
 from libs.bus.publisher import Publisher
-from libs.nats_server import NatsCluster
+from libs.nats_server import NatsCluster, find_nats_server, free_port
 from proto import streams
 from proto.messages import DeadLetter, Rollout, ScoredRollout, Task
 from proto.streams import StreamSpec
@@ -142,8 +144,8 @@ async def read_all(bus: Bus, stream: str) -> list[int]:
 
 # --- the demo on a cluster ---------------------------------------------------------------
 
-MAX_STEPS = 36
-KILL_AT_STEP = 10
+MAX_STEPS = 24
+KILL_AT_STEP = 8
 DEMO = [sys.executable, "-m", "services.cli", "demo", "--max-trainer-steps", str(MAX_STEPS)]
 
 
@@ -245,8 +247,8 @@ def audit_cluster(run_dir: Path) -> tuple[dict[str, Any], dict[str, Any]]:
         tasks = asyncio.run(account_tasks(cluster.url))
     finally:
         cluster.stop()
-    steps = effective_steps(read_steps(run_dir))
-    return audit(stored, dead, steps, _cursor(run_dir)), tasks
+    samples = effective_steps(read_steps(run_dir, "step_samples.jsonl"))
+    return audit(stored, dead, samples, _cursor(run_dir)), tasks
 
 
 async def wait_for_stream_leaders(url: str) -> None:
@@ -255,7 +257,7 @@ async def wait_for_stream_leaders(url: str) -> None:
     bus = await connect_bus(url, name="cluster-audit")
     try:
         for spec in streams.ALL_STREAMS:
-            await ride_through(lambda s=spec: bus.js.stream_info(s.name), spec.name)
+            await ride_through(partial(bus.js.stream_info, spec.name), spec.name)
     finally:
         await bus.close()
 
@@ -318,3 +320,93 @@ def task_id_of(message: Task | Rollout | ScoredRollout) -> str:
     if isinstance(message, ScoredRollout):
         return message.rollout.task_id
     return message.task_id
+
+
+# --- the shipped cluster config (deploy/nats/cluster.conf, compose's cluster profile) -----
+
+CLUSTER_CONF = REPO_ROOT / "deploy" / "nats" / "cluster.conf"
+PASSWORDS = {
+    "RLPIPE_NATS_SERVICES_PASSWORD": "services0secret",
+    "RLPIPE_NATS_FEEDBACK_API_PASSWORD": "feedback0secret",
+}
+
+
+def test_the_compose_cluster_profile_adds_two_nodes_that_run_the_cluster_config(
+    tmp_path: Path,
+) -> None:
+    from tests.compose_support import resolve_compose, started_services
+
+    config = resolve_compose(tmp_path, "cluster")
+    nodes = ["nats", "nats-2", "nats-3"]
+    assert set(nodes) <= set(started_services(config, "cluster"))
+    assert not {"nats-2", "nats-3"} & set(started_services(config))  # default: one server
+    names = {config["services"][n]["environment"]["RLPIPE_NATS_NODE_NAME"] for n in nodes}
+    assert names == set(nodes), "every node needs its own server_name"
+    stores = {v for n in nodes for v in config["services"][n]["volumes"] if "/data" in str(v)}
+    assert len(stores) == 3, f"the nodes share a JetStream store: {stores}"
+    routes = CLUSTER_CONF.read_text()
+    assert all(f"nats-route://{n}:6222" in routes for n in nodes), "a node has no route"
+    for name in ("nats-2", "nats-3"):
+        assert config["services"][name]["command"][-1].endswith("/cluster.conf")
+        assert not config["services"][name].get("ports"), f"{name} publishes a port"
+
+
+async def test_the_shipped_cluster_config_forms_a_cluster_that_outlives_a_node(
+    tmp_path: Path,
+) -> None:
+    """Three nats-server processes on deploy/nats/cluster.conf, with users, only their
+    addresses (loopback ports) and store folders replaced: the services' user provisions R3
+    through the first node, which then dies; the client carries on through a node it learned
+    from the cluster (with the credentials of its URL)."""
+    binary = find_nats_server()
+    ports = [(free_port(), free_port(), free_port()) for _ in range(3)]  # client, http, route
+    routes = ",".join(f"nats-route://127.0.0.1:{route}" for _, _, route in ports)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RLPIPE_")} | PASSWORDS
+    processes = []
+    try:
+        for index, (client, http, route) in enumerate(ports):
+            config = node_config(tmp_path / f"n{index}")
+            command = [binary, "-c", str(config), "-a", "127.0.0.1", "-p", str(client)]
+            command += ["-m", str(http), "--cluster", f"nats://127.0.0.1:{route}"]
+            processes.append(
+                subprocess.Popen(
+                    [*command, "--routes", routes],
+                    env=env | {"RLPIPE_NATS_NODE_NAME": f"node-{index}"},
+                    stdout=(tmp_path / f"n{index}.log").open("wb"),
+                    stderr=subprocess.STDOUT,
+                )
+            )
+        password = PASSWORDS["RLPIPE_NATS_SERVICES_PASSWORD"]
+        first = f"nats://rlpipe:{password}@127.0.0.1:{ports[0][0]}"
+        bus = await connect_bus(first, name="pytest")
+        try:
+            await ride_through(lambda: provision(bus.js, replicas=3), "provision", limit_s=60)
+            info = await bus.js.stream_info(streams.ROLLOUTS_SCORED.name)
+            assert info.cluster is not None and info.config.num_replicas == 3
+            assert len(info.cluster.replicas or []) == 2
+            processes[0].kill()  # the only node the client was told about
+            processes[0].wait()
+            publisher = Publisher(bus.js, max_attempts=30)
+            ack = await publisher.publish_raw(
+                f"{streams.TASKS.subjects[0][:-1]}arith", b"t", {"Nats-Msg-Id": "after"}
+            )
+            assert ack.stream == streams.TASKS.name
+            assert bus.nc.connected_url is not None
+            assert bus.nc.connected_url.port in (ports[1][0], ports[2][0])
+        finally:
+            await bus.close()
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+
+
+def node_config(folder: Path) -> Path:
+    """A copy of deploy/nats/ whose JetStream store is `folder/jetstream` (not /data)."""
+    shutil.copytree(CLUSTER_CONF.parent, folder)
+    nats_conf = folder / "nats.conf"
+    store = folder / "jetstream"
+    nats_conf.write_text(nats_conf.read_text().replace("store_dir: /data", f'store_dir: "{store}"'))
+    assert str(store) in nats_conf.read_text(), "nats.conf no longer stores in /data"
+    return folder / CLUSTER_CONF.name

@@ -7,6 +7,7 @@ import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TypeVar
+from urllib.parse import unquote, urlsplit
 
 import nats
 import structlog
@@ -54,13 +55,14 @@ async def connect_bus(
 
     `url` may list every node of a cluster, comma-separated (`nats://a:4222,nats://b:4222`):
     the client connects to one and, when that node dies, reconnects to another (nats-py also
-    learns the cluster's other nodes from the server). Once connected, nats-py reconnects on
-    its own forever; only the first contact is bounded so a wrong URL fails in seconds with a
-    message naming it (credentials left out).
+    learns the cluster's other nodes from the server; the URL's credentials go along to
+    those). Once connected, nats-py reconnects on its own forever; only the first contact is
+    bounded so a wrong URL fails in seconds with a message naming it (credentials left out).
     `inbox_prefix` is for users whose permissions allow replies only under that prefix.
     """
     shown_url, servers = redact_url(url), server_urls(url)
     options = {"inbox_prefix": inbox_prefix} if inbox_prefix else {}
+    options |= url_credentials(servers)
     last_error: Exception | None = None
     callbacks = ConnectionCallbacks()
     for attempt in range(1, max_attempts + 1):
@@ -108,6 +110,18 @@ def server_urls(url: str) -> list[str]:
     if not urls:
         raise BusConnectError("the NATS URL is empty; set RLPIPE_NATS_URL")
     return urls
+
+
+def url_credentials(urls: list[str]) -> dict[str, str]:
+    """The first URL's user and password (or token) as connect options, so that nodes the
+    client learns from the cluster, whose URLs carry none, are reached as the same user."""
+    for url in urls:
+        parts = urlsplit(url)
+        if parts.password is not None and parts.username is not None:
+            return {"user": unquote(parts.username), "password": unquote(parts.password)}
+        if parts.username:
+            return {"token": unquote(parts.username)}
+    return {}
 
 
 def redact_url(url: str) -> str:

@@ -238,6 +238,7 @@ def with_warm_start(options: LaunchOptions) -> LaunchOptions:
         "trainer": {
             "RLPIPE_TRAINER_POLICY_PATH": path,
             "RLPIPE_TRAINER_LEARNING_RATE": warm_start.RL_LEARNING_RATE,
+            "RLPIPE_TRAINER_KL_COEF": warm_start.RL_KL_COEF,
         },
         "rollout-worker": {
             "RLPIPE_ROLLOUT_WORKER_POLICY_PATH": path,
