@@ -302,8 +302,8 @@ class PagedEngine(InferenceEngine):
         with self._lock:
             self.scheduler.admit()
         scheduler = self.scheduler
-        if any(seq.prompt_len - seq.num_computed >= self.eager_prefill_above
-               for seq in scheduler.prefilling):  # fmt: skip
+        left = [seq.prompt_len - seq.num_computed for seq in scheduler.prefilling]
+        if left and max(left) >= self.eager_prefill_above:
             chunks = scheduler.plan_prefill() if scheduler.prefill_due() else []
             if chunks:
                 start_s = time.perf_counter()
@@ -374,7 +374,8 @@ class PagedEngine(InferenceEngine):
         results = _host_rows(sampled)
         host_s = time.perf_counter()
         keep: list[int] = []
-        for index, (seq, (token, logprob, raw)) in enumerate(zip(decoding, results, strict=False)):
+        running = zip(decoding, results[:n], strict=True)
+        for index, (seq, (token, logprob, raw)) in enumerate(running):
             self.scheduler.on_computed(seq, seq.num_computed + 1)  # the input token's KV
             self.scheduler.record(seq, token, logprob, raw)
             if not self._stop_if_done(seq):
