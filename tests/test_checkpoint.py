@@ -12,7 +12,11 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from libs.bus.connection import Bus
+from libs.bus.provision import provision
+from libs.bus.publisher import Publisher
 from libs.chat.template import ByteChatTemplate, ChatMLTemplate
+from libs.envs.client import EnvClient
 from libs.policy import PolicyConfig, build_policy, load_policy_tokenizer
 from libs.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 from libs.trainer.checkpoint import (
@@ -21,9 +25,18 @@ from libs.trainer.checkpoint import (
     latest_checkpoint,
     save_checkpoint,
 )
+from libs.trainer.eval_gate import EvalGateConfig
+from libs.trainer.loop import Trainer
 from proto.messages import ChatMessage
 from services.rollout_worker.settings import RolloutWorkerSettings
 from tests.model_folder import build_model_folder
+from tests.test_online_rl import (
+    arith_gateway,  # noqa: F401  # a fixture, used by name
+    decisions,
+    online_trainer_config,
+    publish_online,
+    served_sample,
+)
 
 CHAT = [
     ChatMessage(role="system", content="Add."),
@@ -110,3 +123,42 @@ def test_a_replica_serving_a_checkpoint_reports_its_version(tmp_path: Path) -> N
     following = RolloutWorkerSettings(policy=PolicyConfig(path=str(folder)))
     assert following.engine_config().initial_policy_version == 0
     assert checkpoint_version(build_model_folder(tmp_path / "model")) is None
+
+
+async def test_the_trainer_keeps_the_promoted_and_best_eval_checkpoints_beyond_keep(
+    bus: Bus,
+    tmp_path: Path,
+    arith_gateway: EnvClient,  # noqa: F811  # the fixture imported above
+) -> None:
+    await provision(bus.js)
+    for index in range(5):
+        await publish_online(bus, served_sample(f"fb-{index}", "accepted", f"{index}=", seed=index))
+    # Every version gated and promoted (margin 1), one checkpoint kept besides protected ones.
+    lenient = EvalGateConfig(every_versions=1, num_tasks=4, margin=1.0)
+    config = online_trainer_config(
+        eval=lenient, max_steps=2, checkpoint_every_steps=1, checkpoint_keep=1
+    )
+    first = Trainer(config, tmp_path, bus, Publisher(bus.js))
+    await first.setup()
+    await first.run()
+    # Resumed with a gate that demands an improvement of 0.5: nothing more is promoted.
+    strict = config.model_copy(
+        update={"eval": EvalGateConfig(every_versions=1, num_tasks=4, margin=-0.5), "max_steps": 5}
+    )
+    second = Trainer(strict, tmp_path, bus, Publisher(bus.js))
+    await second.setup()
+    await second.run()
+
+    found = await decisions(bus)
+    assert [d.promoted for d in found] == [True, True, True, False, False, False]
+    serving = found[-1].serving_version
+    assert serving == 2  # promoted by the first trainer, at its step 2
+    latest = latest_checkpoint(tmp_path / "trainer" / "checkpoints")
+    assert latest is not None and latest.state.step == 5
+    best = latest.state.best_eval_version
+    assert best is not None and latest.state.best_eval_score == max(
+        d.candidate_score for d in found if d.version > 0
+    )
+    kept = {checkpoint_version(p) for p in (tmp_path / "trainer" / "checkpoints").glob("step-*")}
+    assert kept == {latest.state.version, serving, best}
+    assert len(kept) < 5  # the others were pruned

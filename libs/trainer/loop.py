@@ -541,7 +541,8 @@ class Trainer:
             await self._record_progress()
         if published and self._gate.due(self.state.version):
             await self._decide()
-        if self.state.step % self.config.checkpoint_every_steps == 0 or self._keeps_version():
+        kept = self._keeps_version()  # first: it also notes the best held-out score
+        if kept or self.state.step % self.config.checkpoint_every_steps == 0:
             await asyncio.to_thread(self._checkpoint)
 
     async def _decide(self) -> None:
