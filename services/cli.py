@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib
+import logging
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -132,8 +133,12 @@ def on_demo(args: argparse.Namespace) -> int:
     if not with_overrides(args):
         return 2
 
-    # Library log lines (provisioning) go to stderr: stdout carries only the summary line.
-    structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
+    # Library log lines (provisioning) go to stderr, warnings and errors only: the launcher
+    # reports what happens itself (libs.launcher.status_view).
+    structlog.configure(
+        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+        wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING),
+    )
     try:
         options = options_from_args(args)
     except ValueError as exc:  # a flag's mistake (a bad dataset row): one line, exit 2

@@ -10,6 +10,7 @@ The training figures are the trainer's health answer (libs.trainer.metrics: the 
 
 from __future__ import annotations
 
+import logging
 import sys
 import time
 from dataclasses import dataclass
@@ -50,6 +51,8 @@ class LauncherLog:
                 structlog.processors.TimeStamper(fmt="iso", utc=True),
                 structlog.processors.JSONRenderer(),
             ],
+            # Its own level: the demo keeps library loggers to warnings (services/cli.py).
+            wrapper_class=structlog.make_filtering_bound_logger(logging.INFO),
         ).bind(service="launcher")
 
     def info(self, event: str, **fields: Any) -> None:

@@ -104,7 +104,11 @@ def episode_lines(summary: dict[str, Any]) -> list[str]:
     first, last = summary.get("episodes_first_steps"), summary.get("episodes_last_steps")
     if not isinstance(first, dict) or not isinstance(last, dict):
         return []
-    keys = ("success", "tool_call_validity", "tool_calls_per_episode", "turns_per_episode")
+    keys = ["success"]
+    if last.get("tool_call_validity") is not None:  # the policy called tools
+        keys += ["tool_call_validity", "tool_calls_per_episode"]
+    if any(e.get("turns_per_episode", 1) != 1 for e in (first, last)):  # multi-turn episodes
+        keys += ["turns_per_episode", "segments_per_episode"]
     pairs = [f"{k.replace('_', ' ')} {first.get(k)} -> {last.get(k)}" for k in keys]
     window = summary.get("episode_window_steps")
     return [f"episodes (first vs last {window} steps): " + ", ".join(pairs)]

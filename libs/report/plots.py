@@ -117,7 +117,7 @@ def staleness_plot(figures: RunFigures) -> Figure:
     x = steps_of(steps)
     plot_series(versions, x, [mean_staleness(r) for r in steps], "mean", "C0")
     maxima = [max((int(k) for k in r.staleness), default=0) for r in steps]
-    versions.plot(x, maxima, color="C1", linewidth=1.0, label="max", drawstyle="steps-mid")
+    versions.plot(x, maxima, ".", color="C1", markersize=3, alpha=0.6, label="max")
     versions.set_ylabel("versions behind the trainer")
     fractions = [r.num_dropped / max(r.num_samples + r.num_dropped, 1) for r in steps]
     plot_series(dropped, x, fractions, "dropped as too stale", "C3")
