@@ -35,7 +35,9 @@ export RLPIPE_TRAINER_CHECKPOINT_EVERY_STEPS=${CHECKPOINT_EVERY:-100000}
 # this request pattern faster by itself (1,255 against 823 episodes/s: bench/harness_bench.py,
 # arith_loop). The loop is bound by weight-version latency (median 7.6 s paged, 4.3 s hf): in
 # the rollout-worker a version's decode took 2.6 s beside the paged driver thread against
-# 0.3 s beside hf (median), so more samples went stale (33% dropped against 20%).
+# 0.3 s beside hf (median), so more samples went stale (33% dropped against 20%). That
+# decode makes synchronous copies on the default CUDA stream, which the paged engine kept
+# busy; it now steps on a stream of its own (libs/engine/paged.py), not yet measured here.
 export RLPIPE_ROLLOUT_WORKER_ENGINE_TYPE=${ENGINE:-hf}
 export RLPIPE_ROLLOUT_WORKER_ENGINE_MAX_BATCH_ROWS=${MAX_BATCH_ROWS:-256}
 if [ "${MODE:-async}" = sync ]; then

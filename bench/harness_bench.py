@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import platform
 import statistics
 import time
@@ -155,7 +156,7 @@ async def run_scenario(engine: InferenceEngine, scenario: Scenario) -> dict[str,
         "tokens_per_s": round(tokens / wall, 1),
         "turns_mean": round(statistics.mean(r.stats[m.EPISODE_STAT_TURNS] for _, r in rollouts), 2),
         "episode_latency_median_s": round(statistics.median(latencies), 3),
-        "episode_latency_p90_s": round(latencies[int(0.9 * (len(latencies) - 1))], 3),
+        "episode_latency_p90_s": round(latencies[math.ceil(0.9 * len(latencies)) - 1], 3),
         "episode_latency_max_s": round(latencies[-1], 3),
         "finish_reasons": sorted({r.finish_reason for _, r in rollouts}),
         "engine_calls": batcher.num_calls,
