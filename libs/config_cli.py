@@ -25,7 +25,7 @@ import re
 import sys
 import types
 import typing
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -121,6 +121,19 @@ def apply_overrides(texts: list[str], classes: SettingsClasses) -> None:
     if problems:
         raise SettingsError("\n".join(problems))
     os.environ[OVERRIDES_VARIABLE] = json.dumps(tables)
+
+
+def check_services(classes: SettingsClasses, services: Iterable[str]) -> None:
+    """Load the settings of `services` as each would at its start (variables, TOML, --set):
+    `rlpipe demo` refuses a mistake before starting anything; SettingsError lists them all."""
+    problems: list[str] = []
+    for service in (name for name in services if name in classes):  # others: refused later
+        try:
+            load_settings(classes[service]())
+        except SettingsError as exc:
+            problems += str(exc).splitlines()
+    if problems:
+        raise SettingsError("\n".join(problems))
 
 
 def override_problems(tables: dict[str, Any], classes: SettingsClasses) -> Iterator[str]:

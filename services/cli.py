@@ -111,13 +111,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def with_overrides(args: argparse.Namespace) -> bool:
-    """Check `--set` overrides and hand them to the services (RLPIPE_SET); False after
-    printing why they are refused."""
-    from libs.config_cli import apply_overrides
+def with_overrides(args: argparse.Namespace, services: Sequence[str] = ()) -> bool:
+    """Check `--set` overrides and hand them to the services (RLPIPE_SET), then load the
+    settings of `services` as they will start; False after printing what is wrong."""
+    from libs.config_cli import apply_overrides, check_services
 
     try:
         apply_overrides(args.overrides, settings_classes())
+        check_services(settings_classes(), services)
     except SettingsError as exc:
         for line in str(exc).splitlines():
             print(f"error: {line}", file=sys.stderr)
@@ -130,7 +131,8 @@ def on_demo(args: argparse.Namespace) -> int:
 
     from libs.launcher.run import options_from_args, run_local
 
-    if not with_overrides(args):
+    # Every service's settings are checked here: a typo or a bad value is one line, now.
+    if not with_overrides(args, [s.strip() for s in args.services.split(",") if s.strip()]):
         return 2
 
     # Library log lines (provisioning) go to stderr, warnings and errors only: the launcher

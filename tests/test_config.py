@@ -106,6 +106,19 @@ def test_show_gives_every_field_with_its_value_and_source(tmp_path: Path) -> Non
     assert line.split() == ["learning_rate", "float", "|", "None", "null", "0.0001", "--set"]
 
 
+def test_the_demo_refuses_a_bad_value_before_starting_anything(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    env = {"RLPIPE_REWARD_BATCH_SIZE": "many"}
+    result = rlpipe("demo", "--set", "trainer.learning_rate=-1", "--run-dir", str(run_dir), env=env)
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == [
+        "error: trainer.learning_rate = '-1': Input should be greater than 0 (--set)",
+        "error: reward.batch_size = 'many': Input should be a valid integer, unable to parse "
+        "string as an integer (env RLPIPE_REWARD_BATCH_SIZE)",
+    ]
+    assert not run_dir.exists()
+
+
 def test_a_bad_value_is_one_line_and_exit_2() -> None:
     result = rlpipe("run", "reward", env={"RLPIPE_REWARD_BATCH_SIZE": "many"})
     assert result.returncode == 2
