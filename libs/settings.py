@@ -39,6 +39,9 @@ SHARED_FALLBACKS = {
 }
 CONFIG_VARIABLE = "RLPIPE_CONFIG"
 OVERRIDES_VARIABLE = "RLPIPE_SET"
+# Variables under a service's prefix that are not its settings: compose.yaml reads them on
+# the host to pick GPUs (CUDA_VISIBLE_DEVICES); a service never sees them in its container.
+NOT_SETTINGS = frozenset({"RLPIPE_TRAINER_GPUS", "RLPIPE_ROLLOUT_WORKER_GPUS"})
 
 
 SettingsT = TypeVar("SettingsT", bound="ServiceSettings")
@@ -267,7 +270,7 @@ def unknown_variables(
     known = variable_names(cls)
     for variable in sorted(environ):
         upper = variable.upper()
-        if upper.startswith(prefix) and upper not in known:
+        if upper.startswith(prefix) and upper not in known and upper not in NOT_SETTINGS:
             field = upper.removeprefix(prefix).lower()
             yield f"unknown variable {variable}{nearest(field, cls)}"
 

@@ -57,7 +57,7 @@ def test_the_demo_trains_a_model_folder_with_its_own_tokenizer(
         # The README's command for a local model folder, with the eval gate on.
         "RLPIPE_TRAINER_POLICY_PATH": str(model_folder),
         "RLPIPE_ROLLOUT_WORKER_POLICY_PATH": str(model_folder),
-        "RLPIPE_ROLLOUT_WORKER_TOKENIZER": str(model_folder),
+        "RLPIPE_ROLLOUT_WORKER_POLICY_TOKENIZER": str(model_folder),
         "RLPIPE_TRAINER_EVAL_EVERY_VERSIONS": str(EVAL_EVERY),
     }
     command = [sys.executable, "-m", "services.cli", "demo"]
