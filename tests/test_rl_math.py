@@ -22,8 +22,11 @@ from libs.rl import (
     sample_policy_version,
     split_by_staleness,
     staleness_histogram,
+    turn_trainable,
 )
 from libs.tokenizer import ByteTokenizer
+from libs.trainer.reference import ReferencePolicy
+from libs.trainer.step import StepConfig, train_step
 from proto.messages import Rollout, ScoredRollout, Turn
 
 LN = math.log
@@ -110,13 +113,22 @@ def test_advantages_refuse_a_nan_reward() -> None:
 # --- staleness --------------------------------------------------------------------------------
 
 
-def test_a_sample_is_as_old_as_its_oldest_assistant_turn() -> None:
+def test_the_bound_is_checked_per_turn_and_stale_turns_are_context_only() -> None:
     sample = versioned("r1", 5, 3, 4)
-    assert sample_policy_version(sample) == 3
+    assert sample_policy_version(sample) == 3  # the oldest turn
     assert sample_policy_version(sample.rollout) == 3
-    # Its newest turn is current, but its oldest is 2 versions behind: dropped at bound 1.
-    split = split_by_staleness([versioned("mixed", 7, 5)], trainer_version=7, max_staleness=1)
-    assert (split.kept, split.num_dropped, split.staleness) == ([], 1, [2])
+    # Its newest turn is current and its oldest 2 versions behind: kept at bound 1 (the
+    # worker went on with newer weights), and only the turns within the bound are trained.
+    mixed = versioned("mixed", 5, 6, 7)
+    split = split_by_staleness([mixed], trainer_version=7, max_staleness=1)
+    assert (split.kept, split.num_dropped, split.staleness) == ([mixed], 0, [0])
+    batch = build_batch(split.kept, [1.0], pad_id=0, trainable=turn_trainable(7, max_staleness=1))
+    # Tokens [1, 2(v5), 2(v6), 2(v7)]: entry t is about token t+1.
+    assert batch.loss_mask.tolist() == [[False, True, True]]
+    assert batch.token_versions.tolist() == [[5, 6, 7]]
+    # A sample whose newest turn is past the bound is dropped whole.
+    old = split_by_staleness([versioned("old", 4, 5)], trainer_version=7, max_staleness=1)
+    assert (old.kept, old.num_dropped, old.staleness) == ([], 1, [2])
 
 
 def test_split_keeps_samples_within_the_bound_in_order_and_counts_the_rest() -> None:
@@ -408,3 +420,39 @@ def test_one_step_on_a_tiny_policy_moves_sampled_tokens_with_the_advantage(
     assert stats.mismatch.mean_abs_diff == pytest.approx(0.0, abs=1e-6)
     assert stats.is_weight_mean == pytest.approx(1.0, abs=1e-6)
     assert stats.clip_fraction == 0.0
+
+
+@pytest.mark.parametrize("kl_coef", [0.0, 1.0])
+def test_the_kl_anchor_pulls_a_drifted_policy_back_to_its_reference(kl_coef: float) -> None:
+    tokenizer = ByteTokenizer()
+    reference = ReferencePolicy.build(PolicyConfig(preset="tiny", device="cpu", seed=0))
+    model = build_policy(PolicyConfig(preset="tiny", device="cpu", seed=0))
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # the policy has drifted from where training started
+        for parameter in model.parameters():
+            parameter.add_(0.05 * torch.randn(parameter.shape, generator=generator))
+    prompt, answer = tokenizer.encode("12+30="), [*tokenizer.encode("42"), tokenizer.eos_id]
+    probe = build_batch(
+        [scored("p", [user(prompt), assistant(answer, [0.0] * 3, 0)])], [0.0], pad_id=0
+    )
+
+    def drift() -> float:
+        new = sequence_logprobs(model, probe.input_ids, probe.attention_mask).detach()
+        anchor = reference.logprobs(probe.input_ids, probe.attention_mask)
+        return float(reference_kl(new, anchor, probe.loss_mask))
+
+    # Equal rewards: zero advantages, so only the anchor can move the weights.
+    behavior = sequence_logprobs(model, probe.input_ids, probe.attention_mask).detach()
+    turn = assistant(answer, behavior[probe.loss_mask].tolist(), 0)
+    samples = [scored(f"s{i}", [user(prompt), turn], reward=0.5) for i in range(2)]
+    before = drift()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    config = StepConfig(kl_coef=kl_coef)
+    stats = train_step(model, optimizer, samples, 0, config, tokenizer.pad_id, reference)
+    after = drift()
+    assert before > 0.01
+    if kl_coef == 0:
+        assert after == pytest.approx(before, rel=1e-6) and stats.reference_kl == 0.0
+    else:
+        assert stats.reference_kl == pytest.approx(before, rel=1e-4)
+        assert after < 0.9 * before
