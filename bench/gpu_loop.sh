@@ -7,8 +7,9 @@
 #       bash bench/gpu_loop.sh [SECONDS] [OUT_DIR]
 #
 # Trainer settings are the trainer's defaults unless given: for byte-0.5b that is fp32 master
-# weights at a learning rate of 1e-5 (chosen by model size, libs/trainer/config.py), a new
-# version staged after every step in the background (libs/trainer/staging.py).
+# weights, a learning rate of 1e-5 and a staleness bound of 8 (chosen by model size,
+# libs/trainer/config.py), a new version staged after every step in the background
+# (libs/trainer/staging.py).
 #
 # Writes the trainer's step records, the run summary and the tails of the service logs to
 # OUT_DIR (default bench/results/gpu_loop) with the version latency by part

@@ -63,12 +63,13 @@ def test_mixed_precision_trains_fp32_computes_and_publishes_in_the_policy_dtype(
     assert not torch.equal(published[name].float(), model.state_dict()[name])
 
 
-def test_learning_rate_defaults_by_model_size_unless_set() -> None:
-    assert TrainerConfig().with_learning_rate_for(821_000).learning_rate == 5e-4
-    assert TrainerConfig().with_learning_rate_for(492_000_000).learning_rate == 1e-5
+def test_learning_rate_and_staleness_default_by_model_size_unless_set() -> None:
+    tiny, half_billion = TrainerConfig().sized_for(821_000), TrainerConfig().sized_for(492_000_000)
+    assert (tiny.learning_rate, tiny.max_staleness) == (5e-4, 4)
+    assert (half_billion.learning_rate, half_billion.max_staleness) == (1e-5, 8)
     assert default_learning_rate(492_000_000) == 1e-5
-    set_by_user = TrainerConfig(learning_rate=3e-6).with_learning_rate_for(821_000)
-    assert set_by_user.learning_rate == 3e-6
+    set_by_user = TrainerConfig(learning_rate=3e-6, max_staleness=0).sized_for(492_000_000)
+    assert (set_by_user.learning_rate, set_by_user.max_staleness) == (3e-6, 0)
 
 
 @pytest.fixture

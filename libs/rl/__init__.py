@@ -25,6 +25,7 @@ from libs.rl.staleness import (
     sample_staleness,
     split_by_staleness,
     staleness_histogram,
+    turn_trainable,
 )
 
 __all__ = [
@@ -45,4 +46,5 @@ __all__ = [
     "sample_staleness",
     "split_by_staleness",
     "staleness_histogram",
+    "turn_trainable",
 ]

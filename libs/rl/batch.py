@@ -17,7 +17,7 @@ has no prefix and so is never trained.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -78,8 +78,13 @@ def build_batch(
     *,
     pad_id: int,
     max_length: int | None = None,
+    trainable: Callable[[int], bool] | None = None,
 ) -> TrainBatch:
     """Padded tensors for `samples` with their per-sample `advantages` [B].
+
+    `trainable` says which assistant turns (by policy version) the loss covers; the others
+    stay in the sequence as context (libs.rl.staleness.turn_trainable: past the staleness
+    bound). None: every assistant turn.
 
     `max_length` cuts each row to its first `max_length` tokens (the prompt is kept, the
     end of the episode is lost); cut rows are counted in `num_truncated`. Raises ValueError
@@ -98,7 +103,7 @@ def build_batch(
     row_advantages: list[float] = []
     row_ids: list[str] = []
     for sample, advantage in zip(samples, advantage_list, strict=True):
-        for row in _layout_segments(sample.rollout):
+        for row in _layout_segments(sample.rollout, trainable):
             rows.append(row)
             row_advantages.append(advantage)
             row_ids.append(sample.rollout.rollout_id)
@@ -123,15 +128,17 @@ def build_batch(
     )
 
 
-def _layout_segments(rollout: Rollout) -> list[_Row]:
+def _layout_segments(rollout: Rollout, trainable: Callable[[int], bool] | None) -> list[_Row]:
     """One row per context segment, in segment order."""
     segments: dict[int, list[Turn]] = {}
     for turn in rollout.turns:
         segments.setdefault(turn.segment, []).append(turn)
-    return [_layout(rollout, segments[index]) for index in sorted(segments)]
+    return [_layout(rollout, segments[index], trainable) for index in sorted(segments)]
 
 
-def _layout(rollout: Rollout, turns: Sequence[Turn]) -> _Row:
+def _layout(
+    rollout: Rollout, turns: Sequence[Turn], trainable: Callable[[int], bool] | None = None
+) -> _Row:
     """`turns` concatenated, with per-token generated flag, logprob and version."""
     row = _Row([], [], [], [])
     for turn in turns:
@@ -151,7 +158,8 @@ def _layout(rollout: Rollout, turns: Sequence[Turn]) -> _Row:
             raise ValueError(
                 f"rollout {rollout.rollout_id!r}: an assistant turn has no policy_version"
             )
-        row.generated.extend([True] * num_tokens)
+        trained = trainable is None or trainable(turn.policy_version)
+        row.generated.extend([trained] * num_tokens)
         row.logprobs.extend(turn.logprobs)
         row.versions.extend([turn.policy_version] * num_tokens)
     return row

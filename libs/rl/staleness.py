@@ -5,8 +5,12 @@
     staleness_histogram(split.staleness)   # {0: 12, 1: 30, 2: 6, 4: 3}
 
 Weights can change mid-episode, so each assistant turn carries the version that generated
-it; a sample is as stale as its OLDEST assistant turn. `max_staleness = 0` keeps only
-samples generated entirely by the trainer's current version (the synchronous baseline).
+it, and the bound is checked per turn: a sample is kept while its NEWEST assistant turn is
+within the bound (its staleness is that turn's), and its turns past the bound stay in the
+sequence as context without being trained on (`turn_trainable`, read by
+libs.rl.batch.build_batch). So a long episode that a worker carried on with newer weights
+is not thrown away for its first turns. `max_staleness = 0` trains only on turns of the
+trainer's current version (the synchronous baseline).
 """
 
 from __future__ import annotations
@@ -39,16 +43,36 @@ def sample_policy_version(sample: Rollout | ScoredRollout) -> int:
     return min(version for version in versions if version is not None)
 
 
+def newest_policy_version(sample: Rollout | ScoredRollout) -> int:
+    """The newest policy version among the sample's assistant turns (ValueError as
+    `sample_policy_version`)."""
+    sample_policy_version(sample)  # the same checks
+    rollout = sample.rollout if isinstance(sample, ScoredRollout) else sample
+    return max(t.policy_version for t in rollout.turns if t.policy_version is not None)
+
+
 def sample_staleness(
     sample: Rollout | ScoredRollout,
     trainer_version: int,
     equivalent: Callable[[int], int] | None = None,
 ) -> int:
-    """trainer_version - the sample's (oldest) version; negative for a sample from the future.
-    `equivalent` maps a version to the one on the trainer's own line as far from its weights
-    (libs.trainer.lineage: after a resume); none counts versions plainly."""
-    version = sample_policy_version(sample)
+    """trainer_version - the version of the sample's newest turn; negative for a sample from
+    the future. `equivalent` maps a version to the one on the trainer's own line as far from
+    its weights (libs.trainer.lineage: after a resume); none counts versions plainly."""
+    version = newest_policy_version(sample)
     return trainer_version - (equivalent(version) if equivalent is not None else version)
+
+
+def turn_trainable(
+    trainer_version: int, max_staleness: int, equivalent: Callable[[int], int] | None = None
+) -> Callable[[int], bool]:
+    """Whether an assistant turn of a given version is within the bound (else: context)."""
+
+    def trainable(version: int) -> bool:
+        mapped = equivalent(version) if equivalent is not None else version
+        return 0 <= trainer_version - mapped <= max_staleness
+
+    return trainable
 
 
 @dataclass

@@ -51,7 +51,13 @@ from libs.envs.client import EnvClient
 from libs.logs import bind_context
 from libs.policy import check_vocabulary, load_policy_tokenizer, tokenizer_spec
 from libs.policy_identity import describe_policy, store_identity
-from libs.rl import MismatchStats, PolicyLossStats, split_by_staleness, staleness_histogram
+from libs.rl import (
+    MismatchStats,
+    PolicyLossStats,
+    split_by_staleness,
+    staleness_histogram,
+    turn_trainable,
+)
 from libs.rollout.figures import is_success
 from libs.trainer.checkpoint import (
     TrainerState,
@@ -108,7 +114,7 @@ class RunPaths:
 def learning_rate_at(config: TrainerConfig, step: int) -> float:
     """The learning rate of step `step` (0-based), from the step alone so a resume agrees."""
     if config.learning_rate is None:
-        raise ValueError("the learning rate is unset: resolve it with with_learning_rate_for")
+        raise ValueError("the learning rate is unset: resolve it with TrainerConfig.sized_for")
     if config.learning_rate_decay_steps is None:
         return config.learning_rate
     progress = min(step / config.learning_rate_decay_steps, 1.0)
@@ -159,7 +165,6 @@ class Trainer:
         self._publisher = publisher
         self._stopping = asyncio.Event()
         self._buffer = GroupBuffer(config.incomplete_group_timeout_s)
-        self._steps = open_step_log(config, run_dir)
         self._timers = Timers()
         self.state = TrainerState(step=0, version=0)
         self.tokenizer = load_policy_tokenizer(self.policy)
@@ -167,7 +172,8 @@ class Trainer:
         self.model = self.precision.build_model(self.policy)
         check_vocabulary(self.model, self.tokenizer, self.policy)
         num_parameters = sum(p.numel() for p in self.model.parameters())
-        self.config = config = config.with_learning_rate_for(num_parameters)
+        self.config = config = config.sized_for(num_parameters)
+        self._steps = open_step_log(config, run_dir)  # the resolved config as run parameters
         self._stager = WeightStager(publisher, self.paths.staging_dir)
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(),
@@ -309,7 +315,7 @@ class Trainer:
                 split = split_by_staleness(
                     group.rollouts,
                     self.state.version,
-                    self.config.max_staleness,
+                    self._max_staleness,
                     self.state.lineage.equivalent,
                 )
                 taken.append(group)
@@ -363,7 +369,7 @@ class Trainer:
         # One version short of max_staleness: samples of the newest announced version in
         # the buffer and in flight stay trainable until the broadcaster is back.
         lag = self.state.version - max(versions)
-        allowed = max(self.config.max_staleness - 1, self.config.publish_every_steps - 1, 0)
+        allowed = max(self._max_staleness - 1, self.config.publish_every_steps - 1, 0)
         if lag > allowed:
             self.detail = f"waiting for version {self.state.version} to reach the workers"
             return False
@@ -463,6 +469,11 @@ class Trainer:
                     self.config,
                     self.tokenizer.pad_id,
                     self._reference,
+                    turn_trainable(
+                        self.state.version,
+                        self._max_staleness,
+                        self.state.lineage.equivalent,
+                    ),
                 )
             except Exception as exc:
                 failing = await asyncio.to_thread(
@@ -512,6 +523,11 @@ class Trainer:
         self.state.online_cursor.mark_done(taken.sequences)
         self._steps.write(*self._online_record(taken, stats, step_s))
         await self._after_step()
+
+    @property
+    def _max_staleness(self) -> int:
+        assert self.config.max_staleness is not None, "set by sized_for in __init__"
+        return self.config.max_staleness
 
     def _computing(self, function: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """`function` in the trainer's compute precision (call it in the worker thread:

@@ -15,6 +15,10 @@ less often, never stop, and never queues versions that would be stale by the tim
 the broadcaster encodes each version against the last one it announced, so skipped numbers
 cost nothing. The newest version offered is always staged in the end.
 
+On a GPU the copy to the host goes through pinned buffers kept from version to version, on
+a stream of its own that waits only for the offered copy (not for the training step queued
+after it): 1 GB crosses at tens of GB/s instead of the few GB/s of a pageable copy.
+
 A handover that fails (the disk is full, the bus is gone past the ride-through) raises from
 the next `offer` or `flush`: the trainer stops loudly rather than training on unpublished.
 """
@@ -49,6 +53,39 @@ class _Offer:
     version: int
     step: int | None
     offered_s: float
+    ready: torch.cuda.Event | None  # recorded after the offered copy was queued (GPU states)
+
+
+class HostBuffers:
+    """Pinned host tensors a GPU state is copied into, reused from version to version."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}
+        self._stream: torch.cuda.Stream | None = None
+
+    def copy(
+        self, state: Mapping[str, torch.Tensor], ready: torch.cuda.Event | None
+    ) -> dict[str, torch.Tensor]:
+        """`state` on the host: GPU tensors copied into the pinned buffers once `ready` has
+        happened (CPU tensors as they are). Blocks until the copies are done."""
+        if ready is None:
+            return dict(state)
+        if self._stream is None:
+            self._stream = torch.cuda.Stream()
+        out: dict[str, torch.Tensor] = {}
+        with torch.cuda.stream(self._stream):
+            self._stream.wait_event(ready)
+            for name, tensor in state.items():
+                out[name] = self._buffer(name, tensor).copy_(tensor, non_blocking=True)
+        self._stream.synchronize()
+        return out
+
+    def _buffer(self, name: str, like: torch.Tensor) -> torch.Tensor:
+        buffer = self._buffers.get(name)
+        if buffer is None or buffer.shape != like.shape or buffer.dtype != like.dtype:
+            buffer = torch.empty(like.shape, dtype=like.dtype, pin_memory=True)
+            self._buffers[name] = buffer
+        return buffer
 
 
 class WeightStager:
@@ -59,6 +96,7 @@ class WeightStager:
         self._staging_dir = staging_dir
         self._pending: _Offer | None = None
         self._running: asyncio.Task[None] | None = None
+        self._host = HostBuffers()
         self.last_staged_version: int | None = None
         self.num_skipped = 0
 
@@ -72,7 +110,13 @@ class WeightStager:
             self.num_skipped += 1
             SKIPPED.inc()
             log.debug("version replaced before staging", version=self._pending.version)
-        self._pending = _Offer(dict(state), version, step, time.monotonic())
+        ready = None
+        if any(tensor.is_cuda for tensor in state.values()):
+            # Everything queued so far (the offered copy) on this thread's stream; the
+            # trainer queues its next step only after offer returns.
+            ready = torch.cuda.Event()
+            ready.record()
+        self._pending = _Offer(dict(state), version, step, time.monotonic(), ready)
         if self._running is None or self._running.done():
             self._running = asyncio.create_task(self._stage_pending(), name="weight-stager")
 
@@ -94,15 +138,19 @@ class WeightStager:
     async def _stage_pending(self) -> None:
         while self._pending is not None:
             offer, self._pending = self._pending, None
-            await ride_through(
-                lambda offer=offer: stage_weights(  # type: ignore[misc]
-                    self._publisher,
-                    self._staging_dir,
-                    offer.state,
-                    offer.version,
-                    step=offer.step,
-                    offered_s=offer.offered_s,
-                ),
-                "staging weights",
-            )
+            await self._stage(offer)
             self.last_staged_version = offer.version
+
+    async def _stage(self, offer: _Offer) -> None:
+        host = await asyncio.to_thread(self._host.copy, offer.state, offer.ready)
+        await ride_through(
+            lambda: stage_weights(
+                self._publisher,
+                self._staging_dir,
+                host,
+                offer.version,
+                step=offer.step,
+                offered_s=offer.offered_s,
+            ),
+            "staging weights",
+        )

@@ -13,6 +13,7 @@ version the trainer holds: the same weights on both sides, so any gap is numeric
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -80,10 +81,13 @@ def train_step(
     config: StepConfig,
     pad_id: int,
     reference: ReferencePolicy | None = None,
+    trainable: Callable[[int], bool] | None = None,
 ) -> StepStats:
     """Update `model` in place on `samples` (whole groups); returns the step's statistics.
     `pad_id` fills padded positions (the policy tokenizer's); `reference` anchors the update
-    with `config.kl_coef` (libs.trainer.reference)."""
+    with `config.kl_coef` (libs.trainer.reference); `trainable` picks the assistant turns
+    trained on by version (the others are context: past the staleness bound,
+    libs.rl.turn_trainable), None: all."""
     device = next(model.parameters()).device
     rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
     groups = group_advantages(
@@ -92,7 +96,11 @@ def train_step(
         normalize_std=config.normalize_advantage_std,
     )
     batch = build_batch(
-        samples, groups.advantages, pad_id=pad_id, max_length=config.max_sequence_tokens
+        samples,
+        groups.advantages,
+        pad_id=pad_id,
+        max_length=config.max_sequence_tokens,
+        trainable=trainable,
     ).to(device)
     update = optimize_on_batch(model, optimizer, batch, trainer_version, config, reference)
     return StepStats(
