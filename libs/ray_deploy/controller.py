@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import threading
 import time
 from typing import Any
@@ -72,6 +73,7 @@ class Controller:
         self.pids: dict[str, int] = {}
         self.restarts: dict[str, int] = {}
         self.backlog: int | None = None
+        self.backlog_error: str | None = None
         self.events: list[dict[str, Any]] = []
         self.stopped = threading.Event()
         self._drained_polls = 0
@@ -178,7 +180,12 @@ class Controller:
     # --- scaling ---------------------------------------------------------------------------
 
     def _autoscale_thread(self) -> None:
-        asyncio.run(self._autoscale())
+        """The polling loop; if it dies, the controller dies loudly and Ray restarts it."""
+        try:
+            asyncio.run(self._autoscale())
+        except BaseException:
+            log.exception("autoscaling stopped; restarting the controller")
+            os._exit(1)
 
     async def _autoscale(self) -> None:
         bus: Bus | None = None
@@ -188,14 +195,21 @@ class Controller:
                 info = await bus.js.consumer_info(
                     ROLLOUT_WORKER_TASKS.stream, ROLLOUT_WORKER_TASKS.durable
                 )
-                self.backlog = int(info.num_pending or 0)
-                await asyncio.to_thread(self._resize, self.backlog)
             except Exception as exc:  # the bus or the consumer not there yet: next poll
-                self._event("poll failed", error=repr(exc)[:200])
+                self._backlog_unknown(repr(exc)[:200])
+            else:
+                self.backlog, self.backlog_error = int(info.num_pending or 0), None
+                await asyncio.to_thread(self._resize, self.backlog)
             await asyncio.to_thread(self.status)  # notes restarts between callers' asks
             await asyncio.sleep(self.scale.poll_s)
         if bus is not None:
             await bus.close()
+
+    def _backlog_unknown(self, error: str) -> None:
+        """No backlog this poll: the tier stays as it is; the event once per kind of error."""
+        if error != self.backlog_error:
+            self._event("backlog unknown", error=error)
+        self.backlog, self.backlog_error = None, error
 
     def _resize(self, pending: int) -> None:
         if WORKER not in self.plan.names or self.stopped.is_set():
@@ -251,6 +265,7 @@ class Controller:
             "min_workers": self.scale.min_workers,
             "max_workers": self.scale.max_workers,
             "backlog": self.backlog,
+            "backlog_error": self.backlog_error,
             "events": events,
         }
 

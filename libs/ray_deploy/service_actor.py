@@ -71,11 +71,13 @@ class ServiceProcess:
         threading.Thread(target=self._exit_with_service, daemon=True).start()
 
     def _environment(self) -> dict[str, str]:
+        """The plan's variables, then the health port this actor reads (several workers share
+        a node, so it is always a free one); the feedback API's port is free unless given."""
         prefix = self.plan.env_prefix
-        own = {f"{prefix}HTTP_HOST": "127.0.0.1", f"{prefix}HTTP_PORT": str(self.port)}
-        if self.plan.name == "feedback-ingester":  # a free API port unless one is given
-            own["RLPIPE_FEEDBACK_INGESTER_API_PORT"] = str(free_port())
-        return {**os.environ, **own, **self.plan.env}
+        env = {**os.environ, **self.plan.env}
+        if self.plan.name == "feedback-ingester":
+            env.setdefault("RLPIPE_FEEDBACK_INGESTER_API_PORT", str(free_port()))
+        return env | {f"{prefix}HTTP_HOST": "127.0.0.1", f"{prefix}HTTP_PORT": str(self.port)}
 
     def _exit_with_service(self) -> None:
         """A crashed service takes the actor down, for Ray to restart both."""
