@@ -168,7 +168,7 @@ def _refused_replicas(exc: APIError, replicas: int) -> ProvisionError:
     return ProvisionError(
         f"the server refused {replicas} replicas ({exc}): replicas above 1 need a NATS cluster "
         "with at least that many JetStream nodes; set RLPIPE_NATS_REPLICAS=1 for one "
-        "nats-server, or point RLPIPE_NATS_URL at a cluster (deploy/nats/cluster/)"
+        "nats-server, or point RLPIPE_NATS_URL at a cluster (deploy/nats/cluster.conf)"
     )
 
 

@@ -6,8 +6,9 @@
 The server restarts on the same port and JetStream folder, so streams, consumers and the
 KV bucket come back as they were and the services (nats-py reconnects on its own) ride
 through. A cluster (`rlpipe demo --nats-cluster 3`) gets one watch per node: while a node is
-down the other two keep every replicated stream going, and the restarted node catches up. After `max_attempts` failed starts in a row, or `max_restarts` restarts within
-`window_s`, it gives up: `on_give_up` gets one line saying why and where the log is, and the
+down the other two keep every replicated stream going, and the restarted node catches up.
+After `max_attempts` failed starts in a row, or `max_restarts` restarts within `window_s`,
+it gives up: `on_give_up` gets one line saying why and where the log is, and the
 launcher stops the run with a non-zero exit, never a silent hang.
 """
 
