@@ -17,6 +17,7 @@ import pytest
 
 from libs.nats_server import free_port
 from libs.settings import SettingsError, load_settings, nested_fields
+from services.cli import main
 from services.trainer.settings import TrainerSettings
 
 
@@ -33,7 +34,24 @@ def rlpipe(
     )
 
 
-def test_typos_in_variables_and_toml_name_the_nearest_field(tmp_path: Path) -> None:
+def rlpipe_here(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], *args: str, **env: str
+) -> tuple[int, str, str]:
+    """`rlpipe ARGS` run by the CLI's main in this process (no interpreter to start), with
+    `env` as the only RLPIPE_* variables; (exit code, stdout, stderr)."""
+    for name in [n for n in os.environ if n.startswith("RLPIPE_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.delenv("RLPIPE_SET", raising=False)  # --set writes it: undone after the test
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    code = main(list(args))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_typos_in_variables_and_toml_name_the_nearest_field(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     config = tmp_path / "rlpipe.toml"
     config.write_text("[trainer]\nlearnin_rate = 0.1\n[reward]\nbatch_size = 8\n[trainr]\nx = 1\n")
     env = {
@@ -42,9 +60,9 @@ def test_typos_in_variables_and_toml_name_the_nearest_field(tmp_path: Path) -> N
         "RLPIPE_ROLLOUT_WORKER_POLICY_PAHT": "models/x",
         "RLPIPE_NATS_ULR": "nats://x:4222",
     }
-    result = rlpipe("config", "check", env=env)
-    assert result.returncode == 2, result.stdout
-    errors = set(result.stderr.splitlines())
+    code, out, err = rlpipe_here(monkeypatch, capsys, "config", "check", **env)
+    assert code == 2, out
+    errors = set(err.splitlines())
     assert errors == {
         "error: trainer: unknown variable RLPIPE_TRAINER_LEARNIN_RATE "
         "(did you mean learning_rate?)",
@@ -54,16 +72,17 @@ def test_typos_in_variables_and_toml_name_the_nearest_field(tmp_path: Path) -> N
         "error: unknown variable RLPIPE_NATS_ULR: no service reads it "
         "(did you mean RLPIPE_NATS_URL?)",
         f"error: unknown TOML table [trainr] in {config} (did you mean trainer?)",
-    }, result.stderr
+    }, err
 
-    fixed = {"RLPIPE_CONFIG": str(config)}
     config.write_text("[trainer]\nlearning_rate = 0.1\n[reward]\nbatch_size = 8\n")
-    result = rlpipe("config", "check", env=fixed)
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.startswith("ok: 6 services")
+    code, out, err = rlpipe_here(monkeypatch, capsys, "config", "check", RLPIPE_CONFIG=str(config))
+    assert code == 0, err
+    assert out.startswith("ok: 6 services")
 
 
-def test_show_gives_every_field_with_its_value_and_source(tmp_path: Path) -> None:
+def test_show_gives_every_field_with_its_value_and_source(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     config = tmp_path / "rlpipe.toml"
     config.write_text(
         "[trainer]\nbatch_groups = 4\nmax_staleness = 2\n[trainer.policy]\nseed = 7\n"
@@ -73,11 +92,12 @@ def test_show_gives_every_field_with_its_value_and_source(tmp_path: Path) -> Non
         "RLPIPE_TRAINER_MAX_STALENESS": "3",
         "RLPIPE_NATS_URL": "nats://shared:4222",
     }
-    result = rlpipe(
-        "config", "show", "trainer", "--json", "--set", "trainer.learning_rate=1e-4", env=env
+    override = ("--set", "trainer.learning_rate=1e-4")
+    code, out, err = rlpipe_here(
+        monkeypatch, capsys, "config", "show", "trainer", "--json", *override, **env
     )
-    assert result.returncode == 0, result.stderr
-    rows = {row["field"]: row for row in map(json.loads, result.stdout.splitlines())}
+    assert code == 0, err
+    rows = {row["field"]: row for row in map(json.loads, out.splitlines())}
     nested = nested_fields(TrainerSettings)
     assert set(rows) == {*TrainerSettings.model_fields} - set(nested) | {
         f"{name}.{sub}" for name, model in nested.items() for sub in model.model_fields
@@ -100,9 +120,9 @@ def test_show_gives_every_field_with_its_value_and_source(tmp_path: Path) -> Non
     assert (rows["weight_decay"]["value"], rows["weight_decay"]["source"]) == (0.0, "default")
     assert rows["max_steps"]["type"] == "int | None"
 
-    table = rlpipe("config", "show", "trainer", "--set", "trainer.learning_rate=1e-4", env=env)
-    assert table.returncode == 0, table.stderr
-    line = next(x for x in table.stdout.splitlines() if x.startswith("learning_rate "))
+    code, out, err = rlpipe_here(monkeypatch, capsys, "config", "show", "trainer", *override, **env)
+    assert code == 0, err
+    line = next(x for x in out.splitlines() if x.startswith("learning_rate "))
     assert line.split() == ["learning_rate", "float", "|", "None", "null", "0.0001", "--set"]
 
 
@@ -119,16 +139,21 @@ def test_the_demo_refuses_a_bad_value_before_starting_anything(tmp_path: Path) -
     assert not run_dir.exists()
 
 
-def test_a_bad_value_is_one_line_and_exit_2() -> None:
+def test_a_bad_value_is_one_line_and_exit_2(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     result = rlpipe("run", "reward", env={"RLPIPE_REWARD_BATCH_SIZE": "many"})
     assert result.returncode == 2
     assert result.stderr.splitlines() == [
         "error: reward.batch_size = 'many': Input should be a valid integer, unable to parse "
         "string as an integer (env RLPIPE_REWARD_BATCH_SIZE)"
     ]
-    result = rlpipe("run", "trainer", "--set", "trainer.learnin_rate=1e-4")
-    assert result.returncode == 2
-    assert result.stderr.splitlines() == [
+    # A misspelt override is refused before the service is even imported.
+    code, _, err = rlpipe_here(
+        monkeypatch, capsys, "run", "trainer", "--set", "trainer.learnin_rate=1"
+    )
+    assert code == 2
+    assert err.splitlines() == [
         "error: --set trainer.learnin_rate: no such field (did you mean learning_rate?)"
     ]
 
