@@ -37,6 +37,7 @@ compute runs in the parameters' dtype); the cursor/lineage are not in the sharde
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -77,7 +78,10 @@ from proto.messages import ScoredRollout
 
 
 def setup_process_group(device: torch.device) -> None:
-    """Join the job's process group (torchrun's env:// variables): NCCL on GPU, gloo on CPU."""
+    """Join the job's process group (torchrun's env:// variables): NCCL on GPU, gloo on CPU.
+    On GPU each rank takes the card of its LOCAL_RANK, so `device="cuda"` means that card."""
+    if device.type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if not dist.is_initialized():
         dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
 
@@ -157,14 +161,15 @@ def _optimize_sharded(
 ) -> tuple[float, float, PolicyLossStats, torch.Tensor]:
     """Proximal logprobs, then one PPO-clip step per minibatch; (global loss mean, largest
     global pre-clip norm, merged loss stats, proximal logprobs of the whole batch)."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    minibatches = rank_rows(batch.num_rows, config.minibatches, rank, world)
+    minibatches = rank_rows(
+        batch.num_rows, config.minibatches, dist.get_rank(), dist.get_world_size()
+    )
     model.eval()  # no dropout: proximal and new logprobs must come from the same function
     mine = torch.cat(minibatches).to(batch.input_ids.device)
     proximal = _gather_rows(_logprobs_no_grad(model, batch, mine), mine, batch)
     losses, stats, norms = [], [], []
     for rows in minibatches:
-        loss, loss_stats = _rank_loss(model, batch, proximal, rows, config, world)
+        loss, loss_stats = _rank_loss(model, batch, proximal, rows, config)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         norms.append(
@@ -184,17 +189,17 @@ def _rank_loss(
     proximal: torch.Tensor,
     rows: torch.Tensor,
     config: StepConfig,
-    world: int,
 ) -> tuple[torch.Tensor, PolicyLossStats]:
     """This rank's share of one minibatch's loss: its token sum over the minibatch's global
     token count. No rows: one row with its mask cleared (zero loss and gradient)."""
-    tokens = torch.tensor(int(batch.loss_mask[rows].sum()))
+    device = batch.input_ids.device  # NCCL reduces device tensors only
+    tokens = torch.tensor(int(batch.loss_mask[rows].sum()), device=device)
     dist.all_reduce(tokens)
     loss_mask = batch.loss_mask[rows]
     if len(rows) == 0:
         rows = torch.zeros(1, dtype=torch.long)
         loss_mask = torch.zeros_like(batch.loss_mask[rows])
-    rows = rows.to(batch.input_ids.device)
+    rows = rows.to(device)
     new = sequence_logprobs(model, batch.input_ids[rows], batch.attention_mask[rows])
     return ppo_clip_loss(
         new,
