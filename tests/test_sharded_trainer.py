@@ -29,7 +29,7 @@ from libs.trainer.sharded import (
     shard_policy,
     sharded_train_step,
 )
-from libs.trainer.step import StepConfig, train_step
+from libs.trainer.step import StepConfig, StepStats, train_step
 from proto.messages import Rollout, ScoredRollout, Task, Turn
 
 TOKENIZER = ByteTokenizer()
@@ -93,6 +93,23 @@ def max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> fl
     return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
 
 
+def assert_same_step(sharded: StepStats, reference: StepStats) -> None:
+    """The statistics a 2-rank step reports are the 1-rank step's (global, not per rank)."""
+    assert abs(sharded.loss - reference.loss) < LOSS_TOLERANCE
+    assert math.isclose(
+        sharded.grad_norm, reference.grad_norm, rel_tol=GRAD_NORM_RELATIVE_TOLERANCE
+    )
+    counts = ("num_rows", "num_loss_tokens", "num_groups", "num_zero_variance_groups")
+    assert all(getattr(sharded, name) == getattr(reference, name) for name in counts)
+    assert sharded.policy.num_tokens == reference.policy.num_tokens
+    for name in ("clip_fraction", "is_weight_mean", "is_weight_max", "is_weight_min"):
+        assert math.isclose(
+            getattr(sharded.policy, name), getattr(reference.policy, name), abs_tol=1e-6
+        )
+    assert sharded.mismatch.num_tokens == reference.mismatch.num_tokens
+    assert math.isclose(sharded.mismatch.kl, reference.mismatch.kl, abs_tol=1e-6)
+
+
 def build_sharded(seed: int) -> tuple[PreTrainedModel, torch.optim.Optimizer]:
     model = shard_policy(build_policy(POLICY.model_copy(update={"seed": seed})))
     return model, torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)
@@ -154,17 +171,9 @@ def test_two_gloo_ranks_step_like_one_and_resume_a_sharded_checkpoint_exactly(
     spawn_ranks(tmp_path, resume=False)
     step1 = torch.load(tmp_path / "step1.pt", weights_only=False)
     step2 = torch.load(tmp_path / "step2.pt", weights_only=False)
-    assert abs(step1["stats"].loss - reference1.loss) < LOSS_TOLERANCE
-    assert math.isclose(
-        step1["stats"].grad_norm, reference1.grad_norm, rel_tol=GRAD_NORM_RELATIVE_TOLERANCE
-    )
-    assert step1["stats"].num_loss_tokens == reference1.num_loss_tokens
+    assert_same_step(step1["stats"], reference1)
     assert max_difference(step1["weights"], weights1) < WEIGHT_TOLERANCE
-    assert abs(step2["stats"].loss - reference2.loss) < LOSS_TOLERANCE
-    assert math.isclose(
-        step2["stats"].grad_norm, reference2.grad_norm, rel_tol=GRAD_NORM_RELATIVE_TOLERANCE
-    )
-    assert step2["stats"].policy.num_tokens == reference2.policy.num_tokens
+    assert_same_step(step2["stats"], reference2)
     assert max_difference(step2["weights"], weights2) < WEIGHT_TOLERANCE
     print(
         f"loss diff {abs(step1['stats'].loss - reference1.loss):.2e} "
@@ -176,6 +185,7 @@ def test_two_gloo_ranks_step_like_one_and_resume_a_sharded_checkpoint_exactly(
         f"step2 {max_difference(step2['weights'], weights2):.2e}"
     )
 
+    assert len(list((tmp_path / "checkpoint").glob("*.distcp"))) == WORLD  # a file per rank
     exported = weights(load_policy(tmp_path / "policy"))
     assert max_difference(exported, step1["weights"]) == 0.0
 

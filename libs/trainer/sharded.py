@@ -260,7 +260,8 @@ def load_sharded_checkpoint(
     model: PreTrainedModel, optimizer: torch.optim.Optimizer, folder: str | Path
 ) -> None:
     """Restore `save_sharded_checkpoint`'s weights and AdamW state into a sharded `model` and
-    its `optimizer` (collective; the world size may differ from the saving run's)."""
+    its `optimizer` (collective). DCP can reshard to another world size; only the same size
+    is tested (tests/test_sharded_trainer.py)."""
     model_state, optim_state = get_state_dict(model, optimizer)
     state: dict[str, Any] = {"model": model_state, "optim": optim_state}
     dcp.load(state, checkpoint_id=str(folder))
