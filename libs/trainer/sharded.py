@@ -27,12 +27,14 @@ the whole batch, from the gathered proximal logprobs).
 How the trainer service would run it (NOT wired yet): `torchrun --nproc-per-node N -m
 services.trainer` (or a Ray placement group of N actors) starts N processes; rank 0 alone
 reads the scored stream, forms the batch and acks, and `broadcast_samples` hands the same
-samples to every rank; every rank runs `sharded_train_step`; rank 0 gathers
-`full_state_dict` once per version for the weight stager and writes lineage/cursor state
-next to the sharded checkpoint. What is not there: the trainer loop (libs/trainer/loop.py)
-still runs one process and does not call this module; no torchrun or Ray launch; no
-reference-policy KL (`kl_coef > 0` is refused) and no mixed-precision autocast here (the
-compute runs in the parameters' dtype); the cursor/lineage are not in the sharded checkpoint.
+samples to every rank; every rank runs `sharded_train_step`; once per version every rank
+calls `full_state_dict` (a collective) and rank 0 hands the result to the weight stager and
+writes the lineage/cursor state next to the sharded checkpoint. What is not there: the
+trainer loop (libs/trainer/loop.py) still runs one process and does not call this module;
+no torchrun or Ray launch; no reference-policy KL (`kl_coef > 0` is refused); no FSDP2
+mixed-precision policy (a caller may wrap the step in `TrainingPrecision.compute()` as the
+loop does); the cursor/lineage are not in the sharded checkpoint. Only gloo on CPU has run
+(tests/test_sharded_trainer.py); the NCCL path is written but untested.
 """
 
 from __future__ import annotations
