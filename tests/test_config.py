@@ -41,7 +41,11 @@ def rlpipe_here(
     `env` as the only RLPIPE_* variables; (exit code, stdout, stderr)."""
     for name in [n for n in os.environ if n.startswith("RLPIPE_")]:
         monkeypatch.delenv(name)
-    monkeypatch.delenv("RLPIPE_SET", raising=False)  # --set writes it: undone after the test
+    # --set writes RLPIPE_SET into this process's environment. Set, then deleted, so that the
+    # undo removes it: a delenv of an absent name records nothing, and the leaked overrides
+    # (trainer.learning_rate=1e-4) reached every later test's services.
+    monkeypatch.setenv("RLPIPE_SET", "{}")
+    monkeypatch.delenv("RLPIPE_SET")
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     code = main(list(args))
