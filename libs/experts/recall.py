@@ -1,11 +1,8 @@
 """Scripted expert of the `recall` environment: read every digit, summarize, answer the code.
 
 It calls `next_digit` until a result says the last digit came (`digit 6 of 6: 4`), then
-answers with the digits in order. Every call turn starts with a running note of the digits
-read so far (`739` before the fourth call): each note is the previous one plus the digit just
-revealed, so what a small policy must learn is one regular, local copy per turn rather than
-gathering digits scattered over the context. When the harness asks for a summary it writes
-the note and how many digits there are (`Digits read: 739 (3 of 6).`): what the next segment
+answers with the digits in order. When the harness asks for a summary it writes the digits
+read so far and how many there are (`Digits read: 739 (3 of 6).`): what the next segment
 needs. With probability `error_rate` per digit it notes a wrong one, so that episode's answer
 is wrong while its calls and summaries keep the right shape.
 """
@@ -41,7 +38,7 @@ class RecallEpisodeExpert(EpisodeExpert):
     def turn(self) -> ExpertTurn:
         if len(self.digits) >= self.num_digits:
             return ExpertTurn(content=self.digits)
-        return ExpertTurn(content=self.digits, calls=(SftCall(TOOL_NAME, {}),))
+        return ExpertTurn(calls=(SftCall(TOOL_NAME, {}),))
 
     def summary(self) -> str:
         return f"Digits read: {self.digits} ({len(self.digits)} of {self.num_digits})."
