@@ -68,14 +68,11 @@ from libs.policy import (
 from libs.rl import (
     PolicyLossStats,
     TrainBatch,
-    build_batch,
-    group_advantages,
-    group_index,
     mismatch_stats,
     ppo_clip_loss,
     same_version_mask,
 )
-from libs.trainer.step import StepConfig, StepStats, merge_loss_stats
+from libs.trainer.step import StepConfig, StepStats, merge_loss_stats, prepare_batch
 from proto.messages import ScoredRollout
 
 
@@ -122,20 +119,7 @@ def sharded_train_step(
     `samples` and gets the same (global) statistics."""
     if config.kl_coef > 0:
         raise ValueError("kl_coef > 0 is not supported by the sharded trainer yet; set it to 0")
-    device = next(model.parameters()).device
-    rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
-    groups = group_advantages(
-        rewards,
-        group_index([s.rollout.group_id for s in samples]),
-        normalize_std=config.normalize_advantage_std,
-    )
-    batch = build_batch(
-        samples,
-        groups.advantages,
-        pad_id=pad_id,
-        max_length=config.max_sequence_tokens,
-        trainable=trainable,
-    ).to(device)
+    groups, batch = prepare_batch(model, samples, config, pad_id, trainable)
     loss, grad_norm, policy, proximal = _optimize_sharded(model, optimizer, batch, config)
     same_version = same_version_mask(batch.token_versions, trainer_version, batch.loss_mask)
     return StepStats(

@@ -22,6 +22,7 @@ from transformers import PreTrainedModel
 
 from libs.policy import sequence_logprobs
 from libs.rl import (
+    GroupAdvantages,
     MismatchStats,
     PolicyLossStats,
     TrainBatch,
@@ -88,20 +89,7 @@ def train_step(
     with `config.kl_coef` (libs.trainer.reference); `trainable` picks the assistant turns
     trained on by version (the others are context: past the staleness bound,
     libs.rl.turn_trainable), None: all."""
-    device = next(model.parameters()).device
-    rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
-    groups = group_advantages(
-        rewards,
-        group_index([s.rollout.group_id for s in samples]),
-        normalize_std=config.normalize_advantage_std,
-    )
-    batch = build_batch(
-        samples,
-        groups.advantages,
-        pad_id=pad_id,
-        max_length=config.max_sequence_tokens,
-        trainable=trainable,
-    ).to(device)
+    groups, batch = prepare_batch(model, samples, config, pad_id, trainable)
     update = optimize_on_batch(model, optimizer, batch, trainer_version, config, reference)
     return StepStats(
         loss=update.loss,
@@ -115,6 +103,31 @@ def train_step(
         mismatch=update.mismatch,
         reference_kl=update.reference_kl,
     )
+
+
+def prepare_batch(
+    model: PreTrainedModel,
+    samples: list[ScoredRollout],
+    config: StepConfig,
+    pad_id: int,
+    trainable: Callable[[int], bool] | None = None,
+) -> tuple[GroupAdvantages, TrainBatch]:
+    """The samples' group advantages and their padded batch on the model's device (shared by
+    the 1-rank step and the sharded one, libs.trainer.sharded)."""
+    rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
+    groups = group_advantages(
+        rewards,
+        group_index([s.rollout.group_id for s in samples]),
+        normalize_std=config.normalize_advantage_std,
+    )
+    batch = build_batch(
+        samples,
+        groups.advantages,
+        pad_id=pad_id,
+        max_length=config.max_sequence_tokens,
+        trainable=trainable,
+    ).to(next(model.parameters()).device)
+    return groups, batch
 
 
 @dataclass(frozen=True)
