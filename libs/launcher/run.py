@@ -42,7 +42,6 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from libs.launcher import warm_start
 from libs.launcher.episode_report import episode_report
 from libs.launcher.health import HealthMonitor
 from libs.launcher.nats_watch import NatsWatch
@@ -85,7 +84,7 @@ class LaunchOptions:
     backoff: Backoff = field(default_factory=Backoff)
     # Environment whose warm-start policy the trainer and workers load (built when missing).
     warm_start_env: str | None = None
-    warm_start_root: Path = field(default_factory=warm_start.default_cache_root)
+    warm_start_root: Path | None = None  # None: warm_start.default_cache_root()
     # Nodes of the local NATS: 1 (one nats-server) or a JetStream cluster of 3 or more.
     nats_cluster: int = 1
 
@@ -194,7 +193,7 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
         extra_env["trainer"] = {
             name: os.environ.get(name, value) for name, value in trainer.items()
         }
-    warm = bool(args.env) and warm_start.has_warm_start(args.env) and not args.no_warm_start
+    warm = bool(args.env) and not args.no_warm_start and _has_warm_start(args.env)
     return LaunchOptions(
         run_dir=args.run_dir,
         duration_s=args.duration_s,
@@ -202,7 +201,7 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
         services=services,
         extra_env=extra_env,
         warm_start_env=args.env if warm else None,
-        warm_start_root=args.warm_start_dir or warm_start.default_cache_root(),
+        warm_start_root=args.warm_start_dir,
         nats_cluster=args.nats_cluster,
     )
 
@@ -227,13 +226,24 @@ def dataset_env(args: argparse.Namespace) -> dict[str, dict[str, str]]:
     }
 
 
+def _has_warm_start(env: str) -> bool:
+    # Imported here: the warm start pulls in torch and transformers (seconds of CPU), which
+    # every `rlpipe <service>` would otherwise pay when its parser is built.
+    from libs.launcher import warm_start
+
+    return warm_start.has_warm_start(env)
+
+
 def with_warm_start(options: LaunchOptions) -> LaunchOptions:
     """`options` with the trainer and workers loading the warm-start policy (built first when
     missing) and the workers' harness set for the environment."""
     env = options.warm_start_env
     if env is None:
         return options
-    path = str(warm_start.ensure_warm_start(env, options.warm_start_root))
+    from libs.launcher import warm_start
+
+    root = options.warm_start_root or warm_start.default_cache_root()
+    path = str(warm_start.ensure_warm_start(env, root))
     services = {
         "trainer": {
             "RLPIPE_TRAINER_POLICY_PATH": path,
@@ -259,7 +269,8 @@ def run_local(options: LaunchOptions) -> int:
     """Run everything until Ctrl-C/SIGTERM or a bound; print the summary; return the exit code."""
     log = LauncherLog()
     if options.warm_start_env:
-        log.info("warm start", env=options.warm_start_env, cache=str(options.warm_start_root))
+        cache = options.warm_start_root or "the default cache"
+        log.info("warm start", env=options.warm_start_env, cache=str(cache))
     options = with_warm_start(options)
     return asyncio.run(LocalRun(options, log).run())
 

@@ -1,15 +1,5 @@
-"""The rollout-worker's logic: batching generation across tasks, running episodes, and
-following weight versions (see each module's docstring)."""
+"""The rollout-worker's logic: batching generation across tasks (batcher), running episodes
+(episode, agent), following weight versions (weights_follower), episode figures (figures).
 
-from libs.rollout.batcher import GenerationBatcher, ThroughputMeter
-from libs.rollout.episode import RunnerSettings, rollout_id
-from libs.rollout.weights_follower import WeightsFollower, WeightsMismatchError
-
-__all__ = [
-    "GenerationBatcher",
-    "RunnerSettings",
-    "ThroughputMeter",
-    "WeightsFollower",
-    "WeightsMismatchError",
-    "rollout_id",
-]
+Nothing is imported here: the light modules (figures) are read by every `rlpipe` command, the
+engine-bound ones pull in torch."""

@@ -13,13 +13,14 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
-from libs.policy import PolicyConfig
-from libs.sft.train import ProgressFn, SftConfig, SftStep, train_sft
-from libs.sft.transcript import TranscriptError
+# The training side (torch, transformers: seconds of CPU) is imported when `rlpipe sft` runs,
+# not when its flags are added to every `rlpipe` command's parser.
+if TYPE_CHECKING:
+    from libs.sft.train import ProgressFn, SftConfig, SftStep
 
 LOG_EVERY_STEPS = 10
 log = structlog.get_logger(__name__)
@@ -53,6 +54,9 @@ def add_sft_parser(commands: Any) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> SftConfig:
+    from libs.policy import PolicyConfig
+    from libs.sft.train import SftConfig
+
     policy = PolicyConfig(
         preset=args.policy_preset,
         path=args.policy_path,
@@ -75,6 +79,8 @@ def config_from_args(args: argparse.Namespace) -> SftConfig:
 
 def run(args: argparse.Namespace) -> int:
     """Train; print the result as one JSON line on stdout."""
+    from libs.sft.transcript import TranscriptError
+
     try:
         config = config_from_args(args)
         result = run_with_progress(config)
@@ -87,6 +93,8 @@ def run(args: argparse.Namespace) -> int:
 
 def run_with_progress(config: SftConfig, title: str = "sft") -> dict[str, Any]:
     """`train_sft` with a rich bar on a terminal, log lines otherwise."""
+    from libs.sft.train import train_sft
+
     if not sys.stderr.isatty():
         return train_sft(config, log_progress(config, title))
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
