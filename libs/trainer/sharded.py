@@ -10,9 +10,8 @@ weights, gradients and AdamW state; the batch rows are split across ranks.
     state = full_state_dict(model, torch.bfloat16)      # rank 0: the weights to stage
     export_policy_folder(model, policy, folder)         # rank 0: an HF folder (save_policy)
 
-The step is `libs.trainer.step.optimize_on_batch`'s recipe (proximal logprobs without grad,
-then PPO-clip per minibatch, global-norm clipping, AdamW) with the same loss function
-(`libs.rl.ppo_clip_loss`), made rank-aware in three places:
+The step is the 1-rank step itself (`libs.trainer.step.train_step` and `optimize_on_batch`,
+one code path) told by `RankShare` which rows are this rank's and how figures join:
 - rows: each minibatch of the 1-rank step (the same contiguous slices) is split across the
   ranks; a rank without rows in a minibatch runs one masked row (no loss tokens), since every
   rank must enter every forward and backward (FSDP2 gathers weights there).
@@ -24,17 +23,11 @@ then PPO-clip per minibatch, global-norm clipping, AdamW) with the same loss fun
 The loss and statistics reported are the global ones (a sum over ranks; the mismatch over
 the whole batch, from the gathered proximal logprobs).
 
-How the trainer service would run it (NOT wired yet): `torchrun --nproc-per-node N -m
-services.trainer` (or a Ray placement group of N actors) starts N processes; rank 0 alone
-reads the scored stream, forms the batch and acks, and `broadcast_samples` hands the same
-samples to every rank; every rank runs `sharded_train_step`; once per version every rank
-calls `full_state_dict` (a collective) and rank 0 hands the result to the weight stager and
-writes the lineage/cursor state next to the sharded checkpoint. What is not there: the
-trainer loop (libs/trainer/loop.py) still runs one process and does not call this module;
-no torchrun or Ray launch; no reference-policy KL (`kl_coef > 0` is refused); no FSDP2
-mixed-precision policy (a caller may wrap the step in `TrainingPrecision.compute()` as the
-loop does); the cursor/lineage are not in the sharded checkpoint. Only gloo on CPU has run
-(tests/test_sharded_trainer.py); the NCCL path is written but untested.
+The trainer service runs it as N processes (libs.trainer.ranks: rank 0 reads the stream and
+drives the others). Not there: reference-policy KL (`kl_coef > 0` is refused); FSDP2's
+mixed-precision policy (the step runs under `TrainingPrecision.compute()` as the 1-rank
+loop's does). Only gloo on CPU has run (tests/test_sharded_trainer.py); the NCCL path is
+written but untested.
 """
 
 from __future__ import annotations
@@ -54,25 +47,18 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
 
-from libs.policy import (
-    PolicyConfig,
-    build_policy,
-    resolve_device,
-    resolve_dtype,
-    save_policy,
-    sequence_logprobs,
+from libs.policy import PolicyConfig, build_policy, resolve_device, resolve_dtype, save_policy
+from libs.rl import PolicyLossStats
+from libs.trainer.step import (
+    RowShare,
+    StepConfig,
+    StepStats,
+    merge_loss_stats,
+    minibatch_slices,
+    train_step,
 )
-from libs.rl import (
-    PolicyLossStats,
-    TrainBatch,
-    mismatch_stats,
-    ppo_clip_loss,
-    same_version_mask,
-)
-from libs.trainer.step import StepConfig, StepStats, merge_loss_stats, prepare_batch
 from proto.messages import ScoredRollout
 
 
@@ -115,123 +101,58 @@ def sharded_train_step(
     pad_id: int,
     trainable: Callable[[int], bool] | None = None,
 ) -> StepStats:
-    """`libs.trainer.step.train_step` on a sharded `model`; every rank passes the same
-    `samples` and gets the same (global) statistics."""
+    """`libs.trainer.step.train_step` on a sharded `model`, this rank training its share of
+    each minibatch; every rank passes the same `samples` and gets the same (global) statistics."""
     if config.kl_coef > 0:
         raise ValueError("kl_coef > 0 is not supported by the sharded trainer yet; set it to 0")
-    groups, batch = prepare_batch(model, samples, config, pad_id, trainable)
-    loss, grad_norm, policy, proximal = _optimize_sharded(model, optimizer, batch, config)
-    same_version = same_version_mask(batch.token_versions, trainer_version, batch.loss_mask)
-    return StepStats(
-        loss=loss,
-        num_samples=len(samples),
-        num_rows=batch.num_rows,
-        num_loss_tokens=batch.num_loss_tokens,
-        num_groups=groups.num_groups,
-        num_zero_variance_groups=groups.num_zero_variance_groups,
-        grad_norm=grad_norm,
-        policy=policy,
-        mismatch=mismatch_stats(proximal, batch.behavior_logprobs, same_version),
+    return train_step(
+        model,
+        optimizer,
+        samples,
+        trainer_version,
+        config,
+        pad_id,
+        trainable=trainable,
+        share=RankShare(),
     )
 
 
 def rank_rows(num_rows: int, minibatches: int, rank: int, world: int) -> list[torch.Tensor]:
     """This rank's rows of each minibatch: the 1-rank step's slices
-    (`optimize_on_batch`), each split in `world` contiguous parts (some may be empty)."""
-    count = max(1, min(minibatches, num_rows))
-    return [rows.tensor_split(world)[rank] for rows in torch.arange(num_rows).tensor_split(count)]
+    (`libs.trainer.step.minibatch_slices`), each split in `world` contiguous parts (some
+    may be empty)."""
+    slices = minibatch_slices(num_rows, minibatches, torch.device("cpu"))
+    return [rows.tensor_split(world)[rank] for rows in slices]
 
 
-def _optimize_sharded(
-    model: PreTrainedModel, optimizer: torch.optim.Optimizer, batch: TrainBatch, config: StepConfig
-) -> tuple[float, float, PolicyLossStats, torch.Tensor]:
-    """Proximal logprobs, then one PPO-clip step per minibatch; (global loss mean, largest
-    global pre-clip norm, merged loss stats, proximal logprobs of the whole batch)."""
-    minibatches = rank_rows(
-        batch.num_rows, config.minibatches, dist.get_rank(), dist.get_world_size()
-    )
-    model.eval()  # no dropout: proximal and new logprobs must come from the same function
-    mine = torch.cat(minibatches).to(batch.input_ids.device)
-    proximal = _gather_rows(_logprobs_no_grad(model, batch, mine), mine, batch)
-    losses, stats, norms = [], [], []
-    for rows in minibatches:
-        loss, loss_stats = _rank_loss(model, batch, proximal, rows, config)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        norms.append(
-            _full(torch.nn.utils.clip_grad_norm_(model.parameters(), config.max_grad_norm))
-        )
-        optimizer.step()
-        total = loss.detach().clone()
-        dist.all_reduce(total)
-        losses.append(float(total))
-        stats.append(_merge_over_ranks(loss_stats))
-    return sum(losses) / len(losses), max(norms), merge_loss_stats(stats), proximal
+class RankShare(RowShare):
+    """The rows and figures of this rank of the process group (`optimize_on_batch`)."""
 
+    def minibatch_rows(
+        self, num_rows: int, minibatches: int, device: torch.device
+    ) -> list[torch.Tensor]:
+        rows = rank_rows(num_rows, minibatches, dist.get_rank(), dist.get_world_size())
+        return [part.to(device) for part in rows]
 
-def _rank_loss(
-    model: PreTrainedModel,
-    batch: TrainBatch,
-    proximal: torch.Tensor,
-    rows: torch.Tensor,
-    config: StepConfig,
-) -> tuple[torch.Tensor, PolicyLossStats]:
-    """This rank's share of one minibatch's loss: its token sum over the minibatch's global
-    token count. No rows: one row with its mask cleared (zero loss and gradient)."""
-    device = batch.input_ids.device  # NCCL reduces device tensors only
-    tokens = torch.tensor(int(batch.loss_mask[rows].sum()), device=device)
-    dist.all_reduce(tokens)
-    loss_mask = batch.loss_mask[rows]
-    if len(rows) == 0:
-        rows = torch.zeros(1, dtype=torch.long)
-        loss_mask = torch.zeros_like(batch.loss_mask[rows])
-    rows = rows.to(device)
-    new = sequence_logprobs(model, batch.input_ids[rows], batch.attention_mask[rows])
-    return ppo_clip_loss(
-        new,
-        proximal[rows],
-        batch.behavior_logprobs[rows],
-        batch.advantages[rows],
-        loss_mask,
-        clip_eps_low=config.clip_eps_low,
-        clip_eps_high=config.clip_eps_high,
-        is_cap=config.importance_weight_cap,
-        num_tokens_total=int(tokens),
-    )
+    def total(self, value: torch.Tensor) -> torch.Tensor:
+        summed = value.clone()  # on the batch's device: NCCL reduces device tensors only
+        dist.all_reduce(summed)
+        return summed
 
+    def gather_rows(self, local: torch.Tensor, rows: torch.Tensor, num_rows: int) -> torch.Tensor:
+        parts: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, (rows.cpu(), local.cpu()))
+        full = torch.zeros((num_rows, *local.shape[1:]), dtype=local.dtype)
+        for part_rows, part in parts:
+            full[part_rows] = part
+        return full.to(local.device)
 
-def _logprobs_no_grad(
-    model: PreTrainedModel, batch: TrainBatch, rows: torch.Tensor
-) -> torch.Tensor:
-    """Logprobs [len(rows), T-1] of `rows` (one masked-out row when empty: FSDP2 needs every
-    rank in every forward)."""
-    scored = rows if len(rows) > 0 else torch.zeros(1, dtype=torch.long, device=rows.device)
-    with torch.no_grad():
-        logprobs = sequence_logprobs(model, batch.input_ids[scored], batch.attention_mask[scored])
-    return logprobs[: len(rows)]
-
-
-def _gather_rows(local: torch.Tensor, rows: torch.Tensor, batch: TrainBatch) -> torch.Tensor:
-    """The whole batch's [B, T-1] tensor from each rank's `local` rows."""
-    parts: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, (rows.cpu(), local.cpu()))
-    full = torch.zeros(batch.loss_mask.shape, dtype=local.dtype)
-    for part_rows, part in parts:
-        full[part_rows] = part
-    return full.to(local.device)
-
-
-def _merge_over_ranks(stats: PolicyLossStats) -> PolicyLossStats:
-    """One minibatch's loss statistics over all ranks (ranks without loss tokens left out)."""
-    parts: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, stats)
-    counted = [s for s in parts if s.num_tokens > 0]
-    return merge_loss_stats(counted or parts[:1])
-
-
-def _full(value: torch.Tensor) -> float:
-    """A replicated or sharded scalar as a float (DTensor norms become full tensors)."""
-    return float(value.full_tensor() if isinstance(value, DTensor) else value)
+    def merge(self, stats: PolicyLossStats) -> PolicyLossStats:
+        """Ranks without loss tokens in the minibatch are left out."""
+        parts: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, stats)
+        counted = [s for s in parts if s.num_tokens > 0]
+        return merge_loss_stats(counted or parts[:1])
 
 
 def save_sharded_checkpoint(
