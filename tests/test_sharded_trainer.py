@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import math
 import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -15,9 +18,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from transformers import PreTrainedModel
 
-from libs.nats_server import free_port
+from libs.bus.connection import Bus
+from libs.bus.provision import provision
+from libs.nats_server import NatsServer, free_port
 from libs.policy import PolicyConfig, build_policy, load_policy
 from libs.tokenizer import ByteTokenizer
+from libs.trainer.checkpoint import is_sharded, latest_checkpoint
 from libs.trainer.sharded import (
     broadcast_samples,
     export_policy_folder,
@@ -30,7 +36,11 @@ from libs.trainer.sharded import (
     sharded_train_step,
 )
 from libs.trainer.step import StepConfig, StepStats, train_step
+from proto import streams
 from proto.messages import Rollout, ScoredRollout, Task, Turn
+from tests.conftest import wait_for
+from tests.test_trainer import publish_scored, read_samples, read_steps
+from tests.test_trainer import scored as scored_sample
 
 TOKENIZER = ByteTokenizer()
 POLICY = PolicyConfig(preset="tiny", device="cpu")
@@ -193,3 +203,69 @@ def test_two_gloo_ranks_step_like_one_and_resume_a_sharded_checkpoint_exactly(
     resumed = torch.load(tmp_path / "resumed.pt", weights_only=False)
     assert resumed["stats"].loss == step2["stats"].loss
     assert max_difference(resumed["weights"], step2["weights"]) == 0.0
+
+
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
+
+
+def trainer_ranks(num_ranks: int, env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+    """The trainer service as `num_ranks` gloo ranks, as the README tells a user to run it."""
+    with open(log, "ab") as out:
+        return subprocess.Popen(
+            [*TORCHRUN, str(num_ranks), "-m", "services.trainer"],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+
+async def test_two_rank_trainer_service_stops_and_resumes_training_every_sample_once(
+    bus: Bus, nats_server: NatsServer, tmp_path: Path
+) -> None:
+    await provision(bus.js)
+    num_groups, batch_groups = 16, 2
+    published = [
+        scored_sample(g, i, float((g + i) % 3 == 0)) for g in range(num_groups) for i in range(4)
+    ]
+    await publish_scored(bus, published)
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "RLPIPE_NATS_URL": nats_server.url,
+        "RLPIPE_RUN_DIR": str(tmp_path),
+        "RLPIPE_TRAINER_HTTP_PORT": str(free_port()),
+        "RLPIPE_TRAINER_POLICY_PRESET": "tiny",
+        "RLPIPE_TRAINER_BATCH_GROUPS": str(batch_groups),
+        "RLPIPE_TRAINER_CHECKPOINT_EVERY_STEPS": "100",  # the drain's checkpoint is resumed
+        "RLPIPE_TRAINER_MAX_STALENESS": "1000",
+        "RLPIPE_TRAINER_EVAL_EVERY_VERSIONS": "0",
+        "RLPIPE_LOG_FORMAT": "json",
+    }
+    log = tmp_path / "trainer.log"
+    first = trainer_ranks(2, env, log)
+    try:
+        await wait_for(lambda: len(read_steps(tmp_path)) >= 3, timeout_s=120, what="three steps")
+    finally:
+        first.send_signal(signal.SIGTERM)  # torchrun passes it to both ranks: rank 0 drains
+        first.wait(timeout=60)
+    stopped_at = len(read_steps(tmp_path))
+    checkpoint = latest_checkpoint(tmp_path / "trainer" / "checkpoints")
+    assert checkpoint is not None and checkpoint.state.step == stopped_at, log.read_text()[-3000:]
+    assert is_sharded(checkpoint.path)
+    assert len(list((checkpoint.path / "sharded").glob("*.distcp"))) == 2  # a shard per rank
+    assert load_policy(checkpoint.path) is not None  # the consolidated HF folder
+
+    max_steps = num_groups // batch_groups
+    second = trainer_ranks(2, env | {"RLPIPE_TRAINER_MAX_STEPS": str(max_steps)}, log)
+    assert second.wait(timeout=180) == 0, log.read_text()[-3000:]
+
+    records = read_samples(tmp_path)
+    assert [r["step"] for r in records] == list(range(1, max_steps + 1))
+    assert {r["segment"] for r in records if r["step"] > stopped_at} == {1}, "it resumed"
+    trained = [sid for r in records for sid in r["sample_ids"]]
+    assert len(trained) == len(set(trained)), "a sample was trained twice"
+    assert sorted(trained) == sorted(s.rollout.rollout_id for s in published), "a sample was lost"
+    info = await bus.js.stream_info(streams.WEIGHTS_STAGED.name)
+    assert info.state.messages >= max_steps  # rank 0 staged the versions it made
+    print(f"stopped at step {stopped_at}, resumed to {max_steps}; {len(trained)} samples once")

@@ -6,6 +6,11 @@ Layout: `<dir>/step-<N>/` with `config.json` + `model.safetensors` and the token
 temporary folder and renamed into place, so a crash mid-write leaves the previous one
 intact; `latest_checkpoint` only ever sees complete folders.
 
+A sharded trainer (libs.trainer.ranks, N ranks) writes the same folder with `sharded/` (each
+rank's shard of the weights and AdamW state, torch.distributed.checkpoint) in place of
+`optimizer.pt`; its `config.json` + `model.safetensors` are the consolidated weights, gathered
+once, so it is a model folder as well. Resuming needs the kind of trainer that wrote it.
+
 Every checkpoint is a model folder users can take away: `AutoModelForCausalLM` and
 `AutoTokenizer.from_pretrained(folder)` load it, chat template included (the byte tokenizer
 too, libs.tokenizer), and a worker serving it (`RLPIPE_ROLLOUT_WORKER_POLICY_PATH`, not
@@ -19,8 +24,9 @@ gate) and the best held-out score so far.
 from __future__ import annotations
 
 import shutil
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +41,8 @@ from libs.trainer.cursor import ConsumedCursor
 from libs.trainer.lineage import Lineage
 
 STATE_FILE = "state.json"
+OPTIMIZER_FILE = "optimizer.pt"
+SHARDED_DIR = "sharded"
 
 
 class TrainerState(msgspec.Struct, kw_only=True):
@@ -83,15 +91,38 @@ def save_checkpoint(
     keep: int,
     protected: Collection[int] = (),
 ) -> Path:
-    """Write a complete checkpoint for `state.step`; returns its folder, a model folder that
-    transformers loads with its tokenizer. Then prune all but the newest `keep` and those of
-    the `protected` versions."""
+    """Write a complete checkpoint of a 1-rank trainer for `state.step`; returns its folder,
+    a model folder that transformers loads with its tokenizer. Then prune all but the newest
+    `keep` and those of the `protected` versions."""
+    write_tensors = partial(write_model_and_optimizer, model, optimizer)
+    return write_checkpoint(directory, state, write_tensors, tokenizer, keep, protected)
+
+
+def write_model_and_optimizer(
+    model: PreTrainedModel, optimizer: torch.optim.Optimizer, folder: Path
+) -> None:
+    """A 1-rank trainer's tensors: the model folder's weights and `optimizer.pt`."""
+    save_policy(model, folder)
+    torch.save(optimizer.state_dict(), folder / OPTIMIZER_FILE)
+
+
+def write_checkpoint(
+    directory: Path,
+    state: TrainerState,
+    write_tensors: Callable[[Path], None],
+    tokenizer: Tokenizer,
+    keep: int,
+    protected: Collection[int] = (),
+) -> Path:
+    """`save_checkpoint` with the weights and optimizer state written by `write_tensors`
+    into the (temporary) folder it is given: the model folder, state and pruning are the
+    same for every kind of trainer."""
     final = directory / f"step-{state.step:08d}"
     partial = directory / f".step-{state.step:08d}.partial"
     shutil.rmtree(partial, ignore_errors=True)
-    save_policy(model, partial)
+    partial.mkdir(parents=True)
+    write_tensors(partial)
     save_tokenizer(tokenizer, partial)
-    torch.save(optimizer.state_dict(), partial / "optimizer.pt")
     (partial / STATE_FILE).write_bytes(msgspec.json.encode(state))
     shutil.rmtree(final, ignore_errors=True)
     partial.rename(final)
@@ -112,10 +143,22 @@ def latest_checkpoint(directory: Path) -> Checkpoint | None:
 
 def load_optimizer_state(checkpoint_dir: Path, device: torch.device) -> dict[str, Any]:
     """The optimizer state saved in `checkpoint_dir`, with its tensors on `device`."""
+    if not (checkpoint_dir / OPTIMIZER_FILE).exists() and is_sharded(checkpoint_dir):
+        raise ValueError(
+            f"{checkpoint_dir} was written by a sharded trainer (its AdamW state is in "
+            f"{SHARDED_DIR}/): resume it with the sharded trainer (torchrun --nproc-per-node N "
+            "-m services.trainer), or start a 1-rank run from its weights with "
+            f"RLPIPE_TRAINER_POLICY_PATH={checkpoint_dir} in a new run folder"
+        )
     state: dict[str, Any] = torch.load(
-        checkpoint_dir / "optimizer.pt", map_location=device, weights_only=True
+        checkpoint_dir / OPTIMIZER_FILE, map_location=device, weights_only=True
     )
     return state
+
+
+def is_sharded(checkpoint_dir: Path) -> bool:
+    """True for a checkpoint written by a sharded trainer."""
+    return (checkpoint_dir / SHARDED_DIR).is_dir()
 
 
 def checkpoint_version(folder: str | Path | None) -> int | None:

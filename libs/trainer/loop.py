@@ -43,6 +43,7 @@ import nats.errors
 import structlog
 import torch
 from nats.js.errors import KeyNotFoundError
+from transformers import PreTrainedModel
 
 from libs.bus.connection import Bus, ride_through
 from libs.bus.publisher import Publisher
@@ -63,7 +64,8 @@ from libs.trainer.checkpoint import (
     TrainerState,
     latest_checkpoint,
     load_optimizer_state,
-    save_checkpoint,
+    write_checkpoint,
+    write_model_and_optimizer,
 )
 from libs.trainer.config import TrainerConfig
 from libs.trainer.eval_gate import EvalGate
@@ -169,7 +171,7 @@ class Trainer:
         self.state = TrainerState(step=0, version=0)
         self.tokenizer = load_policy_tokenizer(self.policy)
         self.precision = TrainingPrecision.for_policy(config.master_weights, self.policy)
-        self.model = self.precision.build_model(self.policy)
+        self.model = self._build_model()
         check_vocabulary(self.model, self.tokenizer, self.policy)
         num_parameters = sum(p.numel() for p in self.model.parameters())
         self.config = config = config.sized_for(num_parameters)
@@ -187,6 +189,10 @@ class Trainer:
         self._gate = EvalGate(config.eval, self.policy, self.tokenizer, EnvClient(bus.nc))
         self.status = "starting"
         self.detail = ""
+
+    def _build_model(self) -> PreTrainedModel:
+        """The policy trained, in the master dtype (the sharded trainer shards it)."""
+        return self.precision.build_model(self.policy)
 
     async def setup(self) -> None:
         """Resume from the latest checkpoint if any, then publish the weights we hold."""
@@ -563,8 +569,9 @@ class Trainer:
 
     async def _decide(self) -> None:
         """Run the eval gate on the weights held; its decision joins the step records."""
+        model = await self._model_for_eval()
         decision = await self._gate.decide_on(
-            self.model, self.state.version, self._publisher, self._bus.js
+            model, self.state.version, self._publisher, self._bus.js
         )
         if decision is not None:
             self._steps.write_decision(decision, self.state.step)
@@ -577,8 +584,16 @@ class Trainer:
         The KV write comes first so a crash in between can only skip a number, never reuse it.
         """
         await self._record_progress()
-        state = await asyncio.to_thread(self.precision.published_copy, self.model)
+        state = await self._published_state()
         await self._stager.offer(state, self.state.version, step=self.state.step)
+
+    async def _published_state(self) -> dict[str, torch.Tensor]:
+        """A copy of the weights as workers run them, owned by the caller."""
+        return await asyncio.to_thread(self.precision.published_copy, self.model)
+
+    async def _model_for_eval(self) -> PreTrainedModel:
+        """The weights held, as a model the eval gate can generate with."""
+        return self.model
 
     async def _record_progress(self) -> None:
         """Publish the version and the groups taken to the KV bucket (the feeder reads them);
@@ -601,16 +616,19 @@ class Trainer:
 
     def _checkpoint(self) -> None:
         self.state.recent_groups = self._buffer.recently_taken
-        path = save_checkpoint(
+        path = write_checkpoint(
             self.paths.checkpoint_dir,
             self.state,
-            self.model,
-            self.optimizer,
+            self._write_tensors,
             self.tokenizer,
             keep=self.config.checkpoint_keep,
             protected=self._protected_versions(),
         )
         log.info("checkpoint saved", path=str(path))
+
+    def _write_tensors(self, folder: Path) -> None:
+        """The checkpoint's weights and optimizer state, into `folder`."""
+        write_model_and_optimizer(self.model, self.optimizer, folder)
 
     def _keeps_version(self) -> bool:
         """True when the eval gate just promoted the version held, or scored it the best yet:
