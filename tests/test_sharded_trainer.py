@@ -25,7 +25,6 @@ from libs.policy import PolicyConfig, build_policy, load_policy
 from libs.tokenizer import ByteTokenizer
 from libs.trainer.checkpoint import is_sharded, latest_checkpoint
 from libs.trainer.sharded import (
-    broadcast_samples,
     export_policy_folder,
     full_state_dict,
     load_sharded_checkpoint,
@@ -139,8 +138,7 @@ def run_rank(rank: int, port: int, out: Path, resume: bool) -> None:
             load_sharded_checkpoint(model, optimizer, out / "checkpoint")
         else:
             model, optimizer = build_sharded(seed=0)
-            samples = broadcast_samples(batch(1) if rank == 0 else None)
-            stats = sharded_train_step(model, optimizer, samples, 0, CONFIG1, TOKENIZER.pad_id)
+            stats = sharded_train_step(model, optimizer, batch(1), 0, CONFIG1, TOKENIZER.pad_id)
             step1 = full_state_dict(model, torch.float32)
             save_sharded_checkpoint(model, optimizer, out / "checkpoint")
             export_policy_folder(model, POLICY, out / "policy")
@@ -269,3 +267,51 @@ async def test_two_rank_trainer_service_stops_and_resumes_training_every_sample_
     info = await bus.js.stream_info(streams.WEIGHTS_STAGED.name)
     assert info.state.messages >= max_steps  # rank 0 staged the versions it made
     print(f"stopped at step {stopped_at}, resumed to {max_steps}; {len(trained)} samples once")
+
+
+def rank_pid(torchrun: int, rank: int) -> int | None:
+    """The pid of `rank` among the processes torchrun (pid `torchrun`) started, if running."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            environ = (stat.parent / "environ").read_bytes().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue
+        if parent == torchrun and f"RANK={rank}".encode() in environ:
+            return int(stat.parent.name)
+    return None
+
+
+async def test_a_dead_rank_ends_the_trainer_job_with_an_error_not_a_hang(
+    bus: Bus, nats_server: NatsServer, tmp_path: Path
+) -> None:
+    await provision(bus.js)
+    await publish_scored(
+        bus, [scored_sample(g, i, float(i % 2)) for g in range(40) for i in range(4)]
+    )
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "RLPIPE_NATS_URL": nats_server.url,
+        "RLPIPE_RUN_DIR": str(tmp_path),
+        "RLPIPE_TRAINER_HTTP_PORT": str(free_port()),
+        "RLPIPE_TRAINER_BATCH_GROUPS": "2",
+        "RLPIPE_TRAINER_MAX_STALENESS": "1000",
+        "RLPIPE_TRAINER_EVAL_EVERY_VERSIONS": "0",
+        "RLPIPE_LOG_FORMAT": "json",
+    }
+    log = tmp_path / "trainer.log"
+    job = trainer_ranks(2, env, log)
+    try:
+        await wait_for(lambda: len(read_steps(tmp_path)) >= 2, timeout_s=120, what="two steps")
+        follower = rank_pid(job.pid, 1)
+        assert follower is not None
+        os.kill(follower, signal.SIGKILL)
+        code = job.wait(timeout=60)  # torchrun stops rank 0; its drain cannot checkpoint alone
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.wait()
+    assert code != 0
+    text = log.read_text()
+    assert "with the other 1 trainer rank(s)" in text and "another rank died" in text, text[-3000:]

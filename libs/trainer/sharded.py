@@ -85,13 +85,6 @@ def shard_policy(model: PreTrainedModel) -> PreTrainedModel:
     return model
 
 
-def broadcast_samples(samples: list[ScoredRollout] | None) -> list[ScoredRollout]:
-    """Rank 0's samples on every rank (rank 0 reads the stream; the others pass None)."""
-    box: list[Any] = [samples if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(box, src=0)
-    return list(box[0])
-
-
 def sharded_train_step(
     model: PreTrainedModel,
     optimizer: torch.optim.Optimizer,
