@@ -207,6 +207,9 @@ STATE = KeyValueSpec(
 POLICY_VERSION_KEY = "policy_version"
 # Groups the trainer has taken from the scored stream, trained or dropped as stale.
 GROUPS_TAKEN_KEY = "trainer_groups_taken"
+# The trainer's staleness bound (updates a sample's weights may lag the trainer's): the feeder
+# tags async tasks so no worker generates them with weights already past it.
+MAX_STALENESS_KEY = "trainer_max_staleness"
 # The version the trainer's eval gate last promoted to serving (serving replicas follow it).
 PROMOTED_VERSION_KEY = "promoted_policy_version"
 # The trainer's PolicyIdentity (msgpack): what workers check their own policy against.

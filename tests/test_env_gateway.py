@@ -174,6 +174,19 @@ async def stored_tasks(bus: Bus) -> list[Task]:
     return tasks
 
 
+async def drain_tasks(bus: Bus, count: int) -> list[Task]:
+    """Take `count` tasks as a worker would and ack them: the feeder tops the queue up."""
+    sub = await bus.js.pull_subscribe_bind(
+        durable=streams.ROLLOUT_WORKER_TASKS.durable, stream=streams.TASKS.name
+    )
+    taken = []
+    for msg in await sub.fetch(count, timeout=2):
+        taken.append(wire.decode(Task, msg.data, dict(msg.headers or {})))
+        await msg.ack()
+    await sub.unsubscribe()
+    return taken
+
+
 async def test_async_feeder_keeps_the_queue_at_depth(bus: Bus, start_gateway: Callable) -> None:
     gateway: EnvGatewayService = await start_gateway(feeder_mode="async", queue_depth_tasks=5)
     assert gateway.feeder is not None
@@ -249,3 +262,25 @@ async def test_async_feeder_stays_a_bounded_number_of_batches_ahead_of_the_train
     await kv.put("trainer_groups_taken", b"2")  # one batch taken (trained or dropped)
     await wait_for(lambda: gateway.feeder is not None and gateway.feeder.num_published == 6)
     assert await gateway.feeder.feed_once() == 0
+
+
+async def test_async_feeder_tags_tasks_with_the_oldest_version_the_trainer_can_still_use(
+    bus: Bus, start_gateway: Callable
+) -> None:
+    # Before the trainer wrote its bound, tasks ask for no version.
+    gateway: EnvGatewayService = await start_gateway(
+        feeder_mode="async", queue_depth_tasks=2, max_ahead_versions=None
+    )
+    kv = await bus.js.key_value(streams.STATE.bucket)
+    await wait_for(lambda: gateway.feeder is not None and gateway.feeder.num_published == 2)
+    # Trainer at version 11, bound 8: samples of weights older than 3 could only be dropped.
+    await kv.put(streams.POLICY_VERSION_KEY, b"11")
+    await kv.put(streams.MAX_STALENESS_KEY, b"8")
+    tasks = await drain_tasks(bus, 2)
+    await wait_for(lambda: gateway.feeder is not None and gateway.feeder.num_published == 4)
+    # The bound 0 of the synchronous baseline: only the trainer's own version.
+    await kv.put(streams.MAX_STALENESS_KEY, b"0")
+    tasks += await drain_tasks(bus, 2)
+    await wait_for(lambda: gateway.feeder is not None and gateway.feeder.num_published == 6)
+    tasks += await drain_tasks(bus, 2)
+    assert [t.min_policy_version for t in tasks] == [0, 0, 3, 3, 11, 11]

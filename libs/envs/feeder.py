@@ -8,7 +8,13 @@ Two modes:
   since the trainer's count began (KV key `trainer_groups_taken`). That bounds staleness
   where it is made: a worker far ahead of the trainer would only produce samples the trainer
   drops (AReaL's rollout controller works the same way). Dropped groups count as taken, so
-  drops free room instead of stalling the loop;
+  drops free room instead of stalling the loop. Each task is tagged
+  `min_policy_version = trainer's version - its staleness bound` (KV keys `policy_version`
+  and `trainer_max_staleness`, 0 before the trainer wrote them): samples of older weights
+  could only be dropped as stale, so a worker holding such weights waits for newer ones
+  (rollout-worker `min_version_wait_s`) instead of generating them. Versions count updates
+  unless the trainer resumed from a checkpoint (its number then jumps past the versions the
+  crash lost), so after a resume the tag may ask for newer weights than needed, never older;
 - `sync`: the synchronous baseline: each time the trainer's policy version (KV bucket
   proto.streams.STATE, key `policy_version`, an ASCII decimal integer) advances to v, publish
   exactly `batch_groups` tasks tagged `min_policy_version=v`.
@@ -64,10 +70,16 @@ async def read_policy_version(kv: KeyValue) -> int:
 
 async def read_counter(kv: KeyValue, key: str) -> int:
     """A counter the trainer keeps in the state bucket; 0 before it has written one."""
+    value = await read_optional_counter(kv, key)
+    return 0 if value is None else value
+
+
+async def read_optional_counter(kv: KeyValue, key: str) -> int | None:
+    """A counter the trainer keeps in the state bucket; None before it has written one."""
     try:
         entry = await kv.get(key)
     except (KeyNotFoundError, KeyDeletedError):
-        return 0
+        return None
     try:
         return int((entry.value or b"0").decode())
     except ValueError:
@@ -157,7 +169,15 @@ class TaskFeeder:
         missing = min(self.queue_depth_tasks - await self.queue_depth(), await self._room_ahead())
         if missing <= 0:
             return 0
-        return await self._publish(missing, min_policy_version=0)
+        return await self._publish(missing, min_policy_version=await self._oldest_useful())
+
+    async def _oldest_useful(self) -> int:
+        """The oldest policy version whose samples the trainer can still train on now."""
+        assert self._kv is not None, "call start() first"
+        bound = await read_optional_counter(self._kv, streams.MAX_STALENESS_KEY)
+        if bound is None:
+            return 0
+        return max(0, await read_policy_version(self._kv) - bound)
 
     async def _room_ahead(self) -> int:
         """Tasks that may still be published before the trainer's next version."""

@@ -596,13 +596,14 @@ class Trainer:
         return self.model
 
     async def _record_progress(self) -> None:
-        """Publish the version and the groups taken to the KV bucket (the feeder reads them);
-        rides through a NATS restart."""
+        """Publish the version, the groups taken and the staleness bound to the KV bucket (the
+        feeder reads them); rides through a NATS restart."""
 
         async def write() -> None:
             kv = await self._bus.js.key_value(streams.STATE.bucket)
             await kv.put(streams.POLICY_VERSION_KEY, str(self.state.version).encode())
             await kv.put(streams.GROUPS_TAKEN_KEY, str(self.state.groups_taken).encode())
+            await kv.put(streams.MAX_STALENESS_KEY, str(self._max_staleness).encode())
 
         await ride_through(write, "trainer progress")
 
