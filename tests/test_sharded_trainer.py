@@ -6,6 +6,7 @@ as torchrun would set it up); the reference is the project's own 1-rank step."""
 
 from __future__ import annotations
 
+import argparse
 import math
 import os
 import signal
@@ -13,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -20,10 +22,13 @@ from transformers import PreTrainedModel
 
 from libs.bus.connection import Bus
 from libs.bus.provision import provision
+from libs.launcher.run import add_demo_arguments, options_from_args
 from libs.nats_server import NatsServer, free_port
 from libs.policy import PolicyConfig, build_policy, load_policy
+from libs.ray_deploy.plan import build_plan
 from libs.tokenizer import ByteTokenizer
 from libs.trainer.checkpoint import is_sharded, latest_checkpoint
+from libs.trainer.launch import trainer_command
 from libs.trainer.sharded import (
     export_policy_folder,
     full_state_dict,
@@ -315,3 +320,20 @@ async def test_a_dead_rank_ends_the_trainer_job_with_an_error_not_a_hang(
     assert code != 0
     text = log.read_text()
     assert "with the other 1 trainer rank(s)" in text and "another rank died" in text, text[-3000:]
+
+
+def test_the_demo_and_the_ray_deployment_start_the_trainer_ranks_with_torchrun() -> None:
+    parser = argparse.ArgumentParser()
+    add_demo_arguments(parser)
+    options = options_from_args(parser.parse_args(["--trainer-ranks", "2"]))
+    torchrun = trainer_command(2)
+    assert options.commands["trainer"] == torchrun
+    assert torchrun[1:] == [*TORCHRUN[1:], "2", "-m", "services.trainer"]
+    assert "trainer" not in options_from_args(parser.parse_args([])).commands
+
+    plan = build_plan("nats://a:4222", "/runs/x", gpus={"trainer": 1}, trainer_ranks=2)
+    trainer = plan.service("trainer")
+    assert (trainer.num_gpus, trainer.num_cpus, trainer.command) == (2, 2, torchrun)
+    assert plan.service("reward").command == [sys.executable, "-m", "services.reward"]
+    with pytest.raises(ValueError, match="trainer ranks must be >= 1"):
+        build_plan("nats://a:4222", "/runs/x", trainer_ranks=0)

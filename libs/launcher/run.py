@@ -5,6 +5,7 @@
     python -m services.cli demo --env calc          # tool use: warm start (SFT), then RL
     python -m services.cli demo --dataset rows.jsonl   # your prompts and answers as tasks
     python -m services.cli demo --nats-cluster 3    # the bus as a 3-node JetStream cluster
+    python -m services.cli demo --trainer-ranks 2   # the trainer sharded over 2 processes
 
 Everything lives in the run folder (`runs/<UTC timestamp>/` unless `--run-dir`):
 `nats/` (JetStream store; `nats/n1`, `nats/n2`, ... for a cluster, every stream and bucket
@@ -49,6 +50,7 @@ from libs.launcher.status_view import Bound, LauncherLog, StatusView
 from libs.launcher.summary import build_summary, print_summary
 from libs.launcher.supervisor import Backoff, ChildSpec, Supervisor
 from libs.nats_server import NatsCluster, NatsServer, free_port
+from libs.trainer.launch import trainer_command
 
 ALL_SERVICES = (
     "trainer",
@@ -168,6 +170,14 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
         help="run the bus as a local JetStream cluster of N >= 3 nodes, every stream and KV "
         "bucket on 3 of them (default: 1, one nats-server)",
     )
+    parser.add_argument(
+        "--trainer-ranks",
+        type=int,
+        default=1,
+        metavar="N",
+        help="run the trainer sharded over N processes with torchrun (FSDP2; gloo on CPU, "
+        "NCCL on GPU; libs/trainer/ranks.py) (default: 1)",
+    )
 
 
 def options_from_args(args: argparse.Namespace) -> LaunchOptions:
@@ -194,6 +204,9 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
             name: os.environ.get(name, value) for name, value in trainer.items()
         }
     warm = bool(args.env) and not args.no_warm_start and _has_warm_start(args.env)
+    commands = {}
+    if args.trainer_ranks != 1:
+        commands["trainer"] = trainer_command(args.trainer_ranks)
     return LaunchOptions(
         run_dir=args.run_dir,
         duration_s=args.duration_s,
@@ -203,6 +216,7 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
         warm_start_env=args.env if warm else None,
         warm_start_root=args.warm_start_dir,
         nats_cluster=args.nats_cluster,
+        commands=commands,
     )
 
 

@@ -51,6 +51,14 @@ def add_ray_parser(commands: Any) -> None:
     up.add_argument("--tasks-per-worker", type=int, default=64, help="backlog per worker")
     up.add_argument("--poll-s", type=float, default=2.0, help="seconds between backlog polls")
     up.add_argument("--gpus", action="append", metavar="SERVICE=N", help="GPUs per service")
+    up.add_argument(
+        "--trainer-ranks",
+        type=int,
+        default=1,
+        metavar="N",
+        help="the trainer sharded over N processes on one node (torchrun in its actor; its "
+        "--gpus and --cpus are per rank)",
+    )
     up.add_argument("--cpus", action="append", metavar="SERVICE=N", help="CPUs per service")
     up.add_argument("--env", action="append", metavar="NAME=VALUE", help="for every service")
     up.add_argument("--duration-s", type=float, default=None, help="local: stop after this")
@@ -129,6 +137,7 @@ def on_up(args: argparse.Namespace) -> int:
         gpus={k: float(v) for k, v in parse_assignments(args.gpus, "--gpus").items()},
         env=parse_assignments(args.env, "--env"),
         nats_replicas=args.nats_replicas or 1,
+        trainer_ranks=args.trainer_ranks,
         scale=ScalePolicy(
             min_workers=args.min_workers,
             max_workers=args.max_workers,

@@ -5,6 +5,8 @@
 
 Each service is one process (`python -m services.<name>`) in a Ray actor that asks for the
 service's resources: GPUs for the trainer and the rollout-workers when given, CPUs for all.
+A trainer of N ranks is torchrun in its actor, N processes on that actor's node (the actor
+asks for N times the per-rank CPUs and GPUs; libs/trainer/ranks.py).
 The trainer and the weight-broadcaster share a node (a STRICT_PACK placement group): the
 broadcaster reads the versions the trainer stages in its run folder. The rollout-workers
 grow with the task backlog (the JetStream consumer's pending count) and shrink one at a time
@@ -15,8 +17,11 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+
+from libs.trainer.launch import trainer_command
 
 SERVICES = (
     "trainer",
@@ -42,10 +47,19 @@ class ServicePlan:
     num_cpus: float
     num_gpus: float = 0.0
     env: Mapping[str, str] = field(default_factory=dict)
+    # Processes of the service (the trainer only: its ranks under torchrun, on one node).
+    ranks: int = 1
 
     @property
     def module(self) -> str:
         return f"services.{self.name.replace('-', '_')}"
+
+    @property
+    def command(self) -> list[str]:
+        """argv of the service's process, in the interpreter running this."""
+        if self.name == "trainer":
+            return trainer_command(self.ranks)
+        return [sys.executable, "-m", self.module]
 
     @property
     def env_prefix(self) -> str:
@@ -119,9 +133,13 @@ def build_plan(
     env: Mapping[str, str] | None = None,
     nats_replicas: int = 1,
     scale: ScalePolicy | None = None,
+    trainer_ranks: int = 1,
 ) -> DeploymentPlan:
     """The plan for `services`; `env` (and every RLPIPE_* variable of this process, which it
-    overrides) reaches every service."""
+    overrides) reaches every service. The trainer's `cpus` and `gpus` are per rank: its
+    actor asks for `trainer_ranks` times them on one node and runs torchrun there."""
+    if trainer_ranks < 1:
+        raise ValueError(f"trainer ranks must be >= 1 (got {trainer_ranks})")
     cpus, gpus = dict(cpus or {}), dict(gpus or {})
     unknown = sorted((set(services) | set(cpus) | set(gpus)) - set(SERVICES))
     if unknown:
@@ -138,14 +156,20 @@ def build_plan(
     plans = tuple(
         ServicePlan(
             name=name,
-            num_cpus=cpus.get(name, DEFAULT_CPUS.get(name, LIGHT_CPUS)),
-            num_gpus=gpus.get(name, 0.0),
+            num_cpus=cpus.get(name, DEFAULT_CPUS.get(name, LIGHT_CPUS))
+            * _ranks(name, trainer_ranks),
+            num_gpus=gpus.get(name, 0.0) * _ranks(name, trainer_ranks),
             env=shared,
+            ranks=_ranks(name, trainer_ranks),
         )
         for name in SERVICES
         if name in services
     )
     return DeploymentPlan(nats_url, run_dir, plans, scale or ScalePolicy())
+
+
+def _ranks(name: str, trainer_ranks: int) -> int:
+    return trainer_ranks if name == "trainer" else 1
 
 
 def parse_assignments(items: list[str] | None, what: str) -> dict[str, str]:

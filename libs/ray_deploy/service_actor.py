@@ -5,7 +5,8 @@
     ray.get(actor.status.remote())            # pid, node, /healthz answer
     ray.get(actor.stop.remote(30.0))          # SIGTERM: the service drains, then exits
 
-The service runs as `python -m services.<name>` with its plan's variables and a free health
+The service runs as `python -m services.<name>` (the trainer of N ranks: torchrun, which
+starts them on this node) with its plan's variables and a free health
 port on that node. When it exits non-zero (a crash) the actor exits with it, so Ray restarts
 the actor (its `max_restarts`) and a new process starts; when the actor's process dies, the
 kernel kills the service too (PR_SET_PDEATHSIG), so none is left behind. An exit 0 (the
@@ -22,7 +23,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 import urllib.error
@@ -62,7 +62,7 @@ class ServiceProcess:
         with open(self.log_path, "ab") as log:
             log.write(f"\n=== {actor_name}: start at {time.ctime()}\n".encode())
             self.process = subprocess.Popen(
-                [sys.executable, "-m", plan.module],
+                plan.command,
                 env=self._environment(),
                 stdout=log,
                 stderr=subprocess.STDOUT,

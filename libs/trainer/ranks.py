@@ -37,6 +37,7 @@ trainer's isolation): the job ends and resumes from its last checkpoint.
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import os
 import signal
 from dataclasses import dataclass
@@ -73,6 +74,7 @@ from proto.messages import ScoredRollout
 
 log = structlog.get_logger(__name__)
 
+PR_SET_PDEATHSIG = 1
 # How long the other ranks wait for rank 0's next command: without limit, in effect.
 COMMAND_WAIT = timedelta(days=365)
 
@@ -85,6 +87,16 @@ def world_size() -> int:
 def this_rank() -> int:
     """This process's rank (torchrun's RANK; 0 when started alone)."""
     return int(os.environ.get("RANK", "0"))
+
+
+def die_with_launcher() -> None:
+    """Linux: SIGKILL this rank when the torchrun agent that started it dies, however it dies
+    (a Ray actor's or the demo launcher's SIGKILL reaches the agent only), so no rank of a
+    dead job is left waiting for the others."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() == 1:  # the agent died before prctl
+        os._exit(1)
 
 
 def refuse_unsupported(config: TrainerConfig) -> None:

@@ -10,13 +10,15 @@ rank 0 is the service (bus, health, metrics) and the other ranks follow it
 
 from libs.service import run_service
 from libs.settings import settings_or_exit
-from libs.trainer.ranks import follow, this_rank
+from libs.trainer.ranks import die_with_launcher, follow, this_rank, world_size
 from services.trainer.service import TrainerService
 from services.trainer.settings import TrainerSettings
 
 
 def main() -> None:
     settings = settings_or_exit(TrainerSettings)
+    if world_size() > 1:
+        die_with_launcher()
     if this_rank() > 0:
         follow(settings.policy, settings.log_level, settings.log_format)
         return
