@@ -3,7 +3,8 @@
 # of about 0.5B parameters (preset byte-0.5b: Qwen2.5-0.5B layers over the byte vocabulary,
 # 492M parameters, bf16), everything else as in `make demo`.
 #
-#   [MODE=sync|async] [ENGINE=hf|paged] [MAX_STALENESS=N] [PUBLISH_EVERY=N] \
+#   [MODE=sync|async] [ENGINE=hf|paged] [MAX_STALENESS=N] [PUBLISH_EVERY=N] [EVAL_EVERY=N] \
+#   [DIFF_DEVICE=cuda|] [LEARNING_RATE=X] [MAX_BATCH_TASKS=N] [QUEUE_DEPTH=N] [MAX_AHEAD=N] \
 #       bash bench/gpu_loop.sh [SECONDS] [OUT_DIR]
 #
 # Trainer settings are the trainer's defaults unless given: for byte-0.5b that is fp32 master
@@ -36,6 +37,15 @@ export RLPIPE_TRAINER_POLICY_DEVICE=$device RLPIPE_ROLLOUT_WORKER_POLICY_DEVICE=
 # A 0.5B checkpoint (fp32 weights + AdamW state, ~6 GB) takes seconds the trainer waits for:
 # the default every 4 steps made 11 of them in a 150 s run on an H200. One at the end.
 export RLPIPE_TRAINER_CHECKPOINT_EVERY_STEPS=${CHECKPOINT_EVERY:-100000}
+# The eval gate checkpoints every version it promotes (or scores best), and the trainer waits
+# for that write: 5-7 s each, one every 10 versions by default, 63 of 152 s of a run on an
+# H200 (2026-11-26, bench/results/h200/gpu_loop_ahead4: gaps after steps 31, 41, ...). Off
+# here unless EVAL_EVERY is given, like the periodic checkpoints above.
+export RLPIPE_TRAINER_EVAL_EVERY_VERSIONS=${EVAL_EVERY:-0}
+# Deltas found on the card the trainer stages from (libs/weights/broadcaster.py DeviceBase);
+# DIFF_DEVICE= (empty) for the host scan.
+diff_device=${DIFF_DEVICE-$device}
+[ -n "$diff_device" ] && export RLPIPE_WEIGHT_BROADCASTER_DIFF_DEVICE=$diff_device
 # ENGINE=paged for the continuous-batching engine. On this task (2-token arith episodes, one
 # request per sample) hf still trains more steps on an NVIDIA H200: 40 against 26 in 100 s,
 # run back to back (2026-11-26, bench/results/h200/gpu_loop_100s_*), though paged now serves

@@ -76,8 +76,9 @@ def assert_bit_exact(got: dict[str, Any], want: dict[str, torch.Tensor]) -> None
 class Harness:
     """A trainer (stage_weights), a running broadcaster service, and what was staged."""
 
-    def __init__(self, bus: Bus, staging_dir: Path) -> None:
+    def __init__(self, bus: Bus, staging_dir: Path, **settings: Any) -> None:
         self.bus = bus
+        self.settings = settings
         self.staging_dir = staging_dir
         self.publisher = Publisher(bus.js)
         self.versions: dict[int, dict[str, torch.Tensor]] = {}
@@ -90,6 +91,7 @@ class Harness:
             snapshot_every_versions=SNAPSHOT_EVERY,
             max_chunk_bytes=16 << 10,  # many chunks even for a small state
             encode_threads=1,
+            **self.settings,
         )
         self.service = WeightBroadcasterService(settings)
         await self.service.start(self.bus)
@@ -321,3 +323,37 @@ async def _announcement(bus: Bus, kind: str, version: int) -> WeightAnnouncement
     found = await latest_announcement(bus.js, kind)
     assert found is not None and found[1].version == version
     return found[1]
+
+
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+        ),
+    ],
+)
+async def test_deltas_found_on_a_torch_device_arrive_bit_exact_across_a_restart(
+    bus: Bus, tmp_path: Path, device: str
+) -> None:
+    await provision(bus.js)
+    harness = Harness(bus, tmp_path / "staging", diff_device=device)
+    await harness.start_broadcaster()
+    state: dict[str, Any] = {}
+    receiver = WeightReceiver(harness.bus, parallel=4)
+    kinds = []
+    try:
+        for version in range(1, 8):
+            if version == 4:  # a restart: the device state is rebuilt from the staged file
+                await harness.stop_broadcaster()
+                await harness.start_broadcaster()
+            await harness.stage(version)
+            kinds.append((await receive(receiver, state))[0])
+            assert receiver.current is not None and receiver.current.version == version
+            assert_bit_exact(state, harness.versions[version])
+    finally:
+        await receiver.close()
+        await harness.stop_broadcaster()
+    assert kinds == ["snapshot"] + ["delta"] * 6

@@ -15,6 +15,13 @@ encoded against the last announced version either way):
    one catches up from snapshot v plus the deltas after it (receiver.py);
 4. delete staged files older than v; the latest stays as the next delta's base.
 
+With `diff_device` set (e.g. "cuda" where the broadcaster shares the trainer's GPU host),
+deltas are found on that device (libs/weights/gpu.py `encode_device`, the same chunks byte
+for byte): the head's state stays there with a writable host mirror, each staged version is
+copied up once, and only changed elements and dense tensors come back to the host. The host
+scan it replaces took 1.2 s of a 1.4 s encode for a sparse byte-0.5b delta on an H200 host
+(8 threads), the device path 0.44 s (2026-11-26).
+
 Its state lives on the bus, not in memory: every announcement carries its chain position
 (snapshot_version, chain_length), so a restarted broadcaster reads the last delta and the last
 snapshot announcements (two direct gets), and takes the base of the next delta from the
@@ -27,10 +34,11 @@ from __future__ import annotations
 
 import asyncio
 import time
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import structlog
@@ -46,12 +54,15 @@ from libs.weights.handoff import load_staged, remove_staged_before, staged_file_
 from libs.weights.hashing import state_hash
 from libs.weights.receiver import WeightReceiver, latest_announcement
 from libs.weights.retention import purge_before_latest_snapshot
-from libs.weights.tensors import RawTensor
+from libs.weights.tensors import RawTensor, to_torch, torch_dtype
 from libs.weights.transport import StoredChunks, store_chunks
 from libs.work_health import FailureWatch
 from proto import streams
 from proto.messages import WeightAnnouncement, WeightKind, WeightsStaged
 from proto.subjects import weights_announce_subject
+
+if TYPE_CHECKING:
+    import torch
 
 log = structlog.get_logger(__name__)
 
@@ -87,6 +98,60 @@ SNAPSHOT_VERSION = Gauge("rlpipe_weights_snapshot_version", "Version of the late
 CHAIN_LENGTH = Gauge("rlpipe_weights_chain_length", "Deltas announced since the latest snapshot")
 
 
+class DeviceBase:
+    """The chain head's state on a torch device plus its writable host mirror, for deltas
+    found where the tensors are (`encode_device`). Either is dropped when an encode fails
+    (the mirror may be half patched) and rebuilt from the base the broadcaster holds."""
+
+    def __init__(self, device: str) -> None:
+        import torch  # only where deltas are found on a device
+
+        self.device = torch.device(device)
+        self._version: int | None = None
+        self._state: dict[str, torch.Tensor] = {}
+        self._mirror: dict[str, Any] = {}
+
+    def encode(
+        self,
+        head: ChainHead,
+        base: Mapping[str, RawTensor],
+        new: Mapping[str, RawTensor],
+        version: int,
+        options: EncodeOptions,
+    ) -> tuple[Manifest, list[Chunk]]:
+        """The delta head -> `new`, as `encode(base, new)` makes it; then `new` is the base."""
+        from libs.weights.gpu import encode_device
+
+        if self._version != head.version:
+            self._state = self._upload(base)
+            self._mirror = {name: to_torch(_copy(raw)) for name, raw in base.items()}
+        target = self._upload(new)
+        self._version = None  # until the mirror is patched through
+        encoded = encode_device(
+            self._state, target, self._mirror, base_version=head.version, version=version,
+            options=options, base_hash=head.hash,
+        )  # fmt: skip
+        self._state, self._version = target, version
+        return encoded
+
+    def _upload(self, state: Mapping[str, RawTensor]) -> dict[str, torch.Tensor]:
+        import torch
+
+        with warnings.catch_warnings():  # read-only (memory-mapped) bytes, only read here
+            warnings.simplefilter("ignore", UserWarning)
+            return {
+                name: torch.from_numpy(raw.data)
+                .view(torch_dtype(raw.dtype))
+                .reshape(raw.shape)
+                .to(self.device)
+                for name, raw in state.items()
+            }
+
+
+def _copy(raw: RawTensor) -> RawTensor:
+    return RawTensor(raw.dtype, raw.shape, raw.data.copy())
+
+
 @dataclass(frozen=True)
 class ChainHead:
     """The latest announced version and its place in the snapshot chain."""
@@ -110,6 +175,7 @@ class WeightBroadcaster:
         options: EncodeOptions | None = None,
         announce_stream: str = streams.WEIGHTS_ANNOUNCE.name,
         chunk_stream: str = streams.WEIGHT_CHUNKS.name,
+        diff_device: str | None = None,
     ) -> None:
         if snapshot_every < 1:
             raise ValueError(f"snapshot_every must be >= 1, got {snapshot_every}")
@@ -122,6 +188,7 @@ class WeightBroadcaster:
         self._chunk_stream = chunk_stream
         self.head: ChainHead | None = None
         self._base: Mapping[str, RawTensor] | None = None  # the state of head.version
+        self._device_base = DeviceBase(diff_device) if diff_device is not None else None
         self.num_handled = 0
         # A version that could not be broadcast (e.g. its staged file is unreadable) makes
         # /healthz fail until one is, with the reason.
@@ -263,10 +330,15 @@ class WeightBroadcaster:
         version: int,
     ) -> None:
         started = time.perf_counter()
-        manifest, chunks = await asyncio.to_thread(
-            encode, base, new, base_version=head.version, version=version,
-            options=self.options, base_hash=head.hash,
-        )  # fmt: skip
+        if self._device_base is not None:
+            manifest, chunks = await asyncio.to_thread(
+                self._device_base.encode, head, base, new, version, self.options
+            )
+        else:
+            manifest, chunks = await asyncio.to_thread(
+                encode, base, new, base_version=head.version, version=version,
+                options=self.options, base_hash=head.hash,
+            )  # fmt: skip
         encode_s = time.perf_counter() - started
         chain_length = head.chain_length + 1
         await self._store_and_announce(

@@ -137,6 +137,12 @@ def raw_state(state: State) -> dict[str, RawTensor]:
     return {name: as_raw(tensor) for name, tensor in state.items()}
 
 
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a safetensors dtype name."""
+    check_dtype(name)
+    return _torch_dtypes()[name]
+
+
 def to_torch(raw: RawTensor) -> torch.Tensor:
     """A torch tensor sharing the RawTensor's bytes when they are writable, else a copy."""
     import torch

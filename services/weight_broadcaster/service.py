@@ -49,6 +49,7 @@ class WeightBroadcasterService(Service):
             staging_dir,
             snapshot_every=settings.snapshot_every_versions,
             options=options,
+            diff_device=settings.diff_device,
         )
         await self.broadcaster.recover()
         self._consumer = PullConsumer(

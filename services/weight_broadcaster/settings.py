@@ -33,6 +33,11 @@ class WeightBroadcasterSettings(ServiceSettings):
     )
     zstd_level: int = Field(3, ge=1, le=19, description="zstd level of chunk payloads")
     encode_threads: int = Field(2, ge=1, description="Threads for scanning, hashing, encoding")
+    diff_device: str | None = Field(
+        None,
+        description="torch device to find deltas on (e.g. cuda, where the broadcaster shares "
+        "the trainer's GPU host: the head's state is kept there); unset: a host scan",
+    )
     publish_in_flight: int = Field(
         16, ge=1, description="Chunk publishes awaiting their stream ack at a time"
     )
