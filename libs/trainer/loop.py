@@ -28,6 +28,10 @@ version above every version announced before (read from the KV bucket), so worke
 back to the checkpoint's weights under a new number; staleness then counts updates between
 the sample's weights and the trainer's, not numbers (libs.trainer.lineage), so the samples
 of the steps lost with a crash are not all dropped as stale.
+
+Under torchrun this loop is rank 0 of the sharded trainer (libs.trainer.ranks.ShardedTrainer):
+the hooks that touch the model (`_build_model`, `_load`, the step, `_published_state`,
+`_model_for_eval`, `_write_tensors`) run on every rank; everything else runs here alone.
 """
 
 from __future__ import annotations

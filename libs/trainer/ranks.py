@@ -314,6 +314,7 @@ class ShardedTrainer(Trainer):
     async def run(self) -> None:
         await super().run()
         await asyncio.to_thread(self._ranks.run, Stop())
+        dist.destroy_process_group()
 
 
 def _policy_with(policy: PolicyConfig, state: dict[str, torch.Tensor]) -> PreTrainedModel:
