@@ -28,7 +28,9 @@ from libs.policy import PolicyConfig, build_policy, load_policy
 from libs.ray_deploy.plan import build_plan
 from libs.tokenizer import ByteTokenizer
 from libs.trainer.checkpoint import is_sharded, latest_checkpoint
+from libs.trainer.config import TrainerConfig
 from libs.trainer.launch import trainer_command
+from libs.trainer.ranks import Setup, weights_fingerprint
 from libs.trainer.sharded import (
     export_policy_folder,
     full_state_dict,
@@ -337,3 +339,12 @@ def test_the_demo_and_the_ray_deployment_start_the_trainer_ranks_with_torchrun()
     assert plan.service("reward").command == [sys.executable, "-m", "services.reward"]
     with pytest.raises(ValueError, match="trainer ranks must be >= 1"):
         build_plan("nats://a:4222", "/runs/x", trainer_ranks=0)
+
+
+def test_a_rank_that_built_other_initial_weights_than_rank_0_refuses_to_train() -> None:
+    config = TrainerConfig(policy=POLICY, learning_rate=1e-3, max_staleness=1)
+    rank0 = weights_fingerprint(build_policy(POLICY))
+    assert weights_fingerprint(build_policy(POLICY)) == rank0  # seeded: the same on every rank
+    other_seed = POLICY.model_copy(update={"seed": 1})
+    with pytest.raises(RuntimeError, match="built other initial weights than rank 0"):
+        Setup(config, other_seed, TOKENIZER.pad_id, rank0).build()

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import math
 import os
 import signal
 from dataclasses import dataclass
@@ -77,6 +78,14 @@ log = structlog.get_logger(__name__)
 PR_SET_PDEATHSIG = 1
 # How long the other ranks wait for rank 0's next command: without limit, in effect.
 COMMAND_WAIT = timedelta(days=365)
+
+
+def weights_fingerprint(model: torch.nn.Module) -> float:
+    """A number that differs when two unsharded models' weights differ (sums in float64)."""
+    with torch.no_grad():
+        return sum(
+            float(p.double().sum()) + float(p.double().square().sum()) for p in model.parameters()
+        )
 
 
 def world_size() -> int:
@@ -134,15 +143,27 @@ class Command:
 
 @dataclass
 class Setup(Command):
-    """The trainer's resolved config: the other ranks build their shard of the model from it."""
+    """The trainer's resolved config: the other ranks build their shard of the model from it.
+    Every rank builds the whole policy (seeded init, or the same folder) before sharding it;
+    `fingerprint` is rank 0's, so a rank that built other weights stops instead of training
+    a model made of mismatched shards."""
 
     config: TrainerConfig
     policy: PolicyConfig
     pad_id: int
+    fingerprint: float
 
     def build(self) -> RankModel:
         precision = TrainingPrecision.for_policy(self.config.master_weights, self.policy)
-        model = shard_policy(precision.build_model(self.policy))
+        model = precision.build_model(self.policy)
+        ours = weights_fingerprint(model)
+        if not math.isclose(ours, self.fingerprint, rel_tol=1e-9):
+            raise RuntimeError(
+                f"rank {this_rank()} built other initial weights than rank 0 (fingerprint "
+                f"{ours!r} vs {self.fingerprint!r}): every rank must load the same policy "
+                "(RLPIPE_TRAINER_POLICY_PATH readable by each, or the same preset and seed)"
+            )
+        model = shard_policy(model)
         optimizer = torch.optim.AdamW(
             model.parameters(),
             lr=learning_rate_at(self.config, 0),
@@ -272,13 +293,16 @@ class ShardedTrainer(Trainer):
             self.tokenizer.pad_id,
         )
         self._ranks = RankGroup(self._channel, ranks)
-        self._channel.send(Setup(self.config, self.policy, self.tokenizer.pad_id))
+        pad_id = self.tokenizer.pad_id
+        self._channel.send(Setup(self.config, self.policy, pad_id, self._fingerprint))
         log.info("sharded trainer", ranks=world_size(), backend=dist.get_backend())
 
     def _build_model(self) -> PreTrainedModel:
         setup_process_group(self.precision.device)
         self._channel = CommandChannel()
-        return shard_policy(super()._build_model())
+        model = super()._build_model()
+        self._fingerprint = weights_fingerprint(model)
+        return shard_policy(model)
 
     def _load(self, path: Path, state: TrainerState) -> None:
         if not is_sharded(path):
