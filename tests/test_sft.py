@@ -18,9 +18,16 @@ from libs.engine.base import Completion, SamplingParams
 from libs.envs import make_env
 from libs.envs.latency import ToolLatency, parse_tool_latency, with_tool_latency
 from libs.envs.local_client import LocalEnvClient
-from libs.experts.demos import EXPERTS, DemoConfig, harness_settings, write_demonstrations
-from libs.experts.recall import RecallExpert
+from libs.experts.demos import (
+    EXPERTS,
+    DemoConfig,
+    demonstrations_digest,
+    harness_settings,
+    write_demonstrations,
+)
+from libs.experts.recall import RecallEpisodeExpert, RecallExpert
 from libs.experts.record import record_episode
+from libs.launcher import warm_start
 from libs.launcher.episode_report import first_last_report
 from libs.policy import PolicyConfig, build_policy, load_policy
 from libs.rollout.agent import AgentRunner
@@ -276,3 +283,45 @@ def test_the_short_context_stage_drops_only_the_system_message() -> None:
     assert len(short) < len(full) // 5, "the opening is most of a calc transcript"
     trained = [i for i, keep in zip(full, full_mask, strict=True) if keep]
     assert [i for i, keep in zip(short, short_mask, strict=True) if keep] == trained
+
+
+def test_the_warm_start_cache_follows_what_the_demonstrations_are(tmp_path: Path) -> None:
+    # A recall expert that summarizes differently records other demonstrations under the
+    # same recipe settings: its cached warm start must not be reused.
+    recipe = warm_start.RECIPES["recall"]
+    before = warm_start.warm_start_dir("recall", tmp_path, recipe)
+    demonstrations_digest.cache_clear()
+    assert warm_start.warm_start_dir("recall", tmp_path, recipe) == before, "stable"
+    terse = patch.object(RecallEpisodeExpert, "summary", lambda self: f"Read: {self.digits}")
+    with terse:
+        demonstrations_digest.cache_clear()
+        changed = warm_start.warm_start_dir("recall", tmp_path, recipe)
+    demonstrations_digest.cache_clear()
+    assert changed != before
+
+
+def test_a_warm_start_trains_on_one_thread_and_is_reused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    recipe = warm_start.WarmStartRecipe(
+        DemoConfig(env="calc", num_tasks=4, error_rate=0.0),
+        short_steps=2,
+        full_steps=2,
+        short_batch_size=2,
+        full_batch_size=2,
+    )
+    threads_during: list[int] = []
+
+    def train(config: SftConfig, title: str) -> dict[str, object]:
+        threads_during.append(torch.get_num_threads())
+        return train_sft(config)
+
+    torch.set_num_threads(2)
+    with patch.object(warm_start, "run_with_progress", train):
+        model = warm_start.ensure_warm_start("calc", tmp_path, recipe)
+        assert (model / "model.safetensors").exists()
+        assert threads_during == [1, 1], "both SFT stages on one thread"
+        assert torch.get_num_threads() == 2, "restored after"
+        assert warm_start.ensure_warm_start("calc", tmp_path, recipe) == model
+    assert len(threads_during) == 2, "the cached warm start is reused, not trained again"

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
+import hashlib
 import json
 import random
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,10 +27,12 @@ from libs.experts.calc import CalcExpert
 from libs.experts.recall import RecallExpert
 from libs.experts.record import Expert, record_episode
 from libs.rollout.agent import AgentSettings
-from libs.sft.transcript import transcript_to_json
+from libs.sft.transcript import Transcript, render_transcript, transcript_to_json
 from libs.tokenizer import load_tokenizer
 
 EXPERTS: dict[str, Callable[[float], Expert]] = {"calc": CalcExpert, "recall": RecallExpert}
+# Episodes recorded for `demonstrations_digest` (milliseconds each).
+DIGEST_TASKS = 8
 
 
 def harness_settings(env: str) -> AgentSettings:
@@ -71,8 +75,11 @@ class DemoStats:
         }
 
 
-async def write_demonstrations(config: DemoConfig, path: Path) -> DemoStats:
-    """Record `config.num_tasks` expert episodes into `path` (JSONL, one segment per line)."""
+async def record_demonstrations(
+    config: DemoConfig, num_tasks: int | None = None
+) -> AsyncIterator[tuple[list[Transcript], dict[str, Any]]]:
+    """The expert's episodes of `config` (its first `num_tasks`, default all): each one's
+    segments as transcripts and the env's final info."""
     if config.env not in EXPERTS:
         raise ValueError(
             f"no scripted expert for env {config.env!r}; experts: {', '.join(EXPERTS)}"
@@ -83,18 +90,41 @@ async def write_demonstrations(config: DemoConfig, path: Path) -> DemoStats:
     source = env.task_source(difficulty=config.difficulty, group_size=1, seed=config.seed)
     rng = random.Random(config.seed)
     agent = harness_settings(config.env)
+    for index in range(config.num_tasks if num_tasks is None else num_tasks):
+        yield await record_episode(env, source.task(index), expert, agent, template, rng)
+
+
+async def write_demonstrations(config: DemoConfig, path: Path) -> DemoStats:
+    """Record `config.num_tasks` expert episodes into `path` (JSONL, one segment per line)."""
     segments = successes = 0
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w", encoding="utf-8") as file:
-        for index in range(config.num_tasks):
-            transcripts, info = await record_episode(
-                env, source.task(index), expert, agent, template, rng
-            )
+        async for transcripts, info in record_demonstrations(config):
             successes += bool(info.get("answer_correct"))
             segments += len(transcripts)
             for transcript in transcripts:
                 file.write(json.dumps(transcript_to_json(transcript)) + "\n")
     return DemoStats(config.num_tasks, segments, round(successes / max(config.num_tasks, 1), 4))
+
+
+@functools.cache
+def demonstrations_digest(config: DemoConfig) -> str:
+    """A digest of what `config`'s demonstrations are: the token ids and loss masks of its
+    first DIGEST_TASKS episodes as SFT renders them. It changes when the expert, the
+    environment, the harness limits or the chat template change what is recorded (a cache
+    keyed on the config alone reused stale demonstrations after the recall expert changed)."""
+
+    async def rendered() -> list[Any]:
+        template = chat_template_for(load_tokenizer(config.tokenizer))
+        episodes = record_demonstrations(config, min(DIGEST_TASKS, config.num_tasks))
+        return [
+            render_transcript(transcript, template)
+            async for transcripts, _ in episodes
+            for transcript in transcripts
+        ]
+
+    text = json.dumps(asyncio.run(rendered()))
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

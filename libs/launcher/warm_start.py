@@ -8,20 +8,32 @@ stage (libs.sft), the way a user starts from their own pretrained base:
     path = ensure_warm_start("calc", cache_root)    # built once (minutes), then reused
 
 The folder `<cache_root>/<env>-<fingerprint>/` holds `demos.jsonl` and the model; the
-fingerprint covers the recipe (demonstrations and SFT settings), so changing the recipe builds
-a new one. An interrupted build resumes (the SFT checkpoint).
+fingerprint covers the recipe (demonstration and SFT settings) and what the demonstrations
+are (a rendered sample: a changed expert, environment or template changes it), so changing
+either builds a new one. An interrupted build resumes (the SFT checkpoint). The SFT runs on
+one torch thread unless OMP_NUM_THREADS says otherwise (warm_start_threads).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import os
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from libs.experts.demos import EXPERTS, DemoConfig, harness_settings, write_demonstrations
+import torch
+
+from libs.experts.demos import (
+    EXPERTS,
+    DemoConfig,
+    demonstrations_digest,
+    harness_settings,
+    write_demonstrations,
+)
 from libs.policy import PolicyConfig
 from libs.sft.cli import run_with_progress
 from libs.sft.train import SftConfig, finished_result
@@ -59,7 +71,10 @@ class WarmStartRecipe:
     short_stage_env: str | None = None
 
     def fingerprint(self) -> str:
+        """A digest of the recipe's settings and of what its demonstrations are (a sample of
+        them rendered: libs.experts.demos.demonstrations_digest)."""
         fields = {key: value for key, value in asdict(self).items() if value is not None}
+        fields["demonstrations"] = demonstrations_digest(self.demos)
         text = json.dumps(fields, sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()[:12]
 
@@ -150,12 +165,31 @@ def ensure_warm_start(env: str, cache_root: Path, recipe: WarmStartRecipe | None
     if finished_result(full) is not None:
         return full.out
     short, short_env = short_stage(env, cache_root, recipe)
-    if finished_result(short) is None:
-        _ensure_demos(short.data, RECIPES[short_env] if short_env != env else recipe)
-        run_with_progress(short, title=f"warm start ({short_env}): sft, short contexts")
-    _ensure_demos(full.data, recipe)
-    run_with_progress(full, title=f"warm start ({env}): sft, full transcripts")
+    with torch_threads(warm_start_threads()):
+        if finished_result(short) is None:
+            _ensure_demos(short.data, RECIPES[short_env] if short_env != env else recipe)
+            run_with_progress(short, title=f"warm start ({short_env}): sft, short contexts")
+        _ensure_demos(full.data, recipe)
+        run_with_progress(full, title=f"warm start ({env}): sft, full transcripts")
     return full.out
+
+
+def warm_start_threads() -> int:
+    """Math threads of the warm start's SFT: OMP_NUM_THREADS when set, else 1, as for the
+    demo's services. On the shared 2-core VM an SFT step cost ~3.7 CPU-s with torch's default
+    2 threads against ~0.5 with one (the small matrices do not pay for a second thread)."""
+    return int(os.environ.get("OMP_NUM_THREADS") or 1)
+
+
+@contextlib.contextmanager
+def torch_threads(count: int) -> Iterator[None]:
+    """torch's intra-op threads set to `count` inside the block, restored after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def _ensure_demos(path: Path, recipe: WarmStartRecipe) -> None:
