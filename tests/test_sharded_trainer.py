@@ -27,7 +27,7 @@ from libs.nats_server import NatsServer, free_port
 from libs.policy import PolicyConfig, build_policy, load_policy
 from libs.ray_deploy.plan import build_plan
 from libs.tokenizer import ByteTokenizer
-from libs.trainer.checkpoint import is_sharded, latest_checkpoint
+from libs.trainer.checkpoint import is_sharded, latest_checkpoint, load_optimizer_state
 from libs.trainer.config import TrainerConfig
 from libs.trainer.launch import trainer_command
 from libs.trainer.ranks import Setup, weights_fingerprint
@@ -356,3 +356,9 @@ def test_a_rank_that_built_other_initial_weights_than_rank_0_refuses_to_train() 
     other_seed = POLICY.model_copy(update={"seed": 1})
     with pytest.raises(RuntimeError, match="built other initial weights than rank 0"):
         Setup(config, other_seed, TOKENIZER.pad_id, rank0).build()
+
+
+def test_one_rank_refuses_a_sharded_checkpoint_naming_how_to_resume_it(tmp_path: Path) -> None:
+    (tmp_path / "sharded").mkdir()
+    with pytest.raises(ValueError, match=r"written by a sharded trainer.*torchrun"):
+        load_optimizer_state(tmp_path, torch.device("cpu"))
