@@ -14,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 import torch.distributed as dist
@@ -255,6 +256,8 @@ async def test_a_2_rank_trainer_service_stopped_and_resumed_trains_each_sample_o
     first = trainer_ranks(2, env, log)
     try:
         await wait_for(lambda: len(read_steps(tmp_path)) >= 3, timeout_s=120, what="three steps")
+        health = httpx.get(f"http://127.0.0.1:{env['RLPIPE_TRAINER_HTTP_PORT']}/healthz").json()
+        assert health["ranks"] == 2 and health["status"] == "ok"  # served by rank 0
     finally:
         first.send_signal(signal.SIGTERM)  # torchrun passes it to both ranks: rank 0 drains
         first.wait(timeout=60)

@@ -340,6 +340,9 @@ class ShardedTrainer(Trainer):
         await asyncio.to_thread(self._ranks.run, Stop())
         dist.destroy_process_group()
 
+    def health(self) -> dict[str, Any]:
+        return {**super().health(), "ranks": world_size()}
+
 
 def _policy_with(policy: PolicyConfig, state: dict[str, torch.Tensor]) -> PreTrainedModel:
     model = build_policy(policy)
