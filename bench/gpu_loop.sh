@@ -4,7 +4,7 @@
 # 492M parameters, bf16), everything else as in `make demo`.
 #
 #   [MODE=sync|async] [ENGINE=hf|paged] [MAX_STALENESS=N] [PUBLISH_EVERY=N] [EVAL_EVERY=N] \
-#   [DIFF_DEVICE=cuda|] [LEARNING_RATE=X] [MAX_BATCH_TASKS=N] [QUEUE_DEPTH=N] [MAX_AHEAD=N] \
+#   [DIFF_DEVICE=cuda|] [ENCODE_THREADS=N] [SNAPSHOT_EVERY=N] [LEARNING_RATE=X] [MAX_BATCH_TASKS=N] [QUEUE_DEPTH=N] [MAX_AHEAD=N] \
 #       bash bench/gpu_loop.sh [SECONDS] [OUT_DIR]
 #
 # Trainer settings are the trainer's defaults unless given: for byte-0.5b that is fp32 master
@@ -64,7 +64,13 @@ if [ "${MODE:-async}" = sync ]; then
   export RLPIPE_TRAINER_PUBLISH_EVERY_STEPS=1
 fi
 export RLPIPE_ROLLOUT_WORKER_WEIGHTS_VERIFY_FULL=${VERIFY_FULL:-false}
-export RLPIPE_WEIGHT_BROADCASTER_ENCODE_THREADS=${ENCODE_THREADS:-8}
+# The broadcaster's encode was 2.3 threads busy on average beside the other services on a
+# 16-core H200 host (py-spy, 2026-11-26): the chunk encode (zstd) has cores to spare.
+export RLPIPE_WEIGHT_BROADCASTER_ENCODE_THREADS=${ENCODE_THREADS:-12}
+# A snapshot (the whole 1 GB state, ~2 s to encode and store on an H200 host) every 10
+# versions held the next version back; versions come every ~1.7 s here and no worker joins
+# late, so one every 50 (a late joiner still catches up from it plus <= 50 deltas of ~15 MB).
+export RLPIPE_WEIGHT_BROADCASTER_SNAPSHOT_EVERY_VERSIONS=${SNAPSHOT_EVERY:-50}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
 python3 -c 'import torch; print("device:", torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")'
 python3 -m services.cli demo --duration-s "$seconds" --run-dir "$run" ${DEMO_ARGS:-} > "$out/summary.json" || true
