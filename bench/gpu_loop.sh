@@ -54,7 +54,10 @@ diff_device=${DIFF_DEVICE-$device}
 # the rollout-worker a version's decode took 2.6 s beside the paged driver thread against
 # 0.3 s beside hf (median), so more samples went stale (33% dropped against 20%). That
 # decode makes synchronous copies on the default CUDA stream, which the paged engine kept
-# busy; it now steps on a stream of its own (libs/engine/paged.py), not yet measured here.
+# busy; it now steps on a stream of its own (libs/engine/paged.py). Measured since (H200,
+# 180 s, 2026-11-26, bench/results/h200/gpu_loop_paged_s6): 80 steps against 226 with hf,
+# busy 0.12, version latency 14.6 s median, of it 7.2 s before the worker even read the
+# announcement (notify) and 2.9 s of decode: the paged worker's event loop is starved.
 export RLPIPE_ROLLOUT_WORKER_ENGINE_TYPE=${ENGINE:-hf}
 export RLPIPE_ROLLOUT_WORKER_ENGINE_MAX_BATCH_ROWS=${MAX_BATCH_ROWS:-256}
 if [ "${MODE:-async}" = sync ]; then
