@@ -16,11 +16,10 @@ encoded against the last announced version either way):
 4. delete staged files older than v; the latest stays as the next delta's base.
 
 With `diff_device` set (e.g. "cuda" where the broadcaster shares the trainer's GPU host),
-deltas are found on that device (libs/weights/gpu.py `encode_device`, the same chunks byte
-for byte): the head's state stays there with a writable host mirror, each staged version is
-copied up once, and only changed elements and dense tensors come back to the host. The host
-scan it replaces took 1.2 s of a 1.4 s encode for a sparse byte-0.5b delta on an H200 host
-(8 threads), the device path 0.44 s (2026-11-26).
+the changed elements of tensors that are not dense are found on that device (DeviceBase:
+the same chunks byte for byte); dense tensors are encoded on the host as before. The host
+scan took 1.2 s of a 1.4 s encode for a sparse byte-0.5b delta on an H200 host (8 threads,
+2026-11-26).
 
 Its state lives on the bus, not in memory: every announcement carries its chain position
 (snapshot_version, chain_length), so a restarted broadcaster reads the last delta and the last
@@ -36,7 +35,6 @@ import asyncio
 import time
 import warnings
 from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -55,7 +53,8 @@ from libs.weights.handoff import load_staged, remove_staged_before, staged_file_
 from libs.weights.hashing import state_hash
 from libs.weights.receiver import WeightReceiver, latest_announcement
 from libs.weights.retention import purge_before_latest_snapshot
-from libs.weights.tensors import RawTensor, to_torch, torch_dtype
+from libs.weights.scan import Changes
+from libs.weights.tensors import RawTensor, torch_dtype
 from libs.weights.transport import StoredChunks, store_chunks
 from libs.work_health import FailureWatch
 from proto import streams
@@ -99,21 +98,17 @@ SNAPSHOT_VERSION = Gauge("rlpipe_weights_snapshot_version", "Version of the late
 CHAIN_LENGTH = Gauge("rlpipe_weights_chain_length", "Deltas announced since the latest snapshot")
 
 
-UPLOAD_THREADS = 4
-
-
 class DeviceBase:
-    """The chain head's state on a torch device plus its writable host mirror, for deltas
-    found where the tensors are (`encode_device`). Either is dropped when an encode fails
-    (the mirror may be half patched) and rebuilt from the base the broadcaster holds."""
+    """Tensors of the chain head kept on a torch device, where `encode`'s scan of a tensor
+    that is not dense runs (`device_changes`: only the changed elements come back). A tensor
+    is copied up when it is scanned, so dense tensors (encoded on the host against the staged
+    base) never cross; a cached tensor is used only while it holds the head's version."""
 
     def __init__(self, device: str) -> None:
         import torch  # only where deltas are found on a device
 
         self.device = torch.device(device)
-        self._version: int | None = None
-        self._state: dict[str, torch.Tensor] = {}
-        self._mirror: dict[str, Any] = {}
+        self._held: dict[str, tuple[int, torch.Tensor]] = {}  # name -> (version, tensor)
 
     def encode(
         self,
@@ -123,39 +118,29 @@ class DeviceBase:
         version: int,
         options: EncodeOptions,
     ) -> tuple[Manifest, list[Chunk]]:
-        """The delta head -> `new`, as `encode(base, new)` makes it; then `new` is the base."""
-        from libs.weights.gpu import encode_device
+        """The delta head -> `new`, the same chunks as `encode(base, new)` makes."""
+        from libs.weights.gpu import device_changes
 
-        if self._version != head.version:
-            self._state = self._upload(base)
-            self._mirror = {name: to_torch(_copy(raw)) for name, raw in base.items()}
-        target = self._upload(new)
-        self._version = None  # until the mirror is patched through
-        encoded = encode_device(
-            self._state, target, self._mirror, base_version=head.version, version=version,
-            options=options, base_hash=head.hash,
+        def scan(name: str, old: RawTensor, target: RawTensor) -> Changes:
+            held = self._held.get(name)
+            before = held[1] if held is not None and held[0] == head.version else None
+            after = self._upload(target)
+            changes = device_changes(self._upload(old) if before is None else before, after)
+            self._held[name] = (version, after)
+            return changes
+
+        return encode(
+            base, new, base_version=head.version, version=version, options=options,
+            base_hash=head.hash, scan=scan,
         )  # fmt: skip
-        self._state, self._version = target, version
-        return encoded
 
-    def _upload(self, state: Mapping[str, RawTensor]) -> dict[str, torch.Tensor]:
-        """`state` on the device. The copies from (pageable, memory-mapped) host memory run on
-        UPLOAD_THREADS threads: on one thread they took about 0.24 s per GB in the GPU loop on an
-        H200 host (py-spy, 2026-11-26)."""
+    def _upload(self, raw: RawTensor) -> torch.Tensor:
         import torch
 
-        def upload(raw: RawTensor) -> torch.Tensor:
-            with warnings.catch_warnings():  # read-only (memory-mapped) bytes, only read here
-                warnings.simplefilter("ignore", UserWarning)
-                host = torch.from_numpy(raw.data)
-            return host.view(torch_dtype(raw.dtype)).reshape(raw.shape).to(self.device)
-
-        with ThreadPoolExecutor(UPLOAD_THREADS) as pool:
-            return dict(zip(state, pool.map(upload, state.values()), strict=True))
-
-
-def _copy(raw: RawTensor) -> RawTensor:
-    return RawTensor(raw.dtype, raw.shape, raw.data.copy())
+        with warnings.catch_warnings():  # read-only (memory-mapped) bytes, only read here
+            warnings.simplefilter("ignore", UserWarning)
+            host = torch.from_numpy(raw.data)
+        return host.view(torch_dtype(raw.dtype)).reshape(raw.shape).to(self.device)
 
 
 @dataclass(frozen=True)

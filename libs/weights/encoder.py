@@ -13,6 +13,7 @@ the manifest's target hash covers every byte of the target version (hashing.py).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -62,6 +63,10 @@ DENSE_FRACTION = 1 / 8
 DENSITY_SAMPLE = 1 << 16  # elements compared to estimate a tensor's changed fraction
 
 
+# Finds the changed elements of one tensor: (name, old, new) -> Changes.
+Scan = Callable[[str, RawTensor, RawTensor], Changes]
+
+
 @dataclass(frozen=True)
 class EncodeOptions:
     """How to chunk and compress."""
@@ -96,17 +101,20 @@ def encode(
     version: int,
     options: EncodeOptions | None = None,
     base_hash: str | None = None,
+    scan: Scan | None = None,
 ) -> tuple[Manifest, list[Chunk]]:
     """Delta of `new` against `base` as a manifest and chunks.
 
     `base_hash` is the base's version hash if the caller knows it (the target_hash of the
     manifest that produced it); otherwise it is computed, which reads every base byte.
+    `scan(name, old, new)` finds the changed elements of a tensor that is not dense (the
+    weight-broadcaster's on a GPU); default: the host scan `changed_elements`.
     """
     opts = options or EncodeOptions()
     old_raw, new_raw = raw_state(base), raw_state(new)
     if base_hash is None:
         base_hash = state_hash(old_raw, opts.threads)
-    jobs, changes = _classify(old_raw, new_raw, opts.threads)
+    jobs, changes = _classify(old_raw, new_raw, opts.threads, scan)
     removed = [name for name in old_raw if name not in new_raw]
     return _finish(old_raw, new_raw, jobs, changes, removed, base_version, base_hash, version, opts)
 
@@ -125,7 +133,7 @@ def encode_snapshot(
 
 
 def _classify(
-    old: dict[str, RawTensor], new: dict[str, RawTensor], threads: int
+    old: dict[str, RawTensor], new: dict[str, RawTensor], threads: int, scan: Scan | None = None
 ) -> tuple[list[TensorJob], dict[str, Change]]:
     """Which tensors are the same, deltas (with changed positions) or whole."""
     jobs: list[TensorJob] = []
@@ -142,7 +150,10 @@ def _classify(
             jobs.append(TensorJob(name, tensor.width, tensor.numel, None, dense=True))
             changes[name] = "delta"
             continue
-        found = changed_elements(before.data, tensor.data, tensor.width, threads)
+        if scan is None:
+            found = changed_elements(before.data, tensor.data, tensor.width, threads)
+        else:
+            found = scan(name, before, tensor)
         changes[name] = "delta" if found.positions.size else "same"
         if found.positions.size:
             jobs.append(TensorJob(name, tensor.width, tensor.numel, found))
