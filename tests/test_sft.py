@@ -3,6 +3,7 @@ experts demonstrate through the real environments, training is resumable."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import random
@@ -29,6 +30,7 @@ from libs.experts.recall import RecallEpisodeExpert, RecallExpert
 from libs.experts.record import record_episode
 from libs.launcher import warm_start
 from libs.launcher.episode_report import first_last_report
+from libs.launcher.run import add_demo_arguments, options_from_args
 from libs.policy import PolicyConfig, build_policy, load_policy
 from libs.rollout.agent import AgentRunner
 from libs.rollout.episode import RunnerSettings
@@ -325,3 +327,17 @@ def test_a_warm_start_trains_on_one_thread_and_is_reused(
         assert torch.get_num_threads() == 2, "restored after"
         assert warm_start.ensure_warm_start("calc", tmp_path, recipe) == model
     assert len(threads_during) == 2, "the cached warm start is reused, not trained again"
+
+
+def test_a_tool_demo_feeds_at_most_the_trainers_batches_ahead(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The feeder's bound on running ahead is counted in batches of batch_groups tasks: at its
+    # default (16) against the trainer's 2, calc's samples were trained 4+ versions stale.
+    monkeypatch.delenv("RLPIPE_TRAINER_BATCH_GROUPS", raising=False)
+    monkeypatch.delenv("RLPIPE_ENV_GATEWAY_BATCH_GROUPS", raising=False)
+    parser = argparse.ArgumentParser()
+    add_demo_arguments(parser)
+    options = options_from_args(parser.parse_args(["--env", "calc", "--no-warm-start"]))
+    feeder = options.extra_env["env-gateway"]["RLPIPE_ENV_GATEWAY_BATCH_GROUPS"]
+    assert feeder == options.extra_env["trainer"]["RLPIPE_TRAINER_BATCH_GROUPS"] == "2"
