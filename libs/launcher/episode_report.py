@@ -14,6 +14,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import nats.errors
+from nats.js import api as js_api
+
 from libs.bus import wire
 from libs.bus.connection import connect_bus
 from libs.rollout.figures import episode_figures
@@ -21,19 +24,42 @@ from libs.trainer.metrics import latest_per_step, read_step_samples
 from proto import streams
 from proto.messages import ScoredRollout
 
+REPORT_BATCH = 1000
+FETCH_TIMEOUT_S = 5.0
+
 
 async def read_scored(nats_url: str) -> list[ScoredRollout]:
-    """Every scored rollout on the bus at `nats_url`, in stream order."""
+    """Every scored rollout on the bus at `nats_url`, in stream order.
+
+    Read in batches through an ephemeral consumer that acks nothing: one `get_msg` per
+    message cost a round trip each (~15 s for a 2-minute demo's 14K rollouts on 2 cores)."""
     bus = await connect_bus(nats_url, "launcher-report", max_attempts=2)
     try:
         name = streams.ROLLOUTS_SCORED.name
         info = await bus.js.stream_info(name)
         if info.state.messages == 0:
             return []
-        out = []
-        for seq in range(info.state.first_seq, info.state.last_seq + 1):
-            raw = await bus.js.get_msg(name, seq)
-            out.append(wire.decode(ScoredRollout, raw.data or b"", dict(raw.headers or {})))
+        config = js_api.ConsumerConfig(
+            deliver_policy=js_api.DeliverPolicy.ALL,
+            ack_policy=js_api.AckPolicy.NONE,
+            inactive_threshold=60.0,
+        )
+        sub = await bus.js.pull_subscribe(
+            streams.ROLLOUTS_SCORED.subjects[0],
+            stream=name,
+            config=config,
+            pending_bytes_limit=256 * 1024 * 1024,
+        )
+        out: list[ScoredRollout] = []
+        last_seq = 0
+        while last_seq < info.state.last_seq:
+            try:
+                msgs = await sub.fetch(REPORT_BATCH, timeout=FETCH_TIMEOUT_S)
+            except (nats.errors.TimeoutError, TimeoutError):
+                break  # the rest was deleted meanwhile (retention): report what is there
+            for msg in msgs:
+                last_seq = msg.metadata.sequence.stream
+                out.append(wire.decode(ScoredRollout, msg.data or b"", dict(msg.headers or {})))
         return out
     finally:
         await bus.close()
