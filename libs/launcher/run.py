@@ -449,6 +449,10 @@ class LocalRun:
             try:
                 await self._watch(view)
             finally:
+                if self._never_healthy():
+                    # A last look before they stop: a short run (a step bound reached within
+                    # seconds) may end between two polls of a service that is healthy.
+                    await monitor.poll_once(self._live_pids())
                 # The worker first: its in-flight episodes finish while env-gateway answers.
                 stopping = supervisor.stop(self.options.stop_grace_s, first=STOP_FIRST)
                 await self._with_view(view, stopping)

@@ -182,7 +182,10 @@ class Supervisor:
             child.state, child.detail = "backoff", f"{reason}; restart in {delay_s:.1f} s"
             self._event("child exited", child=child.name, reason=reason, restart_in_s=delay_s)
             if await self._stop_requested_within(delay_s):
-                child.state, child.detail = "crashed", reason  # down when the stop came
+                # Down when the stop came: a service that ended with exit 0 finished its work
+                # (the trainer at its step bound), any other exit is a crash.
+                finished = child.last_exit_code == 0
+                child.state, child.detail = "exited" if finished else "crashed", reason
                 return
             child.restarts += 1
             await self._respawn(child)
