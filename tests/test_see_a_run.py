@@ -22,7 +22,10 @@ import pexpect
 import pytest
 
 from libs.trainer.metrics import latest_per_step, read_evals, read_steps
+from tests.marks import E2E
 from tests.test_launcher import kill_leftovers
+
+pytestmark = E2E
 
 PY = sys.executable
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -54,6 +57,9 @@ def demo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DemoRun]:
     env = {
         **os.environ,
         "TERM": "xterm-256color",
+        # The terminal's size is the pty's: pytest-xdist workers export COLUMNS=80, LINES=24.
+        "COLUMNS": "200",
+        "LINES": "50",
         "RLPIPE_TRAINER_TRACKING_BACKENDS": "tensorboard,wandb,mlflow",
     }
     args = ["-m", "services.cli", "demo", "--max-trainer-steps", str(STEPS)]
@@ -80,7 +86,6 @@ def offline_steps(run_dir: Path) -> list[Any]:
     return [r for r in latest_per_step(read_steps(run_dir)) if r.stream == "offline"]
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_live_view_shows_progress_reward_throughput_and_versions(demo: DemoRun) -> None:
     screen = demo.screen
@@ -98,7 +103,6 @@ def test_live_view_shows_progress_reward_throughput_and_versions(demo: DemoRun) 
     assert not re.search(r"warning|traceback|disconnected", screen, re.IGNORECASE), screen
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_demo_ends_with_a_human_summary_and_where_the_plots_are(demo: DemoRun) -> None:
     ending = demo.screen[demo.screen.rindex("run reached its trainer step bound") :]
@@ -113,7 +117,6 @@ def test_demo_ends_with_a_human_summary_and_where_the_plots_are(demo: DemoRun) -
     assert summary["exit_code"] == 0 and summary["trainer_step"] == STEPS
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_tensorboard_reads_the_step_metrics_the_trainer_recorded(demo: DemoRun) -> None:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -135,7 +138,6 @@ def test_tensorboard_reads_the_step_metrics_the_trainer_recorded(demo: DemoRun) 
     assert scores == pytest.approx({d.step: d.candidate_score for d in decisions}, rel=1e-6)
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_wandb_offline_run_holds_every_step_read_by_wandb_itself(demo: DemoRun) -> None:
     [run_folder] = (demo.run_dir / "tracking" / "wandb").glob("offline-run-*")
@@ -159,7 +161,6 @@ def test_wandb_offline_run_holds_every_step_read_by_wandb_itself(demo: DemoRun) 
     assert rates == pytest.approx({s.step: s.learning_rate for s in steps}, rel=1e-6)
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_mlflow_file_store_holds_the_run_and_its_parameters(demo: DemoRun) -> None:
     os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
@@ -175,7 +176,6 @@ def test_mlflow_file_store_holds_the_run_and_its_parameters(demo: DemoRun) -> No
     assert logged == pytest.approx({s.step: s.mean_reward for s in steps}, rel=1e-6)
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_report_writes_the_plots_and_summarizes_the_steps(demo: DemoRun, tmp_path: Path) -> None:
     out = tmp_path / "plots"

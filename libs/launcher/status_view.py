@@ -92,6 +92,10 @@ def service_status(child: ChildState, record: HealthRecord | None) -> tuple[str,
     return record.status, record.detail
 
 
+# Below this many columns the services' details go under the table, one line each: beside
+# the other columns they would be folded a few characters wide, many lines per service.
+WIDE_COLUMNS = 120
+
 # Trainer health fields the view shows, and how: (label, format).
 TRAINING_FIGURES = {
     "reward_recent": ("reward", "{:.2f}"),
@@ -251,30 +255,42 @@ class StatusView:
         if progress is not None:
             cells += [ProgressBar(total=1.0, completed=progress, width=24), f"{progress:.0%}"]
             cells.append(f"ETA {format_duration(self._eta_s())}")
-        cells += [
+        # The step, bar, percentage and ETA keep their width; the figures take what is left
+        # and wrap onto more lines on a narrow terminal (80 columns).
+        for _ in cells:
+            line.add_column(no_wrap=True)
+        line.add_column(ratio=1)
+        figures = Text("  ").join(
             Text.assemble((f"{label} ", "dim"), value) for label, value in training_figures(body)
-        ]
-        line.add_row(*cells)
+        )
+        line.add_row(*cells, figures)
         return line
 
-    def _table(self) -> Table:
+    def _table(self) -> Group:
+        """One row per service; the detail column where the terminal is wide enough, else
+        one line per service with something to say, under the table."""
+        wide = self.log.console.width >= WIDE_COLUMNS
         table = Table(expand=True)
         for column in ("service", "pid", "status", "restarts", "uptime", "version"):
             table.add_column(column, no_wrap=True)
-        table.add_column("detail", overflow="fold")
+        if wide:
+            table.add_column("detail", overflow="fold")
+        details = []
         for name, child in self.supervisor.children.items():
             record = self.monitor.records.get(name)
             status, detail = service_status(child, record)
-            table.add_row(
+            row: list[str | Text] = [
                 name,
                 str(child.pid or "-"),
                 Text(status, STATUS_STYLES.get(status, "")),
                 str(child.restarts),
                 format_duration(child.uptime_s),
                 self._version(name, record),
-                detail,
-            )
-        return table
+            ]
+            table.add_row(*row, *([detail] if wide else []))
+            if not wide and detail:
+                details.append(Text(f"{name}: {detail}", no_wrap=True, overflow="ellipsis"))
+        return Group(table, *details)
 
     def _version(self, name: str, record: HealthRecord | None) -> str:
         """The policy version a service holds; for a worker, how far behind the trainer."""
