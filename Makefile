@@ -10,7 +10,7 @@ INSTALLED := $(VENV)/.installed
 DEMO_ARGS ?= --max-trainer-steps 300
 PYTEST_ARGS ?=
 
-.PHONY: demo test bench lint schema venv system-tools clean
+.PHONY: demo test test-slow bench lint schema venv system-tools clean
 
 venv: $(INSTALLED)
 
@@ -29,8 +29,15 @@ system-tools:
 demo: $(INSTALLED)
 	$(BIN)/rlpipe demo $(DEMO_ARGS)
 
+# `make test` keeps under 15 minutes on 2 cores: two workers, the whole-pipeline tests one
+# after another on one of them (tests/marks.py), and the tests marked slow left out (each over
+# a minute: the Ray deployment, the NATS cluster and chaos runs, the agent RL runs);
+# `make test-slow` runs those, one at a time.
 test: $(INSTALLED) system-tools
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m "not slow" -n 2 --dist loadgroup $(PYTEST_ARGS)
+
+test-slow: $(INSTALLED) system-tools
+	$(BIN)/python -m pytest -m slow $(PYTEST_ARGS)
 
 bench: $(INSTALLED)
 	@mkdir -p bench/results

@@ -63,8 +63,12 @@ from services.trainer.settings import TrainerSettings
 from services.weight_broadcaster.service import WeightBroadcasterService
 from services.weight_broadcaster.settings import WeightBroadcasterSettings
 from tests.conftest import wait_for
+from tests.marks import E2E
 
-pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap not installed")
+pytestmark = [
+    pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap not installed"),
+    E2E,
+]
 
 TOKENIZER = ByteTokenizer()
 GROUP = 2

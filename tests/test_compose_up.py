@@ -8,7 +8,7 @@ trainer's reward rises, and the workers follow the newer versions. On failure it
 container's state, /healthz and last log lines. The same running services then show that every
 metric the Grafana dashboard (deploy/grafana/dashboards/rlpipe.json) queries is exported.
 
-Run: .venv/bin/python -m pytest tests/test_compose_up.py -q -m slow
+Run: .venv/bin/python -m pytest tests/test_compose_up.py -q
 """
 
 from __future__ import annotations
@@ -22,6 +22,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.compose_support import ROOT, ComposeProcesses, Container, resolve_compose
+from tests.marks import E2E
+
+pytestmark = E2E
 
 DASHBOARD = ROOT / "deploy" / "grafana" / "dashboards" / "rlpipe.json"
 
@@ -136,7 +139,6 @@ def compose_up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ComposeProc
         yield compose
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(FIRST_WEIGHTS_S + LEARN_S + 120)
 def test_compose_up_learns_and_delivers_weights_to_every_worker(
     compose_up: ComposeProcesses,
@@ -163,7 +165,6 @@ def test_compose_up_learns_and_delivers_weights_to_every_worker(
     assert all(compose.healthy(name) for name in compose.names), compose.diagnosis()
 
 
-@pytest.mark.slow
 def test_every_metric_the_dashboard_draws_is_exported_by_a_running_service(
     compose_up: ComposeProcesses,
 ) -> None:

@@ -26,6 +26,7 @@ from libs.nats_server import NatsServer, free_port
 from libs.reward import rubric_for, score_rollout
 from libs.trainer.checkpoint import checkpoint_version
 from proto.messages import Rollout, Task, Turn
+from tests.marks import E2E
 
 ROWS = [
     {"prompt": "12+30=", "answer": 42},
@@ -208,7 +209,7 @@ def test_the_demo_refuses_a_malformed_dataset_naming_line_and_field(tmp_path: Pa
     assert not (tmp_path / "run").exists()  # refused before anything started
 
 
-@pytest.mark.slow
+@E2E
 def test_the_demo_trains_on_a_dataset_to_the_exact_step_and_leaves_a_checkpoint(
     tmp_path: Path, nats_server: NatsServer
 ) -> None:

@@ -14,7 +14,9 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
+from tests.marks import E2E
+
+pytestmark = E2E
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 BUDGET_S = 480
@@ -27,7 +29,6 @@ def rewards(run_dir: Path) -> list[float]:
     return [json.loads(line)["mean_reward"] for line in path.read_text().splitlines()]
 
 
-@pytest.mark.slow
 def test_demo_learns_the_builtin_task(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     process = subprocess.Popen(

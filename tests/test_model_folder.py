@@ -29,6 +29,7 @@ from libs.trainer.checkpoint import latest_checkpoint
 from services.rollout_worker.service import RolloutWorkerService
 from services.rollout_worker.settings import RolloutWorkerSettings
 from tests.conftest import state_trainer_policy, wait_for
+from tests.marks import E2E
 from tests.model_folder import build_model_folder
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -47,7 +48,7 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in lines if line.startswith("{")]
 
 
-@pytest.mark.slow
+@E2E
 def test_the_demo_trains_a_model_folder_with_its_own_tokenizer(
     model_folder: Path, tmp_path: Path
 ) -> None:

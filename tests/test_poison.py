@@ -31,6 +31,7 @@ from libs.nats_server import MAX_PAYLOAD_BYTES
 from proto import streams, subjects
 from proto.messages import DeadLetter
 from tests.chaos_support import read_steps
+from tests.marks import E2E
 from tests.poison_support import Poison, poison_cases
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -106,8 +107,8 @@ async def dead_letters(url: str) -> dict[tuple[str, int], DeadLetter]:
         await bus.close()
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(420)
+@E2E
 def test_every_poison_message_is_dead_lettered_and_training_goes_on(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     run_dir.mkdir()

@@ -20,8 +20,6 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 from libs.nats_server import NatsServer, free_port
 from tests.compose_support import ROOT
 
@@ -98,7 +96,6 @@ def answer(result: subprocess.CompletedProcess[str], log: Path) -> dict[str, Any
     return body
 
 
-@pytest.mark.slow
 def test_the_serve_example_answers_on_a_fresh_bus(tmp_path: Path, nats_server: NatsServer) -> None:
     result, log = run_example(
         "## Serve mode", tmp_path, nats_server, {"8000": free_port()}, "rollout-worker"
@@ -111,7 +108,6 @@ def test_the_serve_example_answers_on_a_fresh_bus(tmp_path: Path, nats_server: N
     assert len(choice["token_ids"]) == len(choice["logprobs"]["content"]) <= 16
 
 
-@pytest.mark.slow
 def test_the_feedback_example_is_accepted(tmp_path: Path, nats_server: NatsServer) -> None:
     result, log = run_example(
         "### Posting feedback", tmp_path, nats_server, {"8080": free_port()}, "feedback-ingester"

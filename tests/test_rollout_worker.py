@@ -241,7 +241,6 @@ async def test_a_task_waits_for_its_min_policy_version(cluster: Cluster) -> None
     assert worker.health()["tasks_waiting_for_version"] == 0
 
 
-@pytest.mark.slow
 async def test_a_version_that_never_comes_holds_no_slot_and_its_task_is_dead_lettered(
     cluster: Cluster,
 ) -> None:

@@ -35,6 +35,7 @@ from libs.trainer.step import StepConfig, train_step
 from proto import streams, subjects
 from proto.messages import Rollout, ScoredRollout, Task, Turn, WeightsStaged
 from tests.conftest import wait_for
+from tests.marks import E2E
 
 TOKENIZER = ByteTokenizer()
 
@@ -238,7 +239,7 @@ async def test_trainer_steps_on_groups_drops_stale_samples_and_stages_each_versi
     assert (tmp_path / "trainer" / "checkpoints" / "step-00000002" / "model.safetensors").exists()
 
 
-@pytest.mark.slow
+@E2E
 async def test_trainer_killed_mid_run_resumes_without_losing_or_repeating_samples(
     bus: Bus, nats_server: NatsServer, tmp_path: Path
 ) -> None:

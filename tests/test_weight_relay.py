@@ -32,7 +32,10 @@ from libs.weights.tensors import raw_state
 from proto import streams
 from services.cli import main as cli_main
 from tests.conftest import state_trainer_policy, wait_for
+from tests.marks import E2E
 from tests.test_weight_broadcaster import assert_bit_exact, next_version
+
+pytestmark = E2E
 
 HUB_DOMAIN = "hub"
 SNAPSHOT_EVERY = 3  # versions 1 (first) and 4 are snapshot points
