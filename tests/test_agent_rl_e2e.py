@@ -112,7 +112,7 @@ def test_a_summarizing_episode_has_every_segment_trained(tmp_path: Path) -> None
     # SFT steps of 8 left a policy at 3.1-3.4 calls per episode (validity 0.82-0.87), whose
     # first 8 episodes made 1.0-3.0; the same examples in 400 steps of 4 make 5.4 (validity
     # 0.98) on 32 held-out tasks, for the same CPU (~400 s on one thread). Passed in 1,028 s
-    # at load 3-8 (8 episodes, 6.0 calls and 2.0 segments each).
+    # at load 3-8 (6.0 calls, 2.0 segments per episode) and 424 s at load 2-4 (5.5, 1.9).
     model = warm_start(
         tmp_path, "recall", num_tasks=200, steps=400, batch_size=4, learning_rate=3e-3
     )
