@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
@@ -14,6 +15,15 @@ from libs.bus.connection import Bus, connect_bus
 from libs.nats_server import NatsServer
 from libs.policy import PolicyConfig, build_policy, load_policy_tokenizer, tokenizer_spec
 from libs.policy_identity import describe_policy, store_identity
+
+if os.environ.get("PYTEST_XDIST_WORKER") and "OMP_NUM_THREADS" not in os.environ:
+    import torch
+
+    # Two workers on two cores (make test): one torch thread each. With torch's default of one
+    # per core, the workers' thread pools spin against each other and the services the tests
+    # start: the SFT resume test took 70-140 s with 2 threads, 4.5 s with 1 (2-core VM). The
+    # services started as subprocesses keep their own default.
+    torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")

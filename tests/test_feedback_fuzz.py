@@ -31,9 +31,8 @@ from schemathesis.checks import (
 
 from libs.feedback.auth import ApiKeyEntry, hash_key
 from libs.nats_server import NatsServer, free_port
-from tests.marks import E2E
 
-pytestmark = [pytest.mark.fuzz, E2E]
+pytestmark = pytest.mark.fuzz
 
 KEY = "rlfb_fuzz-key-0123456789"
 MIN_CASES = 1000
