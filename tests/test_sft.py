@@ -9,6 +9,7 @@ import json
 import random
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 from unittest.mock import patch
 
 import pytest
@@ -34,6 +35,7 @@ from libs.launcher.run import add_demo_arguments, options_from_args
 from libs.policy import PolicyConfig, build_policy, load_policy
 from libs.rollout.agent import AgentRunner
 from libs.rollout.episode import RunnerSettings
+from libs.sft.cli import LogFn
 from libs.sft.loss import MIN_SHARED_PREFIX_TOKENS, sft_loss, shared_prefix_length
 from libs.sft.train import SftConfig, SftStep, load_examples, train_sft
 from libs.sft.transcript import (
@@ -314,19 +316,30 @@ def test_a_warm_start_trains_on_one_thread_and_is_reused(
         full_batch_size=2,
     )
     threads_during: list[int] = []
+    real_run_with_progress = warm_start.run_with_progress
+    progress: list[tuple[str, dict[str, Any]]] = []
 
-    def train(config: SftConfig, title: str) -> dict[str, object]:
+    def train(config: SftConfig, title: str, emit: LogFn | None) -> dict[str, Any]:
         threads_during.append(torch.get_num_threads())
-        return train_sft(config)
+        return real_run_with_progress(config, title, emit)
+
+    def emit(event: str, **fields: Any) -> None:  # the demo passes its launcher's log
+        progress.append((event, fields))
 
     torch.set_num_threads(2)
     with patch.object(warm_start, "run_with_progress", train):
-        model = warm_start.ensure_warm_start("calc", tmp_path, recipe)
+        model = warm_start.ensure_warm_start("calc", tmp_path, recipe, emit=emit)
         assert (model / "model.safetensors").exists()
         assert threads_during == [1, 1], "both SFT stages on one thread"
         assert torch.get_num_threads() == 2, "restored after"
-        assert warm_start.ensure_warm_start("calc", tmp_path, recipe) == model
+        assert warm_start.ensure_warm_start("calc", tmp_path, recipe, emit=emit) == model
     assert len(threads_during) == 2, "the cached warm start is reused, not trained again"
+    # Not a terminal here: each stage's progress came as lines through `emit`.
+    events = [(event, fields["step"]) for event, fields in progress]
+    assert events == [
+        ("warm start (calc): sft, short contexts step", 2),
+        ("warm start (calc): sft, full transcripts step", 2),
+    ]
 
 
 def test_a_tool_demo_feeds_at_most_the_trainers_batches_ahead(

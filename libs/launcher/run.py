@@ -254,7 +254,7 @@ def _has_warm_start(env: str) -> bool:
     return warm_start.has_warm_start(env)
 
 
-def with_warm_start(options: LaunchOptions) -> LaunchOptions:
+def with_warm_start(options: LaunchOptions, log: LauncherLog) -> LaunchOptions:
     """`options` with the trainer and workers loading the warm-start policy (built first when
     missing) and the workers' harness set for the environment."""
     env = options.warm_start_env
@@ -263,7 +263,7 @@ def with_warm_start(options: LaunchOptions) -> LaunchOptions:
     from libs.launcher import warm_start
 
     root = options.warm_start_root or warm_start.default_cache_root()
-    path = str(warm_start.ensure_warm_start(env, root))
+    path = str(warm_start.ensure_warm_start(env, root, emit=log.info))
     services = {
         "trainer": {
             "RLPIPE_TRAINER_POLICY_PATH": path,
@@ -291,7 +291,7 @@ def run_local(options: LaunchOptions) -> int:
     if options.warm_start_env:
         cache = options.warm_start_root or "the default cache"
         log.info("warm start", env=options.warm_start_env, cache=str(cache))
-    options = with_warm_start(options)
+    options = with_warm_start(options, log)
     return asyncio.run(LocalRun(options, log).run())
 
 

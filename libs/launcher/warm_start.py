@@ -35,7 +35,7 @@ from libs.experts.demos import (
     write_demonstrations,
 )
 from libs.policy import PolicyConfig
-from libs.sft.cli import run_with_progress
+from libs.sft.cli import LogFn, run_with_progress
 from libs.sft.train import SftConfig, finished_result
 
 DEMOS_FILE = "demos.jsonl"
@@ -154,8 +154,14 @@ def full_stage(env: str, cache_root: Path, recipe: WarmStartRecipe) -> SftConfig
     )
 
 
-def ensure_warm_start(env: str, cache_root: Path, recipe: WarmStartRecipe | None = None) -> Path:
-    """The model folder of `env`'s warm start, built first when missing (with progress)."""
+def ensure_warm_start(
+    env: str,
+    cache_root: Path,
+    recipe: WarmStartRecipe | None = None,
+    emit: LogFn | None = None,
+) -> Path:
+    """The model folder of `env`'s warm start, built first when missing (with progress: a
+    bar on a terminal, else lines through `emit`)."""
     if not has_warm_start(env):
         raise ValueError(
             f"no warm start for env {env!r}; environments with one: {', '.join(RECIPES)}"
@@ -168,9 +174,10 @@ def ensure_warm_start(env: str, cache_root: Path, recipe: WarmStartRecipe | None
     with torch_threads(warm_start_threads()):
         if finished_result(short) is None:
             _ensure_demos(short.data, RECIPES[short_env] if short_env != env else recipe)
-            run_with_progress(short, title=f"warm start ({short_env}): sft, short contexts")
+            title = f"warm start ({short_env}): sft, short contexts"
+            run_with_progress(short, title, emit)
         _ensure_demos(full.data, recipe)
-        run_with_progress(full, title=f"warm start ({env}): sft, full transcripts")
+        run_with_progress(full, f"warm start ({env}): sft, full transcripts", emit)
     return full.out
 
 

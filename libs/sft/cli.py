@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -23,6 +24,7 @@ if TYPE_CHECKING:
     from libs.sft.train import ProgressFn, SftConfig, SftStep
 
 LOG_EVERY_STEPS = 10
+LogFn = Callable[..., None]  # (event, **fields)
 log = structlog.get_logger(__name__)
 
 
@@ -91,12 +93,15 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_with_progress(config: SftConfig, title: str = "sft") -> dict[str, Any]:
-    """`train_sft` with a rich bar on a terminal, log lines otherwise."""
+def run_with_progress(
+    config: SftConfig, title: str = "sft", emit: LogFn | None = None
+) -> dict[str, Any]:
+    """`train_sft` with a rich bar on a terminal, log lines otherwise (through `emit`, e.g.
+    the demo launcher's own log, whose library loggers are kept to warnings)."""
     from libs.sft.train import train_sft
 
     if not sys.stderr.isatty():
-        return train_sft(config, log_progress(config, title))
+        return train_sft(config, log_progress(config, title, emit or log.info))
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
     columns = (TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[info]}"))
@@ -110,10 +115,10 @@ def run_with_progress(config: SftConfig, title: str = "sft") -> dict[str, Any]:
         return train_sft(config, on_step)
 
 
-def log_progress(config: SftConfig, title: str) -> ProgressFn:
+def log_progress(config: SftConfig, title: str, emit: LogFn) -> ProgressFn:
     def on_step(step: SftStep) -> None:
         if step.step % LOG_EVERY_STEPS == 0 or step.step == config.steps:
-            log.info(
+            emit(
                 f"{title} step",
                 step=step.step,
                 steps=config.steps,
