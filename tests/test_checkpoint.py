@@ -20,10 +20,14 @@ from libs.envs.client import EnvClient
 from libs.policy import PolicyConfig, build_policy, load_policy_tokenizer
 from libs.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 from libs.trainer.checkpoint import (
+    OPTIMIZER_FILE,
+    HostCopy,
     TrainerState,
     checkpoint_version,
+    host_snapshot_writer,
     latest_checkpoint,
     save_checkpoint,
+    write_model_and_optimizer,
 )
 from libs.trainer.eval_gate import EvalGateConfig
 from libs.trainer.loop import Trainer
@@ -51,6 +55,51 @@ def save(directory: Path, step: int, version: int, keep: int, protected: set[int
     optimizer = torch.optim.AdamW(model.parameters())
     state = TrainerState(step=step, version=version)
     return save_checkpoint(directory, state, model, optimizer, ByteTokenizer(), keep, protected)
+
+
+def adam_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    loss = sum((p.float() ** 2).sum() for p in model.parameters())
+    optimizer.zero_grad()
+    loss.backward()  # type: ignore[union-attr]
+    optimizer.step()
+
+
+def test_a_checkpoint_written_in_the_background_holds_the_trainer_as_it_was_when_taken(
+    tmp_path: Path,
+) -> None:
+    """The trainer writes checkpoints beside training (libs.trainer.loop): the host copy
+    taken at a step must be written exactly, whatever the steps after it change."""
+    torch.manual_seed(0)
+    model = build_policy(PolicyConfig(preset="tiny", dtype="float32"))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    adam_step(model, optimizer)
+    host = HostCopy()
+    host_snapshot_writer(model, optimizer, host)  # an earlier copy: its buffers are reused
+    adam_step(model, optimizer)
+    write_model_and_optimizer(model, optimizer, tmp_path / "in_line")
+    snapshot = host_snapshot_writer(model, optimizer, host)
+    for group in optimizer.param_groups:
+        group["lr"] = 0.5  # a schedule moving on
+    adam_step(model, optimizer)  # training goes on before the write
+    snapshot(tmp_path / "background")
+
+    in_line = AutoModelForCausalLM.from_pretrained(tmp_path / "in_line")
+    background = AutoModelForCausalLM.from_pretrained(tmp_path / "background")
+    pairs = zip(in_line.state_dict().items(), background.state_dict().items(), strict=True)
+    for (name, a), (other, b) in pairs:
+        assert name == other and torch.equal(a, b), name
+    assert any(
+        not torch.equal(a, b)
+        for a, b in zip(model.state_dict().values(), in_line.state_dict().values(), strict=True)
+    ), "the later step changed the live weights"
+    files = sorted(p.name for p in (tmp_path / "background").iterdir())
+    assert files == sorted(p.name for p in (tmp_path / "in_line").iterdir())
+    want = torch.load(tmp_path / "in_line" / OPTIMIZER_FILE)
+    got = torch.load(tmp_path / "background" / OPTIMIZER_FILE)
+    assert got["param_groups"] == want["param_groups"]
+    for key, state in want["state"].items():
+        for field, value in state.items():
+            assert torch.equal(got["state"][key][field], value), (key, field)
 
 
 def test_a_byte_policy_checkpoint_loads_in_transformers_with_its_tokenizer(tmp_path: Path) -> None:

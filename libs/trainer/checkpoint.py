@@ -106,6 +106,65 @@ def write_model_and_optimizer(
     torch.save(optimizer.state_dict(), folder / OPTIMIZER_FILE)
 
 
+class HostCopy:
+    """Host buffers for copies of the trainer's tensors, kept from one checkpoint to the
+    next: the first copy allocates (and faults in) them, later ones copy into them (5.9 GB
+    of byte-0.5b's fp32 weights and AdamW state: 28.5 s the first time, 0.9 s after, on the
+    2-core VM). A copy's buffers are overwritten by the next: write one before taking
+    another."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def copy(self, key: str, tensor: torch.Tensor) -> torch.Tensor:
+        tensor = tensor.detach()
+        buffer = self._buffers.get(key)
+        if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
+            pin = tensor.is_cuda  # pinned: the copy from the GPU runs at full bus speed
+            buffer = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pin)
+            self._buffers[key] = buffer
+        buffer.copy_(tensor)
+        return buffer
+
+
+def host_snapshot_writer(
+    model: PreTrainedModel, optimizer: torch.optim.Optimizer, host: HostCopy
+) -> Callable[[Path], None]:
+    """A copy in `host`'s buffers of `model`'s weights and `optimizer`'s state as they are
+    now, and a writer of that copy (the files of `write_model_and_optimizer`) that may run
+    while training goes on. Tensors sharing storage (tied embeddings) stay shared in the
+    copy, so the model folder is the one `save_policy` writes."""
+    copies: dict[tuple[int, torch.device], torch.Tensor] = {}
+    weights = {}
+    for name, tensor in model.state_dict().items():
+        shared = (tensor.data_ptr(), tensor.device)
+        if shared not in copies:
+            copies[shared] = host.copy(f"weights/{name}", tensor)
+        weights[name] = copies[shared]
+    keys = iter(range(1 << 62))
+    optimizer_state = _map_tensors(
+        optimizer.state_dict(), lambda t: host.copy(f"optimizer/{next(keys)}", t)
+    )
+
+    def write(folder: Path) -> None:
+        model.save_pretrained(folder, state_dict=weights, safe_serialization=True)
+        torch.save(optimizer_state, folder / OPTIMIZER_FILE)
+
+    return write
+
+
+def _map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """`value` (nested dicts, lists, tuples) with every tensor replaced by `fn(tensor)` and
+    everything else copied (an optimizer's param groups change with the schedule)."""
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, dict):
+        return {key: _map_tensors(item, fn) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_map_tensors(item, fn) for item in value)
+    return value
+
+
 def write_checkpoint(
     directory: Path,
     state: TrainerState,

@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+import msgspec
 import nats.errors
 import structlog
 import torch
@@ -65,7 +66,9 @@ from libs.rl import (
 )
 from libs.rollout.figures import is_success
 from libs.trainer.checkpoint import (
+    HostCopy,
     TrainerState,
+    host_snapshot_writer,
     latest_checkpoint,
     load_optimizer_state,
     write_checkpoint,
@@ -160,6 +163,10 @@ class Timers:
 class Trainer:
     """Owns the policy, the optimizer and the trainer's position in the scored stream."""
 
+    # Checkpoints are written beside training (config.checkpoint_in_background) but by the
+    # sharded trainer, whose save is a collective of every rank.
+    background_checkpoints = True
+
     def __init__(
         self, config: TrainerConfig, run_dir: Path, bus: Bus, publisher: Publisher
     ) -> None:
@@ -181,6 +188,8 @@ class Trainer:
         self.config = config = config.sized_for(num_parameters)
         self._steps = open_step_log(config, run_dir)  # the resolved config as run parameters
         self._stager = WeightStager(publisher, self.paths.staging_dir)
+        self._checkpoint_write: asyncio.Task[None] | None = None
+        self._host_copy = HostCopy()
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(),
             lr=learning_rate_at(config, 0),
@@ -284,6 +293,7 @@ class Trainer:
                 await self._train(batch)
         finally:
             await self._stager.flush()
+            await self._checkpoint_written()
             if self.state.step > 0:
                 await asyncio.to_thread(self._checkpoint)
             if self._reader is not None:
@@ -569,7 +579,7 @@ class Trainer:
             await self._decide()
         kept = self._keeps_version()  # first: it also notes the best held-out score
         if kept or self.state.step % self.config.checkpoint_every_steps == 0:
-            await asyncio.to_thread(self._checkpoint)
+            await self._save_checkpoint()
 
     async def _decide(self) -> None:
         """Run the eval gate on the weights held; its decision joins the step records."""
@@ -619,17 +629,52 @@ class Trainer:
             return None
         return int((entry.value or b"0").decode())
 
-    def _checkpoint(self) -> None:
-        self.state.recent_groups = self._buffer.recently_taken
-        path = write_checkpoint(
-            self.paths.checkpoint_dir,
-            self.state,
-            self._write_tensors,
-            self.tokenizer,
-            keep=self.config.checkpoint_keep,
-            protected=self._protected_versions(),
+    async def _save_checkpoint(self) -> None:
+        """A checkpoint of the trainer as it is now: written in the background from a host
+        copy (one write at a time; a failed write raises at the next checkpoint or at stop),
+        or in line where `background_checkpoints` is off."""
+        await self._checkpoint_written()  # its host buffers are the next copy's
+        if not (self.background_checkpoints and self.config.checkpoint_in_background):
+            await asyncio.to_thread(self._checkpoint)
+            return
+        write = await asyncio.to_thread(self._checkpoint_snapshot)
+        self._checkpoint_write = asyncio.create_task(
+            asyncio.to_thread(write), name="checkpoint-write"
         )
-        log.info("checkpoint saved", path=str(path))
+
+    async def _checkpoint_written(self) -> None:
+        """Wait for the checkpoint being written in the background, if any."""
+        task, self._checkpoint_write = self._checkpoint_write, None
+        if task is not None:
+            await task
+
+    def _checkpoint(self) -> None:
+        """Write a checkpoint of the trainer as it is now, in line."""
+        self._checkpoint_writer(self._write_tensors)()
+
+    def _checkpoint_snapshot(self) -> Callable[[], None]:
+        """A writer of a checkpoint of the trainer as it is now, from a host copy of its
+        tensors: it may run while training goes on."""
+        copy = host_snapshot_writer(self.model, self.optimizer, self._host_copy)
+        return self._checkpoint_writer(copy)
+
+    def _checkpoint_writer(self, write_tensors: Callable[[Path], None]) -> Callable[[], None]:
+        self.state.recent_groups = self._buffer.recently_taken
+        state = msgspec.json.decode(msgspec.json.encode(self.state), type=TrainerState)
+        protected = self._protected_versions()
+
+        def write() -> None:
+            path = write_checkpoint(
+                self.paths.checkpoint_dir,
+                state,
+                write_tensors,
+                self.tokenizer,
+                keep=self.config.checkpoint_keep,
+                protected=protected,
+            )
+            log.info("checkpoint saved", path=str(path))
+
+        return write
 
     def _write_tensors(self, folder: Path) -> None:
         """The checkpoint's weights and optimizer state, into `folder`."""

@@ -281,6 +281,8 @@ class RankGroup:
 class ShardedTrainer(Trainer):
     """Rank 0 of the sharded trainer: the 1-rank loop, its model operations run by all ranks."""
 
+    background_checkpoints = False  # a save is a collective of every rank (Save)
+
     def __init__(self, config: TrainerConfig, run_dir: Path, bus: Bus, publisher: Publisher):
         refuse_unsupported(config)
         super().__init__(config, run_dir, bus, publisher)
