@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import shutil
 import signal
@@ -60,11 +61,38 @@ def find_nats_server() -> str:
     )
 
 
+# Ports handed out for servers to bind later are drawn below the kernel's ephemeral range:
+# a port from bind(0) is an ephemeral one, which any outgoing connection may take as its local
+# port before the server binds it (seen with two test workers: the feedback API's port taken,
+# the ingester crash-looping on "address in use").
+LOWEST_PORT = 20000
+_random = random.SystemRandom()
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
+    """A port free on 127.0.0.1 now, drawn at random below the ephemeral range."""
+    top = _ephemeral_range_start() - 1
+    for _ in range(100):
+        port = _random.randint(LOWEST_PORT, top)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as sock:  # that range is full: any free port
         sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
+        found: int = sock.getsockname()[1]
+        return found
+
+
+def _ephemeral_range_start() -> int:
+    try:
+        text = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text()
+        start = int(text.split()[0])
+    except (OSError, ValueError, IndexError):
+        start = 32768  # Linux's default; macOS starts at 49152
+    return max(start, LOWEST_PORT + 1000)
 
 
 @dataclass

@@ -30,6 +30,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from libs.nats_server import free_port
 from libs.ray_deploy.plan import ServicePlan
 
 PR_SET_PDEATHSIG = 1
@@ -39,13 +40,6 @@ def _die_with_parent() -> None:
     """In the child before exec: SIGKILL when the actor's process dies (Linux)."""
     libc = ctypes.CDLL("libc.so.6", use_errno=True)
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 class ServiceProcess:
