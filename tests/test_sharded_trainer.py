@@ -226,6 +226,21 @@ def trainer_ranks(num_ranks: int, env: dict[str, str], log: Path) -> subprocess.
         )
 
 
+def ranks_env(nats_server: NatsServer, run_dir: Path, **settings: str) -> dict[str, str]:
+    """The environment of a trainer job on `nats_server` writing to `run_dir`, plus
+    `settings` (RLPIPE_* variables)."""
+    return {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "RLPIPE_NATS_URL": nats_server.url,
+        "RLPIPE_RUN_DIR": str(run_dir),
+        "RLPIPE_TRAINER_HTTP_PORT": str(free_port()),
+        "RLPIPE_TRAINER_MAX_STALENESS": "1000",
+        "RLPIPE_LOG_FORMAT": "json",
+        **settings,
+    }
+
+
 # Resumed on 3 ranks, each loads its share of the 2 ranks' shards (DCP reshards): one more
 # process on 2 cores takes the test past a minute (64 s at load 5), so that case is slow.
 @pytest.mark.parametrize("resume_ranks", [2, pytest.param(3, marks=pytest.mark.slow)])
@@ -238,20 +253,15 @@ async def test_a_2_rank_trainer_service_stopped_and_resumed_trains_each_sample_o
         scored_sample(g, i, float((g + i) % 3 == 0)) for g in range(num_groups) for i in range(4)
     ]
     await publish_scored(bus, published)
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "RLPIPE_NATS_URL": nats_server.url,
-        "RLPIPE_RUN_DIR": str(tmp_path),
-        "RLPIPE_TRAINER_HTTP_PORT": str(free_port()),
-        "RLPIPE_TRAINER_POLICY_PRESET": "tiny",
-        "RLPIPE_TRAINER_BATCH_GROUPS": str(batch_groups),
-        "RLPIPE_TRAINER_CHECKPOINT_EVERY_STEPS": "100",  # the drain's checkpoint is resumed
-        "RLPIPE_TRAINER_MAX_STALENESS": "1000",
+    env = ranks_env(
+        nats_server,
+        tmp_path,
+        RLPIPE_TRAINER_POLICY_PRESET="tiny",
+        RLPIPE_TRAINER_BATCH_GROUPS=str(batch_groups),
+        RLPIPE_TRAINER_CHECKPOINT_EVERY_STEPS="100",  # the drain's checkpoint is resumed
         # The eval gate gathers the weights for its own copy (no env-gateway: no decision).
-        "RLPIPE_TRAINER_EVAL_EVERY_VERSIONS": "2",
-        "RLPIPE_LOG_FORMAT": "json",
-    }
+        RLPIPE_TRAINER_EVAL_EVERY_VERSIONS="2",
+    )
     log = tmp_path / "trainer.log"
     first = trainer_ranks(2, env, log)
     try:
@@ -307,17 +317,12 @@ async def test_a_dead_rank_ends_the_trainer_job_with_an_error_not_a_hang(
     await publish_scored(
         bus, [scored_sample(g, i, float(i % 2)) for g in range(40) for i in range(4)]
     )
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "RLPIPE_NATS_URL": nats_server.url,
-        "RLPIPE_RUN_DIR": str(tmp_path),
-        "RLPIPE_TRAINER_HTTP_PORT": str(free_port()),
-        "RLPIPE_TRAINER_BATCH_GROUPS": "2",
-        "RLPIPE_TRAINER_MAX_STALENESS": "1000",
-        "RLPIPE_TRAINER_EVAL_EVERY_VERSIONS": "0",
-        "RLPIPE_LOG_FORMAT": "json",
-    }
+    env = ranks_env(
+        nats_server,
+        tmp_path,
+        RLPIPE_TRAINER_BATCH_GROUPS="2",
+        RLPIPE_TRAINER_EVAL_EVERY_VERSIONS="0",
+    )
     log = tmp_path / "trainer.log"
     job = trainer_ranks(2, env, log)
     try:
