@@ -21,7 +21,6 @@ from libs.policy import PolicyConfig, build_policy, load_policy_tokenizer
 from libs.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 from libs.trainer.checkpoint import (
     OPTIMIZER_FILE,
-    HostCopy,
     TrainerState,
     checkpoint_version,
     host_snapshot_writer,
@@ -30,6 +29,7 @@ from libs.trainer.checkpoint import (
     write_model_and_optimizer,
 )
 from libs.trainer.eval_gate import EvalGateConfig
+from libs.trainer.host_memory import HostCopy
 from libs.trainer.loop import Trainer
 from proto.messages import ChatMessage
 from services.rollout_worker.settings import RolloutWorkerSettings

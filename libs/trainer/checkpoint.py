@@ -38,6 +38,7 @@ from libs.policy import save_policy
 from libs.rl.online import OnlineBaselines
 from libs.tokenizer import Tokenizer, save_tokenizer
 from libs.trainer.cursor import ConsumedCursor
+from libs.trainer.host_memory import HostCopy
 from libs.trainer.lineage import Lineage
 
 STATE_FILE = "state.json"
@@ -104,27 +105,6 @@ def write_model_and_optimizer(
     """A 1-rank trainer's tensors: the model folder's weights and `optimizer.pt`."""
     save_policy(model, folder)
     torch.save(optimizer.state_dict(), folder / OPTIMIZER_FILE)
-
-
-class HostCopy:
-    """Host buffers for copies of the trainer's tensors, kept from one checkpoint to the
-    next: the first copy allocates (and faults in) them, later ones copy into them (5.9 GB
-    of byte-0.5b's fp32 weights and AdamW state: 28.5 s the first time, 0.9 s after, on the
-    2-core VM). A copy's buffers are overwritten by the next: write one before taking
-    another."""
-
-    def __init__(self) -> None:
-        self._buffers: dict[str, torch.Tensor] = {}
-
-    def copy(self, key: str, tensor: torch.Tensor) -> torch.Tensor:
-        tensor = tensor.detach()
-        buffer = self._buffers.get(key)
-        if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
-            pin = tensor.is_cuda  # pinned: the copy from the GPU runs at full bus speed
-            buffer = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pin)
-            self._buffers[key] = buffer
-        buffer.copy_(tensor)
-        return buffer
 
 
 def host_snapshot_writer(

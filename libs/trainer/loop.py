@@ -66,7 +66,6 @@ from libs.rl import (
 )
 from libs.rollout.figures import is_success
 from libs.trainer.checkpoint import (
-    HostCopy,
     TrainerState,
     host_snapshot_writer,
     latest_checkpoint,
@@ -77,6 +76,7 @@ from libs.trainer.checkpoint import (
 from libs.trainer.config import TrainerConfig
 from libs.trainer.eval_gate import EvalGate
 from libs.trainer.groups import Group, GroupBuffer
+from libs.trainer.host_memory import HostCopy
 from libs.trainer.metrics import StepRecord, StepSamples, open_step_log
 from libs.trainer.mix import Stream, choose_stream, scheduled_stream
 from libs.trainer.online_source import OnlineSource, OnlineTake

@@ -37,6 +37,7 @@ from prometheus_client import Counter
 
 from libs.bus.connection import ride_through
 from libs.bus.publisher import Publisher
+from libs.trainer.host_memory import HostCopy
 from libs.weights.handoff import stage_weights
 
 log = structlog.get_logger(__name__)
@@ -60,7 +61,7 @@ class HostBuffers:
     """Pinned host tensors a GPU state is copied into, reused from version to version."""
 
     def __init__(self) -> None:
-        self._buffers: dict[str, torch.Tensor] = {}
+        self._host = HostCopy()
         self._stream: torch.cuda.Stream | None = None
 
     def copy(
@@ -76,16 +77,9 @@ class HostBuffers:
         with torch.cuda.stream(self._stream):
             self._stream.wait_event(ready)
             for name, tensor in state.items():
-                out[name] = self._buffer(name, tensor).copy_(tensor, non_blocking=True)
+                out[name] = self._host.buffer(name, tensor).copy_(tensor, non_blocking=True)
         self._stream.synchronize()
         return out
-
-    def _buffer(self, name: str, like: torch.Tensor) -> torch.Tensor:
-        buffer = self._buffers.get(name)
-        if buffer is None or buffer.shape != like.shape or buffer.dtype != like.dtype:
-            buffer = torch.empty(like.shape, dtype=like.dtype, pin_memory=True)
-            self._buffers[name] = buffer
-        return buffer
 
 
 class WeightStager:
