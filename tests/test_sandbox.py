@@ -297,3 +297,30 @@ def test_a_seed_folder_holding_the_sandboxes_own_folder_is_refused(tmp_path: Pat
     with pytest.raises(ValueError, match="holds more than"):
         check_seed_dir(tmp_path / "task", root, max_bytes=1024)
     check_seed_dir(tmp_path / "task", root)
+
+
+async def test_a_new_factory_on_the_same_root_leaves_running_sandboxes_alone() -> None:
+    # Test workers and services share <tmp>/rlpipe-sandboxes-<uid>: a factory built by one
+    # (here with another mount path, so another passwd) must neither change what the other's
+    # sandboxes see nor replace a file their bubblewrap is binding (it failed to start then).
+    first = build_sandbox_factory(SandboxConfig(limits=LIMITS))
+    building = asyncio.Event()
+
+    def build_others() -> int:
+        built = 0
+        while not building.is_set():
+            build_sandbox_factory(SandboxConfig(limits=LIMITS, mount_path=f"/work{built % 2}"))
+            built += 1
+        return built
+
+    others = asyncio.create_task(asyncio.to_thread(build_others))
+    try:
+        for _ in range(30):
+            async with first.open() as sandbox:
+                result = await sandbox.run(
+                    ["python3", "-c", "import os, pwd; print(pwd.getpwuid(os.getuid()).pw_dir)"]
+                )
+                assert result.stdout == b"/workspace\n", result.stderr
+    finally:
+        building.set()
+    assert await others > 0

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import hashlib
 import json
 import os
 import shutil
@@ -58,8 +59,8 @@ class BubblewrapSandboxFactory(SandboxFactory):
         self.run_as = (config.host_uid, config.host_gid) if os.geteuid() == 0 else None
         self.drop_root = self._drop_root_prefix()
         default_root = Path(tempfile.gettempdir()) / f"rlpipe-sandboxes-{os.geteuid()}"
-        self.root_dir = _prepare_root(config.root_dir or default_root, config.mount_path)
-        self.system_args = _system_mount_args(self.root_dir)
+        self.root_dir = _prepare_root(config.root_dir or default_root)
+        self.system_args = _system_mount_args(_write_etc(self.root_dir, config.mount_path))
 
     @contextlib.asynccontextmanager
     async def open(self, seed_dir: Path | None = None) -> AsyncIterator[Sandbox]:
@@ -368,30 +369,49 @@ def check_seed_dir(seed_dir: Path, root_dir: Path, max_bytes: int = MAX_SEED_BYT
                 )
 
 
-def _prepare_root(root: Path, mount_path: str) -> Path:
+def _prepare_root(root: Path) -> Path:
     """The folder of working folders, traversable (not listable) by the sandbox user."""
     root.mkdir(mode=0o711, parents=True, exist_ok=True)
     info = root.lstat()
     if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid():
         raise SandboxError(f"sandbox root {root} must be a folder owned by uid {os.geteuid()}")
     root.chmod(0o711)
-    etc = root / "etc"
-    etc.mkdir(mode=0o755, exist_ok=True)
-    _write_atomically(etc / "passwd", PASSWD.format(id=SANDBOX_ID, home=mount_path))
-    _write_atomically(etc / "group", GROUP.format(id=SANDBOX_ID))
     return root
 
 
-def _write_atomically(path: Path, text: str) -> None:
-    """Replace `path` whole: another factory's sandboxes may be binding it right now."""
-    fd, temporary = tempfile.mkstemp(dir=path.parent)
-    with os.fdopen(fd, "w") as file:
-        file.write(text)
-    os.chmod(temporary, 0o644)
-    os.replace(temporary, path)
+def _write_etc(root: Path, mount_path: str) -> dict[str, Path]:
+    """The synthetic /etc files, by their path inside the sandbox."""
+    etc = root / "etc"
+    etc.mkdir(mode=0o755, exist_ok=True)
+    return {
+        "/etc/passwd": _write_once(etc, "passwd", PASSWD.format(id=SANDBOX_ID, home=mount_path)),
+        "/etc/group": _write_once(etc, "group", GROUP.format(id=SANDBOX_ID)),
+    }
 
 
-def _system_mount_args(root: Path) -> list[str]:
+def _write_once(folder: Path, stem: str, text: str) -> Path:
+    """`folder/stem-<digest of text>`, written if absent and never replaced afterwards.
+
+    Other factories (other processes, other mount paths) share the root, and their sandboxes
+    may be binding these files right now: bubblewrap fails on a source replaced under it
+    ("Unable to find ... (deleted) in mount table"), so a file, once there, stays as it is.
+    """
+    path = folder / f"{stem}-{hashlib.sha256(text.encode()).hexdigest()[:16]}"
+    if path.exists():
+        return path
+    fd, temporary = tempfile.mkstemp(dir=folder)
+    try:
+        with os.fdopen(fd, "w") as file:
+            file.write(text)
+        os.chmod(temporary, 0o644)
+        with contextlib.suppress(FileExistsError):  # another factory wrote the same text first
+            os.link(temporary, path)
+    finally:
+        os.unlink(temporary)
+    return path
+
+
+def _system_mount_args(etc_files: dict[str, Path]) -> list[str]:
     """Read-only /usr, the top-level /bin, /lib* (links kept links) and a minimal /etc."""
     args = ["--ro-bind", "/usr", "/usr"]
     for name in SYSTEM_TOP_DIRS:
@@ -404,8 +424,8 @@ def _system_mount_args(root: Path) -> list[str]:
     for name in etc_names:
         if (Path("/etc") / name).exists():
             args += ["--ro-bind", f"/etc/{name}", f"/etc/{name}"]
-    args += ["--ro-bind", str(root / "etc" / "passwd"), "/etc/passwd"]
-    args += ["--ro-bind", str(root / "etc" / "group"), "/etc/group"]
+    for inside, source in etc_files.items():
+        args += ["--ro-bind", str(source), inside]
     return args
 
 
