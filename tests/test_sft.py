@@ -225,7 +225,7 @@ def test_the_shared_prefix_loss_is_the_plain_forward_loss(tmp_path: Path) -> Non
     asyncio.run(write_demonstrations(DemoConfig(env="calc", num_tasks=4), data))
     config = SftConfig(data=data, out=tmp_path / "out")
     examples = load_examples(config, TOKENIZER)
-    assert shared_prefix_length(examples) > 1000, "calc transcripts share their long opening"
+    assert shared_prefix_length(examples) > 500, "calc transcripts share their opening"
     model = build_policy(PolicyConfig(device="cpu"))
     losses, grads = [], []
     for prefix_floor in (MIN_SHARED_PREFIX_TOKENS, 10**9):  # shared prefix, then plain forward
@@ -284,7 +284,7 @@ def test_the_short_context_stage_drops_only_the_system_message() -> None:
     (transcript,) = asyncio.run(_expert_episode("calc", 2))
     full, full_mask = render_transcript(transcript, TEMPLATE)
     short, short_mask = render_transcript(without_system_message(transcript), TEMPLATE)
-    assert len(short) < len(full) // 5, "the opening is most of a calc transcript"
+    assert len(short) < len(full) // 2, "the opening is most of a calc transcript"
     trained = [i for i, keep in zip(full, full_mask, strict=True) if keep]
     assert [i for i, keep in zip(short, short_mask, strict=True) if keep] == trained
 

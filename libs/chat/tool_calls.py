@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 from collections.abc import Collection
 from dataclasses import dataclass, field
+from typing import Any
 
 from proto.messages import (
     TOOL_ERROR_BAD_ARGUMENTS,
@@ -112,7 +113,62 @@ def describe_tools(tools: list[ToolSpec]) -> str:
         "Results come back in <tool_result> blocks. When you are done, answer without a call.",
         "Tools:",
     ]
-    for tool in tools:
-        params = json.dumps(tool.parameters, separators=(",", ":")) if tool.parameters else "{}"
-        lines.append(f"- {tool.name}: {tool.description} Arguments: {params}")
+    lines += [f"- {describe_tool(tool)}" for tool in tools]
     return "\n".join(lines)
+
+
+# JSON Schema types a signature names as they are.
+_SIGNATURE_TYPES = ("string", "integer", "number", "boolean")
+
+
+def describe_tool(tool: ToolSpec) -> str:
+    """One tool as a signature, `add(a: integer, b?: string[]): <description>` (`?`:
+    optional), when its parameters are a flat object of plainly typed properties, else with
+    the parameters' JSON Schema. A signature says the same in a fraction of the tokens:
+    calc's opening (four tools) was 1,173 bytes with the schemas, which on a byte-level
+    policy is the cost of every prefill and every training row."""
+    signature = _signature(tool.parameters)
+    if signature is None:
+        schema = json.dumps(tool.parameters, separators=(",", ":")) if tool.parameters else "{}"
+        return f"{tool.name}: {tool.description} Arguments: {schema}"
+    arguments, notes = signature
+    return " ".join([f"{tool.name}({arguments}): {tool.description}", *notes])
+
+
+def _signature(schema: dict[str, Any]) -> tuple[str, list[str]] | None:
+    """("a: integer, b?: string", ["b: <its description>.", ...]) of an object schema that
+    says nothing a signature cannot, else None."""
+    if not schema:
+        return "", []
+    if set(schema) - {"type", "properties", "required", "additionalProperties"}:
+        return None
+    if schema.get("type") != "object" or schema.get("additionalProperties", False) is not False:
+        return None
+    properties, required = schema.get("properties", {}), schema.get("required", [])
+    if not isinstance(properties, dict) or not isinstance(required, list):
+        return None
+    if set(required) - set(properties):
+        return None
+    arguments, notes = [], []
+    for name, spec in properties.items():
+        kind = _plain_type(spec)
+        if kind is None:
+            return None
+        arguments.append(f"{name}{'' if name in required else '?'}: {kind}")
+        if "description" in spec:
+            notes.append(f"{name}: {str(spec['description']).rstrip('.')}.")
+    return ", ".join(arguments), notes
+
+
+def _plain_type(spec: Any) -> str | None:
+    """`integer`, or `string[]` for an array of strings; None for anything richer."""
+    if not isinstance(spec, dict) or set(spec) - {"type", "description", "items"}:
+        return None
+    kind = spec.get("type")
+    if kind in _SIGNATURE_TYPES and "items" not in spec:
+        return str(kind)
+    items = spec.get("items")
+    if kind == "array" and isinstance(items, dict) and "description" not in items:
+        item = _plain_type(items)
+        return f"{item}[]" if item is not None else None
+    return None

@@ -66,17 +66,16 @@ OPERATIONS: dict[str, tuple[str, Callable[[int, int], int]]] = {
 TOOLS: tuple[ToolSpec, ...] = tuple(
     ToolSpec(
         name=name,
-        description=f"Returns a {symbol} b for integers a and b"
-        + (" (b must divide a exactly)." if name == "divide" else "."),
+        description=f"Returns a {symbol} b" + (" (b must divide a)." if name == "divide" else "."),
         parameters=_OPERAND_SCHEMA,
     )
     for name, (symbol, _) in OPERATIONS.items()
 )
 
+# Short on purpose: every byte of the opening is prefilled and trained on in every episode.
 SYSTEM_PROMPT = (
-    "You are a careful calculator user. Work out the value of the expression step by step with "
-    "the tools, one operation per call. When you know the value, answer with the number only, "
-    "without a tool call."
+    "Work out the expression with the tools, one operation per call, then answer with the "
+    "number only."
 )
 
 
