@@ -9,8 +9,10 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from unittest.mock import patch
 
 import msgspec
 import pytest
@@ -24,6 +26,7 @@ from libs.engine.hf import HFEngine
 from libs.nats_server import NatsServer, free_port
 from libs.policy import PolicyConfig, build_policy, sequence_logprobs
 from libs.tokenizer import ByteTokenizer
+from libs.trainer.checkpoint import TrainerState, latest_checkpoint, write_checkpoint
 from libs.trainer.config import TrainerConfig
 from libs.trainer.cursor import ConsumedCursor
 from libs.trainer.eval_gate import EvalGateConfig
@@ -201,6 +204,52 @@ def read_steps(run_dir: Path) -> list[dict[str, object]]:
 def read_samples(run_dir: Path) -> list[dict[str, Any]]:
     """Each step's sample ids (trainer/step_samples.jsonl), as the trainer's reader reads them."""
     return [msgspec.to_builtins(record) for record in read_step_samples(run_dir)]
+
+
+async def run_two_steps(bus: Bus, run_dir: Path) -> Trainer:
+    """A trainer that checkpoints every 2 steps, run to its bound of 2 on 2 batches."""
+    await provision(bus.js)
+    trainer = Trainer(trainer_config(max_steps=2), run_dir, bus, Publisher(bus.js))
+    await trainer.setup()
+    version = trainer.state.version
+    await publish_scored(
+        bus, [scored(g, i, float(i % 2), version=version) for g in range(4) for i in range(4)]
+    )
+    await trainer.run()
+    return trainer
+
+
+def counting_writes(fail_first: bool = False) -> tuple[list[int], Callable[..., Path]]:
+    """libs.trainer.loop's write_checkpoint, recording each written step (the first one
+    raising OSError when `fail_first`)."""
+    written: list[int] = []
+
+    def write(directory: Path, state: TrainerState, *args: Any, **kwargs: Any) -> Path:
+        if fail_first and not written:
+            written.append(-state.step)
+            raise OSError(28, "No space left on device")
+        written.append(state.step)
+        return write_checkpoint(directory, state, *args, **kwargs)
+
+    return written, write
+
+
+async def test_the_last_step_is_checkpointed_once(bus: Bus, tmp_path: Path) -> None:
+    written, write = counting_writes()
+    with patch("libs.trainer.loop.write_checkpoint", write):
+        await run_two_steps(bus, tmp_path)
+    assert written == [2], "step 2's own checkpoint is the final one: not written again at stop"
+
+
+async def test_a_failed_background_checkpoint_still_ends_with_one_and_the_records(
+    bus: Bus, tmp_path: Path
+) -> None:
+    written, write = counting_writes(fail_first=True)
+    with patch("libs.trainer.loop.write_checkpoint", write), pytest.raises(OSError, match="space"):
+        await run_two_steps(bus, tmp_path)
+    assert written == [-2, 2], "the failed write raised at stop, after the in-line retry"
+    assert latest_checkpoint(tmp_path / "trainer" / "checkpoints").state.step == 2
+    assert [s["step"] for s in read_steps(tmp_path)] == [1, 2]
 
 
 async def test_trainer_steps_on_groups_drops_stale_samples_and_stages_each_version(

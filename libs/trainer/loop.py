@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -190,6 +190,7 @@ class Trainer:
         self._stager = WeightStager(publisher, self.paths.staging_dir)
         self._checkpoint_write: asyncio.Task[None] | None = None
         self._host_copy = HostCopy()
+        self._checkpointed_step: int | None = None  # the step of the last checkpoint written
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(),
             lr=learning_rate_at(config, 0),
@@ -277,6 +278,7 @@ class Trainer:
         device = next(self.model.parameters()).device
         self.optimizer.load_state_dict(load_optimizer_state(path, device))
         self.state = state
+        self._checkpointed_step = state.step
 
     async def run(self) -> None:
         """Train until stopped or `max_steps` is reached; checkpoint on the way out."""
@@ -292,15 +294,34 @@ class Trainer:
                     break
                 await self._train(batch)
         finally:
-            await self._stager.flush()
-            await self._checkpoint_written()
-            if self.state.step > 0:
-                await asyncio.to_thread(self._checkpoint)
-            if self._reader is not None:
-                await self._reader.close()
-            if self._online is not None:
-                await self._online.close()
-            self._steps.close()
+            await self._finish()
+
+    async def _finish(self) -> None:
+        """Flush the stager, make sure the last step has a checkpoint (once: not again when
+        its own was just written; in line when the background write failed), close the
+        readers and the step records. Each part runs whatever the ones before did, so a
+        failed write loses neither the final checkpoint nor the records; the first failure
+        is raised after all of them."""
+        failures: list[Exception] = []
+
+        async def attempt(part: Awaitable[object], what: str) -> None:
+            try:
+                await part
+            except Exception as exc:  # raised below, after the rest of the cleanup
+                log.error("trainer stop failed", part=what, error=repr(exc))
+                failures.append(exc)
+
+        await attempt(self._stager.flush(), "stage the last version")
+        await attempt(self._checkpoint_written(), "background checkpoint")
+        if self.state.step > 0 and self._checkpointed_step != self.state.step:
+            await attempt(asyncio.to_thread(self._checkpoint), "final checkpoint")
+        if self._reader is not None:
+            await attempt(self._reader.close(), "close the scored reader")
+        if self._online is not None:
+            await attempt(self._online.close(), "close the online reader")
+        self._steps.close()
+        if failures:
+            raise failures[0]
 
     async def stop(self) -> None:
         self._stopping.set()
@@ -672,6 +693,7 @@ class Trainer:
                 keep=self.config.checkpoint_keep,
                 protected=protected,
             )
+            self._checkpointed_step = state.step
             log.info("checkpoint saved", path=str(path))
 
         return write

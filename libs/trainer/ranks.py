@@ -315,6 +315,7 @@ class ShardedTrainer(Trainer):
             )
         self._ranks.run(Load(path))
         self.state = state
+        self._checkpointed_step = state.step
 
     async def _train_step_isolating(self, batch: Batch) -> StepStats | None:
         if not batch.kept:
