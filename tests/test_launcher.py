@@ -42,6 +42,12 @@ STUBBORN = (
     "import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
     "print('ready', flush=True)\ntime.sleep(600)"
 )
+# Ends by itself 1.5 s after "ready", exit 0; a SIGTERM before that makes it exit 1, as a
+# torchrun agent does whatever its ranks were doing.
+FINISHING = (
+    "import signal, sys, time\nsignal.signal(signal.SIGTERM, lambda *_: sys.exit(1))\n"
+    "print('ready', flush=True)\ntime.sleep(1.5)"
+)
 # Leaves a grandchild in its process group that ignores SIGTERM, as a sandboxed tool might:
 # only the SIGKILL the supervisor sends to the group after its leader exits removes it.
 PARENT = (
@@ -181,6 +187,26 @@ async def test_stop_leaves_no_process_alive(tmp_path: Path) -> None:
     pids = [*polite.pids, *parent.pids, grandchild]
     # SIGKILL is delivered asynchronously: allow the kernel a moment, then nothing may remain.
     wait_until(lambda: not any(is_alive(pid) for pid in pids), timeout_s=5, what=f"{pids} to go")
+
+
+async def test_a_child_finishing_on_its_own_is_let_finish(tmp_path: Path) -> None:
+    # The trainer at its step bound stops itself; the run stops everything at once.
+    for finishing, code, state in (((), 1, "exited"), (("trainer",), 0, "stopped")):
+        folder = tmp_path / str(code)
+        specs = [
+            ChildSpec("trainer", [PY, "-c", FINISHING]),
+            ChildSpec("polite", [PY, "-c", POLITE]),
+        ]
+        supervisor = Supervisor(specs, folder)
+        await supervisor.start()
+        trainer, polite = supervisor.children["trainer"], supervisor.children["polite"]
+        await wait_for(
+            lambda: "ready" in log_text(trainer) and "ready" in log_text(polite),  # noqa: B023
+            what="both ready",
+        )
+        await supervisor.stop(grace_s=10, finishing=finishing)
+        assert (trainer.last_exit_code, trainer.state) == (code, state), finishing
+        assert polite.last_exit_code == 0, "the others are stopped as before"
 
 
 async def test_child_ignoring_sigterm_is_killed_after_grace(tmp_path: Path) -> None:

@@ -454,7 +454,9 @@ class LocalRun:
                     # seconds) may end between two polls of a service that is healthy.
                     await monitor.poll_once(self._live_pids())
                 # The worker first: its in-flight episodes finish while env-gateway answers.
-                stopping = supervisor.stop(self.options.stop_grace_s, first=STOP_FIRST)
+                stopping = supervisor.stop(
+                    self.options.stop_grace_s, first=STOP_FIRST, finishing=self._finishing()
+                )
                 await self._with_view(view, stopping)
                 health_task.cancel()
                 for task in nats_tasks:  # before NATS itself is stopped
@@ -489,7 +491,9 @@ class LocalRun:
 
     async def _stop_everything(self) -> None:
         if self.supervisor:
-            await self.supervisor.stop(self.options.stop_grace_s, first=STOP_FIRST)
+            await self.supervisor.stop(
+                self.options.stop_grace_s, first=STOP_FIRST, finishing=self._finishing()
+            )
         await self._read_episode_figures()
         if self.nats:
             await asyncio.to_thread(self.nats.stop)
@@ -553,6 +557,11 @@ class LocalRun:
         return {name: c.pid if c.alive else None for name, c in self.supervisor.children.items()}
 
     # --- stopping ------------------------------------------------------------------------
+
+    def _finishing(self) -> tuple[str, ...]:
+        """Services ending on their own: the trainer, when the run stops at its step bound
+        (it stops itself there, writing its last checkpoint)."""
+        return ("trainer",) if self.stop_reason == "max_trainer_steps" else ()
 
     def _request_stop(self, reason: str) -> None:
         if self.stop_reason is None:

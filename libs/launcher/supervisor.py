@@ -138,24 +138,37 @@ class Supervisor:
             self._tasks.append(task)
             self._task_of[child.spec.name] = task
 
-    async def stop(self, grace_s: float = 15.0, first: Sequence[str] = ()) -> None:
+    async def stop(
+        self, grace_s: float = 15.0, first: Sequence[str] = (), finishing: Sequence[str] = ()
+    ) -> None:
         """SIGTERM the `first` children and wait for them, then every other child's group;
         SIGKILL what is left `grace_s` after the start. Stopping the producers of work first
-        (the rollout-worker) lets their in-flight work finish against services still up."""
+        (the rollout-worker) lets their in-flight work finish against services still up.
+
+        `finishing` children are ending on their own (the trainer at its step bound): they
+        get until halfway to the deadline before their SIGTERM. A signal would cut short
+        their own clean end: a torchrun agent SIGTERMed exits 1 even when its ranks finish."""
         self._stopping.set()
-        deadline = asyncio.get_running_loop().time() + grace_s
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace_s
         early = [name for name in first if name in self.children]
         for name in early:
             self._terminate(self.children[name])
         early_tasks = [self._task_of[name] for name in early if name in self._task_of]
         if early_tasks:
             await asyncio.wait(early_tasks, timeout=grace_s)
+        waiting = [name for name in finishing if name in self.children and name not in early]
         for name, child in self.children.items():
-            if name not in early:
+            if name not in early and name not in waiting:
                 self._terminate(child)
+        waiting_tasks = [self._task_of[name] for name in waiting if name in self._task_of]
+        if waiting_tasks:
+            await asyncio.wait(waiting_tasks, timeout=max(0.0, deadline - loop.time()) / 2)
+        for name in waiting:
+            self._terminate(self.children[name])
         if not self._tasks:
             return
-        remaining_s = max(0.0, deadline - asyncio.get_running_loop().time())
+        remaining_s = max(0.0, deadline - loop.time())
         _, pending = await asyncio.wait(self._tasks, timeout=remaining_s)
         if pending:
             self.kill_all()
