@@ -24,10 +24,16 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+from transformers.utils import logging as transformers_logging
 
 from libs.tokenizer import BYTE_TOKENIZER_SPEC, ByteTokenizer, Tokenizer, load_tokenizer
 
 BYTE_VOCAB_SIZE = ByteTokenizer().vocab_size
+
+# transformers draws a tqdm bar on stderr for every model load and save ("Loading weights",
+# "Writing model shards"): in the services' JSON logs and beside the SFT's own progress it is
+# noise, one per checkpoint. Every model of the project is loaded and saved here.
+transformers_logging.disable_progress_bar()
 
 # Named architectures, as `AutoConfig.for_model` arguments. `vocab_size` is the preset's
 # default and is overridden by `PolicyConfig.vocab_size` to match another tokenizer.
