@@ -4,7 +4,7 @@
 # 492M parameters, bf16), everything else as in `make demo`.
 #
 #   [MODE=sync|async] [ENGINE=hf|paged] [MAX_STALENESS=N] [PUBLISH_EVERY=N] [EVAL_EVERY=N] \
-#   [DIFF_DEVICE=cuda|] [ENCODE_THREADS=N] [SNAPSHOT_EVERY=N] [LEARNING_RATE=X] [MAX_BATCH_TASKS=N] [QUEUE_DEPTH=N] [MAX_AHEAD=N] \
+#   [DIFF_DEVICE=cuda|] [ENCODE_THREADS=N] [HANDOVER=auto|state|delta] [HANDOVER_THREADS=N] [SNAPSHOT_EVERY=N] [LEARNING_RATE=X] [MAX_BATCH_TASKS=N] [QUEUE_DEPTH=N] [MAX_AHEAD=N] \
 #       bash bench/gpu_loop.sh [SECONDS] [OUT_DIR]
 #
 # Trainer settings are the trainer's defaults unless given: for byte-0.5b that is fp32 master
@@ -67,6 +67,11 @@ if [ "${MODE:-async}" = sync ]; then
   export RLPIPE_TRAINER_PUBLISH_EVERY_STEPS=1
 fi
 export RLPIPE_ROLLOUT_WORKER_WEIGHTS_VERIFY_FULL=${VERIFY_FULL:-false}
+# The trainer encodes each version after the first against the one before, on the card
+# (weight_handover auto: its weights are on a GPU); HANDOVER=state stages each whole for
+# the broadcaster to encode, as before. Its encode threads share the host with the rest.
+[ -n "${HANDOVER:-}" ] && export RLPIPE_TRAINER_WEIGHT_HANDOVER=$HANDOVER
+export RLPIPE_TRAINER_HANDOVER_THREADS=${HANDOVER_THREADS:-12}
 # The broadcaster's encode was 2.3 threads busy on average beside the other services on a
 # 16-core H200 host (py-spy, 2026-11-26): the chunk encode (zstd) has cores to spare.
 export RLPIPE_WEIGHT_BROADCASTER_ENCODE_THREADS=${ENCODE_THREADS:-12}

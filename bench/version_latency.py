@@ -7,9 +7,10 @@ version. Per version, in order:
     hold      optimizer step end -> the trainer's stager starts on it (the previous
               version still being staged; libs/trainer/staging.py)
     stage     the copy to the host, the safetensors file written and announced to the
-              broadcaster
+              broadcaster (a delta the trainer encodes: the delta file written and announced)
     queue     staged -> the broadcaster starts on it (the previous version still encoding)
-    encode    load the staged file, diff against the base, encode the chunks
+    encode    load the staged file, diff against the base, encode the chunks (a delta the
+              trainer encodes: its encode there, and the broadcaster's read of the file)
     store     chunks onto the bus, announcement published
     notify    announced -> the worker starts fetching
     fetch     chunks fetched and verified
@@ -115,12 +116,13 @@ def row(
     t_staged, t_announced = timestamp(staged), timestamp(announced)
     t_fetched, t_swapped = timestamp(fetched), timestamp(swapped)
     hold_s = float(staged.get("waited_s", 0.0))
+    trainer_encode_s = float(staged.get("encode_s", 0.0))  # a delta encoded by the trainer
     return {
         "version": version,
         "hold": hold_s,
-        "stage": t_staged - step_end - hold_s,
+        "stage": t_staged - step_end - hold_s - trainer_encode_s,
         "queue": t_announced - t_staged - encode_s - store_s,
-        "encode": encode_s,
+        "encode": trainer_encode_s + encode_s,
         "store": store_s,
         "notify": t_fetched - fetch_s - t_announced,
         "fetch": fetch_s,

@@ -218,12 +218,18 @@ class WeightAnnouncement(Message, kw_only=True):
     created_at: float = 0.0
 
 
+StagedKind = Literal["state", "delta"]
+
+
 class WeightsStaged(Message, kw_only=True):
     """The trainer's handoff to the weight-broadcaster: a new version is on disk.
 
-    The file is `<staging dir>/<file_name>` (safetensors), written completely before this is
-    published; the broadcaster owns it from then on and deletes it when it is no longer the
-    base of the next delta.
+    The file is `<staging dir>/<file_name>`, written completely before this is published;
+    the broadcaster owns it from then on. `kind` "state": the whole version (safetensors),
+    which the broadcaster encodes against the last version it announced, and deletes when it
+    is no longer the base of the next delta. `kind` "delta": the trainer already encoded the
+    version against `base_version`, the version it handed over before (a delta file,
+    libs/weights/container.py); the broadcaster stores it as it is, on that base only.
     """
 
     SCHEMA: ClassVar[str] = "weights_staged"
@@ -233,6 +239,8 @@ class WeightsStaged(Message, kw_only=True):
     num_bytes: int  # size of the file, to catch a truncated copy
     step: int | None = None  # trainer optimizer step, for logs
     created_at: float = 0.0
+    kind: StagedKind = "state"
+    base_version: int | None = None  # the delta's base (kind "delta")
 
 
 class SamplingSettings(msgspec.Struct, kw_only=True):

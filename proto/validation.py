@@ -213,6 +213,12 @@ def check_weights_staged(staged: WeightsStaged) -> None:
         f"file_name {name!r} must be a plain file name in the staging folder",
     )
     _require(staged.num_bytes > 0, f"num_bytes {staged.num_bytes} must be positive")
+    if staged.kind == "delta":
+        base = staged.base_version
+        _require(base is not None, "a staged delta names its base_version")
+        assert base is not None
+        _check_version("base_version", base)
+        _require(base < staged.version, f"base_version {base} is not below {staged.version}")
 
 
 def check_served_generation(generation: ServedGeneration) -> None:

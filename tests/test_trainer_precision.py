@@ -14,10 +14,14 @@ from libs.bus.provision import provision
 from libs.bus.publisher import Publisher
 from libs.policy import PolicyConfig
 from libs.trainer.config import TrainerConfig, default_learning_rate
+from libs.trainer.delta_encoder import DeltaEncoder, DeltaEncoderError
 from libs.trainer.precision import TrainingPrecision
 from libs.trainer.staging import WeightStager
+from libs.weights.container import read_delta_file
+from libs.weights.encoder import EncodeOptions
 from libs.weights.handoff import load_staged, staged_versions
-from libs.weights.tensors import as_raw
+from libs.weights.hashing import state_hash
+from libs.weights.tensors import as_raw, raw_state
 from proto import streams
 from proto.messages import WeightsStaged
 
@@ -111,3 +115,24 @@ async def test_a_failed_handover_is_raised_not_lost(stager_bus: Bus, tmp_path: P
         await stager.flush()
     info = await stager_bus.js.stream_info(streams.WEIGHTS_STAGED.name)
     assert info.state.messages == 0
+
+
+async def test_the_delta_encoder_process_reports_its_failures_and_death(tmp_path: Path) -> None:
+    encoder = DeltaEncoder(tmp_path, EncodeOptions())
+    state = {"w": torch.arange(64, dtype=torch.float32)}
+    with pytest.raises(DeltaEncoderError, match="no version adopted"):
+        await encoder.encode(state, 2)
+    digest = await encoder.adopt(state, 1)
+    assert digest == state_hash(raw_state(state))
+    changed = {"w": state["w"].clone()}
+    changed["w"][3] = -1.0
+    delta = await encoder.encode(changed, 2)
+    assert (delta.version, delta.base_version, delta.file_name) == (2, 1, "v2.delta")
+    manifest, _ = read_delta_file(tmp_path / delta.file_name)
+    assert manifest.target_hash == delta.target_hash == state_hash(raw_state(changed))
+    encoder._process.kill()  # a crash: the next request says so instead of hanging
+    with pytest.raises(DeltaEncoderError, match="died"):
+        await encoder.encode(changed, 3)
+    await encoder.close()
+    with pytest.raises(DeltaEncoderError, match="closed"):
+        await encoder.adopt(state, 4)

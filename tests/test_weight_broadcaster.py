@@ -13,22 +13,35 @@ import pytest
 import torch
 from nats.js.errors import NotFoundError
 
+from libs.bus import wire
 from libs.bus.connection import Bus
 from libs.bus.provision import provision
 from libs.bus.publisher import Publisher
+from libs.trainer.staging import WeightStager
 from libs.weights import BaseMismatchError, CorruptDeltaError, MissingChunkError
+from libs.weights.encoder import EncodeOptions, encode
 from libs.weights.format import encode_chunk
-from libs.weights.handoff import stage_weights, staged_versions
+from libs.weights.handoff import stage_delta, stage_weights, staged_versions
 from libs.weights.receiver import WeightReceiver, latest_announcement
 from libs.weights.tensors import as_raw
 from libs.weights.transport import chunk_subject, fetch_chunks
 from proto import streams
-from proto.messages import WeightAnnouncement
-from proto.subjects import weight_chunk_subject
+from proto.messages import WeightAnnouncement, WeightsStaged
+from proto.subjects import WEIGHTS_STAGED, weight_chunk_subject
 from services.weight_broadcaster.service import WeightBroadcasterService
 from services.weight_broadcaster.settings import WeightBroadcasterSettings
 from tests.conftest import wait_for
 
+DEVICES = pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+        ),
+    ],
+)
 SNAPSHOT_EVERY = 3  # versions 1 (first), 4, 7 are snapshot points
 
 DTYPES = [
@@ -325,16 +338,7 @@ async def _announcement(bus: Bus, kind: str, version: int) -> WeightAnnouncement
     return found[1]
 
 
-@pytest.mark.parametrize(
-    "device",
-    [
-        "cpu",
-        pytest.param(
-            "cuda",
-            marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-        ),
-    ],
-)
+@DEVICES
 async def test_deltas_found_on_a_torch_device_arrive_bit_exact_across_a_restart(
     bus: Bus, tmp_path: Path, device: str
 ) -> None:
@@ -357,3 +361,129 @@ async def test_deltas_found_on_a_torch_device_arrive_bit_exact_across_a_restart(
         await receiver.close()
         await harness.stop_broadcaster()
     assert kinds == ["snapshot"] + ["delta"] * 6
+
+
+async def staged_kinds(bus: Bus) -> tuple[list[str], Any]:
+    """Kinds of the WeightsStaged messages published from now on (a core subscription)."""
+    kinds: list[str] = []
+
+    async def seen(msg: Any) -> None:
+        kinds.append(wire.decode(WeightsStaged, msg.data, msg.headers).kind)
+
+    return kinds, await bus.nc.subscribe(WEIGHTS_STAGED, cb=seen)
+
+
+@DEVICES
+async def test_deltas_the_trainer_encodes_arrive_bit_exact_with_snapshots_on_schedule(
+    harness: Harness, device: str
+) -> None:
+    stager = WeightStager(
+        harness.publisher, harness.staging_dir, deltas=True,
+        options=EncodeOptions(max_chunk_bytes=16 << 10),
+    )  # fmt: skip
+    kinds, subscription = await staged_kinds(harness.bus)
+    state: dict[str, Any] = {}
+    receiver = WeightReceiver(harness.bus)
+    received = []
+    try:
+        for version in range(1, 8):
+            previous = harness.versions.get(version - 1)
+            new = trainer_state(0) if previous is None else next_version(previous, version)
+            harness.versions[version] = new
+            await stager.offer({n: t.to(device, copy=True) for n, t in new.items()}, version)
+            await stager.flush()
+            await wait_for(harness.announced(version), 20, f"version {version} announced")
+            received.append((await receive(receiver, state))[0])
+            assert_bit_exact(state, harness.versions[version])
+    finally:
+        await receiver.close()
+        await subscription.unsubscribe()
+        await stager.close()
+    assert kinds == ["state"] + ["delta"] * 6  # only the first version crossed whole
+    assert received == ["snapshot"] + ["delta"] * 6
+    delta = await latest_announcement(harness.bus.js, "delta")
+    assert delta is not None and (delta[1].version, delta[1].base_version) == (7, 6)
+    # The snapshots (1, then every 3 deltas) came from the broadcaster's own copy of the
+    # head, brought along by the trainer's deltas: a late joiner starts from version 7's.
+    snapshot = await latest_announcement(harness.bus.js, "snapshot")
+    assert snapshot is not None and snapshot[1].version == 7
+    late: dict[str, Any] = {}
+    joiner = WeightReceiver(harness.bus)
+    try:
+        assert (await receive(joiner, late))[0] == "snapshot"
+    finally:
+        await joiner.close()
+    assert_bit_exact(late, harness.versions[7])
+    assert staged_versions(harness.staging_dir) == []  # every handed-over file consumed
+
+
+async def test_a_staged_delta_on_another_base_is_refused_and_the_chain_left_alone(
+    harness: Harness,
+) -> None:
+    await harness.stage_until(2)
+    service = harness.service
+    assert service is not None and service.broadcaster is not None
+    # A delta from 1 to 3, as a trainer that did not know 2 was staged would hand over.
+    options = EncodeOptions(max_chunk_bytes=16 << 10)
+    third = next_version(harness.versions[2], 3)
+    manifest, chunks = encode(
+        harness.versions[1], third, base_version=1, version=3, options=options
+    )
+    await stage_delta(harness.publisher, harness.staging_dir, manifest, chunks)
+    await wait_for(
+        lambda: service.broadcaster is not None and service.broadcaster.failures.num_failures > 0,
+        20, "the staged delta refused",
+    )  # fmt: skip
+    assert "the trainer must stage the next version whole" in (
+        service.broadcaster.failures.problem() or ""
+    )
+    assert service.broadcaster.head is not None and service.broadcaster.head.version == 2
+    delta = await latest_announcement(harness.bus.js, "delta")
+    assert delta is not None and delta[1].version == 2
+    # The trainer stages its next version whole: the chain goes on from 2.
+    harness.versions[4] = next_version(third, 4)
+    await stage_weights(harness.publisher, harness.staging_dir, harness.versions[4], 4)
+    await wait_for(harness.announced(4), 20, "version 4 announced")
+    delta = await latest_announcement(harness.bus.js, "delta")
+    assert delta is not None and (delta[1].version, delta[1].base_version) == (4, 2)
+    state: dict[str, Any] = {}
+    receiver = WeightReceiver(harness.bus)
+    try:
+        await receiver.catch_up(state, version=4, timeout_s=20)
+    finally:
+        await receiver.close()
+    assert_bit_exact(state, harness.versions[4])
+    assert service.broadcaster.failures.problem() is None
+
+
+async def test_the_trainer_hands_over_whole_when_the_broadcaster_lost_its_chain(
+    harness: Harness,
+) -> None:
+    stager = WeightStager(
+        harness.publisher, harness.staging_dir, deltas=True,
+        options=EncodeOptions(max_chunk_bytes=16 << 10),
+    )  # fmt: skip
+    kinds, subscription = await staged_kinds(harness.bus)
+    try:
+        for version in range(1, 6):
+            if version == 4:  # the bus loses the chain: the broadcaster starts a new one
+                await harness.stop_broadcaster()
+                await harness.bus.js.purge_stream(streams.WEIGHTS_ANNOUNCE.name)
+                await harness.start_broadcaster()
+            previous = harness.versions.get(version - 1)
+            new = trainer_state(0) if previous is None else next_version(previous, version)
+            harness.versions[version] = new
+            await stager.offer({n: t.clone() for n, t in new.items()}, version)
+            await stager.flush()
+            await wait_for(harness.announced(version), 20, f"version {version} announced")
+    finally:
+        await subscription.unsubscribe()
+        await stager.close()
+    assert kinds == ["state", "delta", "delta", "state", "delta"]
+    state: dict[str, Any] = {}
+    receiver = WeightReceiver(harness.bus)
+    try:
+        await receiver.catch_up(state, version=5, timeout_s=20)
+    finally:
+        await receiver.close()
+    assert_bit_exact(state, harness.versions[5])

@@ -143,6 +143,39 @@ def test_device_encoder_is_byte_identical_to_the_cpu_encoder(device: str) -> Non
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_dense_tensors_cross_into_spare_buffers_that_swap_with_the_mirror(device: str) -> None:
+    rng = np.random.default_rng(7)
+    versions = [{"dense": random_pair(rng, "BF16", 8192, 0.0, device)[0],
+                 "sparse": random_pair(rng, "F32", 4096, 0.0, device)[0]}]  # fmt: skip
+    for _ in range(3):  # each version re-draws half of "dense" and 1% of "sparse"
+        previous = versions[-1]
+        versions.append({
+            "dense": random_pair(rng, "BF16", 8192, 0.5, device)[1].where(
+                torch.from_numpy(rng.random(8192) < 0.5).to(device), previous["dense"]),
+            "sparse": previous["sparse"].where(
+                torch.from_numpy(rng.random(4096) >= 0.01).to(device),
+                random_pair(rng, "F32", 4096, 0.0, device)[0]),
+        })  # fmt: skip
+    mirror = host(versions[0])
+    spare = {"dense": torch.empty(8192, dtype=torch.bfloat16)}
+    buffers = {spare["dense"].data_ptr(), mirror["dense"].data_ptr()}
+    for v in range(1, 4):
+        base, new = versions[v - 1], versions[v]
+        want = encode(host(base), host(new), base_version=v - 1, version=v, options=SMALL)
+        got = encode_device(
+            base, new, mirror, base_version=v - 1, version=v, options=SMALL, spare=spare
+        )
+        assert_same_delta(got, want)
+        assert {p.encoding for c in got[1] for p in c.header.pieces if p.name == "dense"} == {
+            "dense_add"
+        }
+        assert_same_bits(mirror, new)
+        # The two host buffers of the dense tensor take turns: no fresh allocation.
+        assert {spare["dense"].data_ptr(), mirror["dense"].data_ptr()} == buffers
+        assert_same_bits({"dense": spare["dense"]}, {"dense": base["dense"]})
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_device_apply_writes_in_place_and_matches_the_target(device: str) -> None:
     base, new = mixed_states(device, seed=1)
     manifest, chunks = encode(host(base), host(new), base_version=4, version=5, options=SMALL)

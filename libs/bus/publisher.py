@@ -112,6 +112,11 @@ class Publisher:
         self._max_attempts = max_attempts
         self._published: dict[str, Any] = {}  # subject -> its counter child, to skip .labels()
 
+    @property
+    def js(self) -> JetStreamContext:
+        """The JetStream context published through."""
+        return self._js
+
     async def publish(self, subject: str, message: Message, msg_id: str) -> js_api.PubAck:
         """Publish one message and wait until the stream has stored it."""
         payload = wire.encode(message)

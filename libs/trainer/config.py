@@ -14,6 +14,8 @@ default is declared here once.
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 
 from libs.policy import PolicyConfig
@@ -22,6 +24,8 @@ from libs.trainer.eval_gate import EvalGateConfig
 from libs.trainer.online_step import OnlineConfig
 from libs.trainer.precision import MasterWeights
 from libs.trainer.step import StepConfig
+
+WeightHandover = Literal["auto", "state", "delta"]
 
 
 class TrainerConfig(StepConfig):
@@ -77,6 +81,19 @@ class TrainerConfig(StepConfig):
     # More than 1 for big models whose versions take longer to ship than to train.
     publish_every_steps: int = Field(
         1, ge=1, description="Stage weights for the broadcaster every N steps (sync mode: 1)"
+    )
+    # Staged whole, a version of byte-0.5b took 0.3 s to write, 0.3-0.4 s waiting for the
+    # broadcaster and 0.8 s to read back and diff there, even when a few values changed
+    # (lr 1e-6: 1.86 s from the step to the worker's swap, median; one H200, 2026-11-26).
+    weight_handover: WeightHandover = Field(
+        "auto",
+        description="How versions reach the weight-broadcaster: state (each whole, it "
+        "encodes the delta), delta (the trainer encodes each after the first against the "
+        "one before, on its device: libs/trainer/staging.py), auto (delta where the "
+        "policy is on a GPU)",
+    )
+    handover_threads: int = Field(
+        8, ge=1, description="Threads hashing and compressing the deltas the trainer encodes"
     )
     max_steps: int | None = Field(None, ge=1, description="Stop after this many steps")
     incomplete_group_timeout_s: float = Field(

@@ -91,6 +91,7 @@ from libs.trainer.refusals import (
 )
 from libs.trainer.staging import WeightStager
 from libs.trainer.step import StepStats, train_step
+from libs.weights.encoder import EncodeOptions, chunk_bytes_for
 from libs.weights.handoff import default_staging_dir
 from libs.weights.receiver import latest_announcement
 from proto import streams, subjects
@@ -187,7 +188,13 @@ class Trainer:
         num_parameters = sum(p.numel() for p in self.model.parameters())
         self.config = config = config.sized_for(num_parameters)
         self._steps = open_step_log(config, run_dir)  # the resolved config as run parameters
-        self._stager = WeightStager(publisher, self.paths.staging_dir)
+        self._stager = WeightStager(
+            publisher, self.paths.staging_dir, deltas=self._hands_over_deltas(),
+            options=EncodeOptions(
+                max_chunk_bytes=chunk_bytes_for(bus.nc.max_payload),
+                threads=config.handover_threads,
+            ),
+        )  # fmt: skip
         self._checkpoint_write: asyncio.Task[None] | None = None
         self._host_copy = HostCopy()
         self._checkpointed_step: int | None = None  # the step of the last checkpoint written
@@ -203,6 +210,12 @@ class Trainer:
         self._gate = EvalGate(config.eval, self.policy, self.tokenizer, EnvClient(bus.nc))
         self.status = "starting"
         self.detail = ""
+
+    def _hands_over_deltas(self) -> bool:
+        """Whether the stager encodes deltas itself (config.weight_handover)."""
+        if self.config.weight_handover == "auto":
+            return any(p.is_cuda for p in self.model.parameters())
+        return self.config.weight_handover == "delta"
 
     def _build_model(self) -> PreTrainedModel:
         """The policy trained, in the master dtype (the sharded trainer shards it)."""
@@ -297,7 +310,7 @@ class Trainer:
             await self._finish()
 
     async def _finish(self) -> None:
-        """Flush the stager, make sure the last step has a checkpoint (once: not again when
+        """Flush (and close) the stager, make sure the last step has a checkpoint (once: not again when
         its own was just written; in line when the background write failed), close the
         readers and the step records. Each part runs whatever the ones before did, so a
         failed write loses neither the final checkpoint nor the records; the first failure
@@ -311,7 +324,7 @@ class Trainer:
                 log.error("trainer stop failed", part=what, error=repr(exc))
                 failures.append(exc)
 
-        await attempt(self._stager.flush(), "stage the last version")
+        await attempt(self._stager.close(), "stage the last version")
         await attempt(self._checkpoint_written(), "background checkpoint")
         if self.state.step > 0 and self._checkpointed_step != self.state.step:
             await attempt(asyncio.to_thread(self._checkpoint), "final checkpoint")

@@ -21,6 +21,19 @@ after it): 1 GB crosses at tens of GB/s instead of the few GB/s of a pageable co
 
 A handover that fails (the disk is full, the bus is gone past the ride-through) raises from
 the next `offer` or `flush`: the trainer stops loudly rather than training on unpublished.
+
+With `deltas=True` (the trainer's `weight_handover`, by default where its weights are on a
+GPU) each version after the first is encoded against the version handed over before, by a
+process of the trainer's own (libs/trainer/delta_encoder.py): the two bf16 copies are
+compared on the device, only the changed values (and tensors dense with changes) cross to
+the host, where a host mirror of the last version is patched and hashed, and the
+broadcaster gets a delta file instead of the whole state. The stager keeps the last
+version's device copy (the size of the published weights: the process reads it); the
+process holds the host mirror (twice the published weights, pinned, on a GPU). The first
+version goes whole, and so does the next one whenever the broadcaster's chain is not where
+the trainer's delta would start: nothing staged is waiting and the last version announced is
+not the last one handed over (the broadcaster refused a delta, or lost its chain); its chain
+then continues from it.
 """
 
 from __future__ import annotations
@@ -37,8 +50,12 @@ from prometheus_client import Counter
 
 from libs.bus.connection import ride_through
 from libs.bus.publisher import Publisher
+from libs.trainer.delta_encoder import DeltaEncoder
 from libs.trainer.host_memory import HostCopy
-from libs.weights.handoff import stage_weights
+from libs.weights.encoder import EncodeOptions
+from libs.weights.handoff import announce_staged_delta, stage_weights
+from libs.weights.receiver import announced_head
+from proto import streams
 
 log = structlog.get_logger(__name__)
 
@@ -55,6 +72,15 @@ class _Offer:
     step: int | None
     offered_s: float
     ready: torch.cuda.Event | None  # recorded after the offered copy was queued (GPU states)
+
+
+@dataclass
+class _Chain:
+    """The last version handed over, the base of the next delta."""
+
+    version: int
+    hash: str
+    state: dict[str, torch.Tensor]  # the offered copy: the encoder process reads it
 
 
 class HostBuffers:
@@ -85,12 +111,23 @@ class HostBuffers:
 class WeightStager:
     """Stages the newest offered version in the background, one handover at a time."""
 
-    def __init__(self, publisher: Publisher, staging_dir: Path) -> None:
+    def __init__(
+        self,
+        publisher: Publisher,
+        staging_dir: Path,
+        *,
+        deltas: bool = False,
+        options: EncodeOptions | None = None,
+    ) -> None:
+        """`deltas`: encode versions after the first here (see the module docstring), with
+        `options` (chunks must fit the bus's max payload)."""
         self._publisher = publisher
         self._staging_dir = staging_dir
         self._pending: _Offer | None = None
         self._running: asyncio.Task[None] | None = None
         self._host = HostBuffers()
+        self._encoder = DeltaEncoder(staging_dir, options or EncodeOptions()) if deltas else None
+        self._chain: _Chain | None = None
         self.last_staged_version: int | None = None
         self.num_skipped = 0
 
@@ -135,7 +172,19 @@ class WeightStager:
             await self._stage(offer)
             self.last_staged_version = offer.version
 
+    async def close(self) -> None:
+        """Stage what was offered, then stop the delta encoder's process (if one runs)."""
+        try:
+            await self.flush()
+        finally:
+            if self._encoder is not None:
+                await self._encoder.close()
+
     async def _stage(self, offer: _Offer) -> None:
+        chain, self._chain = self._chain, None  # until this handover is done
+        if chain is not None and await self._continues(chain):
+            await self._stage_delta(chain, offer)
+            return
         host = await asyncio.to_thread(self._host.copy, offer.state, offer.ready)
         await ride_through(
             lambda: stage_weights(
@@ -148,3 +197,39 @@ class WeightStager:
             ),
             "staging weights",
         )
+        if self._encoder is not None:
+            digest = await self._encoder.adopt(offer.state, offer.version)
+            self._chain = _Chain(offer.version, digest, offer.state)
+
+    async def _continues(self, chain: _Chain) -> bool:
+        """False when the broadcaster's chain cannot take a delta on `chain` (see the module
+        docstring); True while staged versions are still waiting, or the head is the chain's."""
+        js = self._publisher.js
+        waiting = (await js.stream_info(streams.WEIGHTS_STAGED.name)).state.messages
+        if waiting:
+            return True
+        head = await announced_head(js)
+        if head is not None and (head.version, head.version_hash) == (chain.version, chain.hash):
+            return True
+        log.warning(
+            "the broadcaster's chain is not the trainer's: the next version goes whole",
+            handed_over=chain.version, announced=None if head is None else head.version,
+        )  # fmt: skip
+        return False
+
+    async def _stage_delta(self, chain: _Chain, offer: _Offer) -> None:
+        assert self._encoder is not None  # a chain exists only with one
+        started = time.monotonic()
+        if offer.ready is not None:  # the child reads the copy: it must be complete
+            await asyncio.to_thread(offer.ready.synchronize)
+        delta = await self._encoder.encode(offer.state, offer.version)
+        encode_s = time.monotonic() - started
+        await ride_through(
+            lambda: announce_staged_delta(
+                self._publisher, self._staging_dir, delta.version, delta.base_version,
+                step=offer.step, offered_s=offer.offered_s, encode_s=encode_s,
+            ),
+            "staging weights",
+        )  # fmt: skip
+        # Kept: the child reads these tensors as the next delta's base.
+        self._chain = _Chain(offer.version, delta.target_hash, offer.state)

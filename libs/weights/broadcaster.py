@@ -21,6 +21,12 @@ the same chunks byte for byte); dense tensors are encoded on the host as before.
 scan took 1.2 s of a 1.4 s encode for a sparse byte-0.5b delta on an H200 host (8 threads,
 2026-11-26).
 
+A staged delta (kind "delta": the trainer encoded it against the version it staged before,
+libs/trainer/staging.py) is stored and announced as it is when its base is the chain's head,
+and refused otherwise; it is never skipped (the trainer's next delta builds on it). The
+broadcaster then applies it to its own host copy of the head, off the version's path, for
+the snapshots and for a later whole version's delta.
+
 Its state lives on the bus, not in memory: every announcement carries its chain position
 (snapshot_version, chain_length), so a restarted broadcaster reads the last delta and the last
 snapshot announcements (two direct gets), and takes the base of the next delta from the
@@ -40,21 +46,29 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import msgspec
+import numpy as np
 import structlog
 from prometheus_client import Counter, Gauge, Histogram
 
 from libs.bus.connection import Bus
 from libs.bus.consumer import Delivery, PermanentError
 from libs.bus.publisher import Publisher
+from libs.weights.applier import DeltaApplier
 from libs.weights.encoder import EncodeOptions, encode, encode_snapshot
 from libs.weights.errors import WeightsError
-from libs.weights.format import Chunk, Manifest
-from libs.weights.handoff import load_staged, remove_staged_before, staged_file_name
+from libs.weights.format import Chunk, Manifest, VersionInfo
+from libs.weights.handoff import (
+    load_staged,
+    load_staged_delta,
+    remove_staged_before,
+    staged_file_name,
+    staged_versions,
+)
 from libs.weights.hashing import state_hash
-from libs.weights.receiver import WeightReceiver, latest_announcement
+from libs.weights.receiver import WeightReceiver, announced_head
 from libs.weights.retention import purge_before_latest_snapshot
 from libs.weights.scan import Changes
-from libs.weights.tensors import RawTensor, torch_dtype
+from libs.weights.tensors import RawTensor, check_dtype, torch_dtype
 from libs.weights.transport import StoredChunks, store_chunks
 from libs.work_health import FailureWatch
 from proto import streams
@@ -179,6 +193,9 @@ class WeightBroadcaster:
         self._chunk_stream = chunk_stream
         self.head: ChainHead | None = None
         self._base: Mapping[str, RawTensor] | None = None  # the state of head.version
+        # The head's state being brought along by the staged deltas announced (applied in
+        # order, beside the next versions; awaited where the state is needed).
+        self._advancing: asyncio.Task[Mapping[str, RawTensor] | None] | None = None
         self._device_base = DeviceBase(diff_device) if diff_device is not None else None
         self.num_handled = 0
         # A version that could not be broadcast (e.g. its staged file is unreadable) makes
@@ -189,12 +206,8 @@ class WeightBroadcaster:
 
     async def recover(self) -> ChainHead | None:
         """Read the chain's head from the announce stream (after a restart, or the first start)."""
-        delta = await latest_announcement(self._bus.js, "delta", self._announce_stream)
-        snapshot = await latest_announcement(self._bus.js, "snapshot", self._announce_stream)
-        found = [entry[1] for entry in (delta, snapshot) if entry is not None]
-        if found:
-            # At a snapshot point the delta and the snapshot share a version: the snapshot wins.
-            last = max(found, key=lambda a: (a.version, a.kind == "snapshot"))
+        last = await announced_head(self._bus.js, self._announce_stream)
+        if last is not None:
             self._set_head(ChainHead(last.version, last.version_hash, last.snapshot_version,
                                      last.chain_length))  # fmt: skip
         log.info("weight chain recovered", head=self.head)
@@ -202,7 +215,13 @@ class WeightBroadcaster:
 
     async def _base_state(self) -> Mapping[str, RawTensor] | None:
         """The state of head.version: in memory, the staged file, or rebuilt from the bus."""
-        head = self.head
+        if self._advancing is not None:
+            advancing, self._advancing = self._advancing, None
+            self._base = await advancing
+        return await self._state_of(self.head)
+
+    async def _state_of(self, head: ChainHead | None) -> Mapping[str, RawTensor] | None:
+        """The state of `head` (the chain's head, or the base of the delta just announced)."""
         if self._base is not None or head is None:
             return self._base
         path = self.staging_dir / staged_file_name(head.version)
@@ -257,11 +276,14 @@ class WeightBroadcaster:
         """True (and the staged file deleted) when a newer staged version is already waiting
         and this one can be skipped: it would reach the workers after the newer one was due,
         and the next delta is encoded against the last announced version anyway. The first
-        version of a chain and a due snapshot are never skipped."""
+        version of a chain and a due snapshot are never skipped, nor a staged delta, nor a
+        whole version unless a newer whole one is staged (the deltas after it build on it)."""
         head = self.head
         if delivery is None or delivery.num_pending == 0 or head is None:
             return False
-        if message.version <= head.version or self._snapshot_due():
+        if message.version <= head.version or self._snapshot_due() or message.kind == "delta":
+            return False
+        if not any(v > message.version for v in staged_versions(self.staging_dir, "state")):
             return False
         (self.staging_dir / staged_file_name(message.version)).unlink(missing_ok=True)
         SUPERSEDED.inc()
@@ -272,6 +294,9 @@ class WeightBroadcaster:
         head = self.head
         if head is not None and message.version < head.version:
             log.warning("stale staged version ignored", version=message.version, head=head.version)
+            return
+        if message.kind == "delta":
+            await self._broadcast_staged_delta(message)
             return
         try:
             new = load_staged(self.staging_dir, message)
@@ -293,6 +318,78 @@ class WeightBroadcaster:
         self._base = new
         remove_staged_before(self.staging_dir, message.version)
         self.num_handled += 1
+
+    async def _broadcast_staged_delta(self, message: WeightsStaged) -> None:
+        """Store and announce a delta the trainer encoded, then bring the head's state along."""
+        started = time.perf_counter()
+        try:
+            manifest, chunks = await asyncio.to_thread(load_staged_delta, self.staging_dir, message)
+        except ValueError as exc:
+            raise PermanentError(str(exc)) from exc
+        head = self.head
+        held = None if head is None else (head.version, head.hash)
+        if held == (message.version, manifest.target_hash):
+            log.info("staged delta already announced", version=message.version)
+        elif head is None or held != (message.base_version, manifest.base_hash):
+            holds = "nothing" if head is None else f"version {head.version} ({head.hash})"
+            raise PermanentError(
+                f"the staged delta of version {message.version} is on version "
+                f"{message.base_version} ({manifest.base_hash}); the chain's head is {holds}: "
+                "the trainer must stage the next version whole"
+            )
+        else:
+            chain_length = head.chain_length + 1
+            await self._store_and_announce(
+                "delta", manifest, chunks, _model_bytes(manifest),
+                time.perf_counter() - started, head.snapshot_version, chain_length,
+            )  # fmt: skip
+            self._set_head(ChainHead(message.version, manifest.target_hash,
+                                     head.snapshot_version, chain_length))  # fmt: skip
+            self._advance(head, manifest, chunks)
+        if self._snapshot_due():
+            base = await self._base_state()
+            if base is not None:
+                await self._publish_snapshot(base, message.version)
+            else:
+                log.error("no state for the snapshot due; the next delta tries again")
+        remove_staged_before(self.staging_dir, message.version + 1)
+        self.num_handled += 1
+
+    def _advance(self, head: ChainHead, manifest: Manifest, chunks: list[Chunk]) -> None:
+        """Apply the delta announced on `head` to the head's state, after the deltas before
+        it, in the background: the next versions need not wait for it."""
+        previous, self._advancing = self._advancing, None
+
+        async def advance() -> Mapping[str, RawTensor] | None:
+            self._base = await previous if previous is not None else self._base
+            base = await self._state_of(head)
+            self._base = None  # it is being written
+            if base is None:
+                return None
+            try:
+                return await asyncio.to_thread(self._advanced, base, head, manifest, chunks)
+            except Exception as exc:  # the bus still has it: rebuilt when needed
+                log.error("cannot apply the staged delta to the head's state", error=repr(exc))
+                return None
+
+        self._advancing = asyncio.create_task(advance(), name="advance-head-state")
+
+    def _advanced(
+        self,
+        base: Mapping[str, RawTensor],
+        head: ChainHead,
+        manifest: Manifest,
+        chunks: list[Chunk],
+    ) -> dict[str, RawTensor]:
+        """`base` (the state of `head`) with the delta applied: in place where it is a
+        writable copy, else (a memory-mapped staged file) into a copy."""
+        state = dict(base)
+        if any(not t.data.flags.writeable for t in state.values()):
+            state = {n: RawTensor(t.dtype, t.shape, t.data.copy()) for n, t in state.items()}
+        applier = DeltaApplier(state, manifest, VersionInfo(version=head.version, hash=head.hash))
+        applier.apply_all(chunks, threads=self.options.threads)
+        applier.finish()
+        return state
 
     async def _finish_announced(self, version: int, new: Mapping[str, RawTensor]) -> None:
         """A redelivered version that is already announced: same bytes, snapshot if due."""
@@ -333,8 +430,9 @@ class WeightBroadcaster:
         encode_s = time.perf_counter() - started
         chain_length = head.chain_length + 1
         await self._store_and_announce(
-            "delta", manifest, chunks, new, encode_s, head.snapshot_version, chain_length
-        )
+            "delta", manifest, chunks, _state_bytes(new), encode_s, head.snapshot_version,
+            chain_length,
+        )  # fmt: skip
         self._set_head(ChainHead(version, manifest.target_hash, head.snapshot_version,
                                  chain_length))  # fmt: skip
 
@@ -344,7 +442,9 @@ class WeightBroadcaster:
             encode_snapshot, new, version=version, options=self.options
         )
         encode_s = time.perf_counter() - started
-        await self._store_and_announce("snapshot", manifest, chunks, new, encode_s, version, 0)
+        await self._store_and_announce(
+            "snapshot", manifest, chunks, _state_bytes(new), encode_s, version, 0
+        )
         self._set_head(ChainHead(version, manifest.target_hash, version, 0))
         await self._purge_before(version)
 
@@ -353,14 +453,13 @@ class WeightBroadcaster:
         kind: WeightKind,
         manifest: Manifest,
         chunks: list[Chunk],
-        new: Mapping[str, RawTensor],
+        model_bytes: int,
         encode_s: float,
         snapshot_version: int,
         chain_length: int,
     ) -> None:
         max_payload = self._bus.nc.max_payload
         stored: StoredChunks = await store_chunks(self._publisher, manifest, chunks, max_payload)
-        model_bytes = sum(t.data.size for t in new.values())
         announcement = WeightAnnouncement(
             version=manifest.version,
             base_version=manifest.base_version,
@@ -429,3 +528,14 @@ class WeightBroadcaster:
             "versions_handled": self.num_handled,
             "versions_failing": self.failures.num_failures,
         }
+
+
+def _state_bytes(state: Mapping[str, RawTensor]) -> int:
+    return sum(t.data.size for t in state.values())
+
+
+def _model_bytes(manifest: Manifest) -> int:
+    """Bytes of the target version's tensors, from its manifest."""
+    return sum(
+        check_dtype(e.dtype) * int(np.prod(e.shape, dtype=np.int64)) for e in manifest.tensors
+    )

@@ -67,6 +67,12 @@ DENSITY_SAMPLE = 1 << 16  # elements compared to estimate a tensor's changed fra
 Scan = Callable[[str, RawTensor, RawTensor], Changes]
 
 
+def chunk_bytes_for(max_payload: int, wanted: int = DEFAULT_MAX_CHUNK_BYTES) -> int:
+    """The largest chunk to encode for a bus whose messages are at most `max_payload`
+    bytes: a chunk and its headers must fit one message."""
+    return min(wanted, max_payload - HEADROOM_BYTES // 16)
+
+
 @dataclass(frozen=True)
 class EncodeOptions:
     """How to chunk and compress."""

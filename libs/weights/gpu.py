@@ -137,6 +137,7 @@ def encode_device(
     version: int,
     options: EncodeOptions | None = None,
     base_hash: str | None = None,
+    spare: MutableMapping[str, torch.Tensor] | None = None,
 ) -> tuple[Manifest, list[Chunk]]:
     """Delta of `new` against `base` (torch tensors on any device), as `encode` makes it.
 
@@ -144,12 +145,17 @@ def encode_device(
     the previous call's mirror); it is patched in place into a host copy of `new`. Only the
     changed elements and the tensors that travel whole cross to the host. `base_hash`
     (the base's version hash) is computed from the mirror when not given.
+
+    `spare` holds host tensors that the tensors sent as dense deltas are copied into when one
+    of their name, dtype and shape is there (pinned, the copy runs at full bus speed: a fresh
+    pageable copy of byte-0.5b's dense tensors took 0.6-0.9 s on an H200 host); afterwards
+    it holds the mirror's previous tensors of those names, for the next call.
     """
     opts = options or EncodeOptions()
     if base_hash is None:
         base_hash = state_hash({n: as_raw(mirror[n]) for n in base}, opts.threads)
     target, changes = _host_targets(base, new, mirror)
-    dense, copies = _dense_deltas(base, new, target, changes)
+    dense, copies = _dense_deltas(base, new, target, changes, spare)
     found = device_diff(base, new, [n for n in new if n not in changes])
     jobs: list[TensorJob] = []
     for name, raw in target.items():  # jobs in manifest order, as `encode` plans them
@@ -162,6 +168,8 @@ def encode_device(
     for name in removed:
         mirror.pop(name, None)
     encoded = _finish(dense, target, jobs, changes, removed, base_version, base_hash, version, opts)
+    if spare is not None:  # the base bytes of the dense tensors are free for the next copy
+        spare.update({n: mirror[n] for n in copies if isinstance(mirror[n], torch.Tensor)})
     mirror.update(copies)  # the mirror now holds the target of every tensor
     return encoded
 
@@ -171,18 +179,25 @@ def _dense_deltas(
     new: Mapping[str, torch.Tensor],
     target: dict[str, RawTensor],
     changes: dict[str, Change],
+    spare: MutableMapping[str, torch.Tensor] | None = None,
 ) -> tuple[dict[str, RawTensor], dict[str, torch.Tensor]]:
     """The tensors `encode` sends as dense deltas (sampled density, compared on the device):
-    every element crosses to the host anyway. Their host target becomes a fresh copy of the
-    new tensor and the mirror's bytes the base they are encoded against; marked in
-    `changes`. Returns those bases and the copies (the mirror's next content) by name."""
+    every element crosses to the host anyway. Their host target becomes a copy of the new
+    tensor (into its `spare` buffer if there is one) and the mirror's bytes the base they are
+    encoded against; marked in `changes`. Returns those bases and the copies (the mirror's
+    next content) by name."""
     bases: dict[str, RawTensor] = {}
     copies: dict[str, torch.Tensor] = {}
     for name, tensor in new.items():
         if name in changes or _device_density(base[name], tensor) < DENSE_FRACTION:
             continue
         bases[name] = target[name]
-        copies[name] = tensor.detach().to("cpu", copy=True).contiguous()
+        buffer = None if spare is None else spare.pop(name, None)
+        fits = buffer is not None and buffer.dtype == tensor.dtype and buffer.shape == tensor.shape
+        if buffer is not None and fits:
+            copies[name] = buffer.copy_(tensor.detach())
+        else:
+            copies[name] = tensor.detach().to("cpu", copy=True).contiguous()
         target[name] = as_raw(copies[name])
         changes[name] = "delta"
     return bases, copies

@@ -14,6 +14,16 @@ acks only once the version is stored and announced, and owns the file from then 
 keeps the latest version's file (the base of the next delta, and its fast restart path) and
 deletes older ones. Versions must increase; a version at or below the last one announced is
 ignored when its bytes are the same and refused when they differ.
+
+Where the trainer encodes deltas itself (its weights on a GPU: libs/trainer/staging.py),
+it hands over the first version whole and each later one as a delta against the version it
+handed over before:
+
+    await stage_delta(publisher, staging_dir, manifest, chunks)
+
+writes `<staging_dir>/v<version>.delta` (libs/weights/container.py) and publishes a
+`WeightsStaged` of kind "delta" naming its base. The broadcaster stores that delta as it
+is: no 1 GB file written, read back and diffed again for a few changed values.
 """
 
 from __future__ import annotations
@@ -28,14 +38,18 @@ from typing import Any
 import structlog
 
 from libs.bus.publisher import Publisher
+from libs.weights.container import read_delta_file, write_delta_file
+from libs.weights.errors import CorruptDeltaError
+from libs.weights.format import Chunk, Manifest
 from libs.weights.safetensors_io import read_safetensors, write_safetensors
 from libs.weights.tensors import RawTensor, raw_state
-from proto.messages import WeightsStaged
+from proto.messages import StagedKind, WeightsStaged
 from proto.subjects import WEIGHTS_STAGED
 
 log = structlog.get_logger(__name__)
 
-_FILE_RE = re.compile(r"^v(\d+)\.safetensors$")
+_FILE_RE = re.compile(r"^v(\d+)\.(safetensors|delta)$")
+_SUFFIXES: dict[StagedKind, str] = {"state": "safetensors", "delta": "delta"}
 
 
 def default_staging_dir(run_dir: Path) -> Path:
@@ -43,11 +57,11 @@ def default_staging_dir(run_dir: Path) -> Path:
     return run_dir / "weights-staging"
 
 
-def staged_file_name(version: int) -> str:
-    """File name of a staged version, e.g. `v12.safetensors`."""
+def staged_file_name(version: int, kind: StagedKind = "state") -> str:
+    """File name of a staged version, e.g. `v12.safetensors` (a delta: `v12.delta`)."""
     if version < 0:
         raise ValueError(f"version must be >= 0, got {version}")
-    return f"v{version}.safetensors"
+    return f"v{version}.{_SUFFIXES[kind]}"
 
 
 async def stage_weights(
@@ -62,25 +76,93 @@ async def stage_weights(
     """Write `state` (numpy arrays or torch tensors, any device) as version `version` and
     tell the broadcaster; returns once the message is stored on the bus. `offered_s`
     (time.monotonic) is when the trainer handed the version over, if it waited since."""
-    directory = Path(staging_dir)
-    directory.mkdir(parents=True, exist_ok=True)
-    path = directory / staged_file_name(version)
+    path = _staged_path(staging_dir, version, "state")
     started_s = time.monotonic()
     # The copy to the host blocks until the device is done: off the event loop with the write.
     await asyncio.to_thread(_write_state, path, state)
-    stage_s = time.monotonic() - started_s
     message = WeightsStaged(
-        version=version,
-        file_name=path.name,
-        num_bytes=path.stat().st_size,
-        step=step,
+        version=version, file_name=path.name, num_bytes=path.stat().st_size, step=step,
         created_at=time.time(),
-    )
-    await publisher.publish(WEIGHTS_STAGED, message, msg_id=f"staged.{version}")
-    # The first part of a version's latency (bench/version_latency.py reads this line).
-    mb = round(message.num_bytes / 1e6, 2)
+    )  # fmt: skip
+    return await _hand_over(publisher, message, started_s, offered_s)
+
+
+async def stage_delta(
+    publisher: Publisher,
+    staging_dir: str | Path,
+    manifest: Manifest,
+    chunks: list[Chunk],
+    *,
+    step: int | None = None,
+    offered_s: float | None = None,
+) -> WeightsStaged:
+    """Write a delta the trainer encoded (version `manifest.version` against
+    `manifest.base_version`, the version it handed over before) and tell the broadcaster;
+    returns once the message is stored on the bus."""
+    started_s = time.monotonic()
+    await asyncio.to_thread(write_staged_delta, staging_dir, manifest, chunks)
+    encode_s = time.monotonic() - started_s
+    return await announce_staged_delta(
+        publisher, staging_dir, manifest.version, manifest.base_version, step=step,
+        offered_s=offered_s, encode_s=encode_s,
+    )  # fmt: skip
+
+
+def write_staged_delta(staging_dir: str | Path, manifest: Manifest, chunks: list[Chunk]) -> Path:
+    """Write a delta file for `stage_delta` or `announce_staged_delta` (blocking)."""
+    if manifest.base_version is None:
+        raise ValueError(f"version {manifest.version} is a snapshot, not a delta: stage it whole")
+    path = _staged_path(staging_dir, manifest.version, "delta")
+    write_delta_file(path, manifest, chunks)
+    return path
+
+
+async def announce_staged_delta(
+    publisher: Publisher,
+    staging_dir: str | Path,
+    version: int,
+    base_version: int | None,
+    *,
+    step: int | None = None,
+    offered_s: float | None = None,
+    encode_s: float = 0.0,
+) -> WeightsStaged:
+    """Tell the broadcaster about a delta file written by `write_staged_delta`. `encode_s`
+    is the time the encode and write took, for the version's latency (they happened before
+    this call)."""
+    path = Path(staging_dir) / staged_file_name(version, "delta")
+    message = WeightsStaged(
+        version=version, file_name=path.name, num_bytes=path.stat().st_size, step=step,
+        created_at=time.time(), kind="delta", base_version=base_version,
+    )  # fmt: skip
+    started_s = time.monotonic() - encode_s
+    return await _hand_over(publisher, message, started_s, offered_s, encode_s=encode_s)
+
+
+def _staged_path(staging_dir: str | Path, version: int, kind: StagedKind) -> Path:
+    directory = Path(staging_dir)
+    directory.mkdir(parents=True, exist_ok=True)
+    return directory / staged_file_name(version, kind)
+
+
+async def _hand_over(
+    publisher: Publisher,
+    message: WeightsStaged,
+    started_s: float,
+    offered_s: float | None,
+    encode_s: float = 0.0,
+) -> WeightsStaged:
+    """Publish the staged version's message and log the handover."""
+    await publisher.publish(WEIGHTS_STAGED, message, msg_id=f"staged.{message.version}")
+    # The first part of a version's latency (bench/version_latency.py reads this line:
+    # stage_s includes encode_s, the trainer's own encode of a delta).
+    stage_s = time.monotonic() - started_s
     waited_s = round(started_s - offered_s, 4) if offered_s is not None else 0.0
-    log.info("weights staged", version=version, mb=mb, stage_s=round(stage_s, 4), waited_s=waited_s)
+    log.info(
+        "weights staged", version=message.version, kind=message.kind,
+        mb=round(message.num_bytes / 1e6, 2), stage_s=round(stage_s, 4),
+        encode_s=round(encode_s, 4), waited_s=waited_s,
+    )  # fmt: skip
     return message
 
 
@@ -100,8 +182,35 @@ def _on_cpu(state: Mapping[str, Any]) -> dict[str, Any]:
 def load_staged(staging_dir: str | Path, message: WeightsStaged) -> dict[str, RawTensor]:
     """The staged state (memory-mapped, read-only); ValueError naming the problem when the
     file is missing, truncated or not safetensors."""
-    if _FILE_RE.match(message.file_name) is None:
-        raise ValueError(f"staged file name {message.file_name!r} is not v<version>.safetensors")
+    return read_safetensors(_checked_path(staging_dir, message, "state"))
+
+
+def load_staged_delta(
+    staging_dir: str | Path, message: WeightsStaged
+) -> tuple[Manifest, list[Chunk]]:
+    """The staged delta's manifest and chunks; ValueError naming the problem when the file
+    is missing, truncated, damaged, or not the version and base the message names."""
+    path = _checked_path(staging_dir, message, "delta")
+    try:
+        manifest, chunks = read_delta_file(path)
+    except CorruptDeltaError as exc:
+        raise ValueError(f"staged delta {path}: {exc}") from exc
+    if (manifest.version, manifest.base_version) != (message.version, message.base_version):
+        raise ValueError(
+            f"staged delta {path} holds version {manifest.version} on "
+            f"{manifest.base_version}; the trainer announced {message.version} on "
+            f"{message.base_version}"
+        )
+    return manifest, chunks
+
+
+def _checked_path(staging_dir: str | Path, message: WeightsStaged, kind: StagedKind) -> Path:
+    """The staged file's path, checked against the message (name, kind, size)."""
+    expected = staged_file_name(message.version, kind)
+    if message.kind != kind or message.file_name != expected:
+        raise ValueError(
+            f"staged file name {message.file_name!r} (kind {message.kind}) is not {expected}"
+        )
     path = Path(staging_dir) / message.file_name
     if not path.is_file():
         raise ValueError(f"staged file {path} does not exist (is the staging folder shared?)")
@@ -110,21 +219,23 @@ def load_staged(staging_dir: str | Path, message: WeightsStaged) -> dict[str, Ra
         raise ValueError(
             f"staged file {path} is {size} bytes, the trainer wrote {message.num_bytes}"
         )
-    return read_safetensors(path)
+    return path
 
 
-def staged_versions(staging_dir: str | Path) -> list[int]:
-    """Versions with a staged file, ascending."""
+def staged_versions(staging_dir: str | Path, kind: StagedKind | None = None) -> list[int]:
+    """Versions with a staged file (of `kind`, or either), ascending."""
     directory = Path(staging_dir)
     if not directory.is_dir():
         return []
+    suffixes = set(_SUFFIXES.values()) if kind is None else {_SUFFIXES[kind]}
     found = (_FILE_RE.match(p.name) for p in directory.iterdir())
-    return sorted(int(m.group(1)) for m in found if m)
+    return sorted({int(m.group(1)) for m in found if m and m.group(2) in suffixes})
 
 
 def remove_staged_before(staging_dir: str | Path, version: int) -> list[int]:
     """Delete staged files of versions below `version`; returns the versions deleted."""
     removed = [v for v in staged_versions(staging_dir) if v < version]
     for old in removed:
-        (Path(staging_dir) / staged_file_name(old)).unlink(missing_ok=True)
+        for kind in _SUFFIXES:
+            (Path(staging_dir) / staged_file_name(old, kind)).unlink(missing_ok=True)
     return removed

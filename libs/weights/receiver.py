@@ -463,6 +463,18 @@ async def latest_announcement(
     return raw.seq, announcement
 
 
+async def announced_head(
+    js: JetStreamContext, stream: str = streams.WEIGHTS_ANNOUNCE.name
+) -> WeightAnnouncement | None:
+    """The chain's head: the newest announced version (a snapshot where a delta and a
+    snapshot share it), or None when nothing is announced."""
+    found = [entry[1] for kind in ("delta", "snapshot")
+             if (entry := await latest_announcement(js, kind, stream)) is not None]  # fmt: skip
+    if not found:
+        return None
+    return max(found, key=lambda a: (a.version, a.kind == "snapshot"))
+
+
 async def newest_policy_version(js: JetStreamContext) -> int | None:
     """The newest version the trainer recorded as made (it writes it before staging any),
     or None where the state bucket or the key is absent (a region's relay server)."""

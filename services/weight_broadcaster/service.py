@@ -13,7 +13,7 @@ from libs.bus.consumer import PullConsumer
 from libs.bus.publisher import Publisher
 from libs.service import Service
 from libs.weights.broadcaster import WeightBroadcaster
-from libs.weights.encoder import HEADROOM_BYTES, EncodeOptions
+from libs.weights.encoder import EncodeOptions, chunk_bytes_for
 from proto.messages import WeightsStaged
 from proto.streams import WEIGHT_BROADCASTER_STAGED
 from services.weight_broadcaster.settings import WeightBroadcasterSettings
@@ -34,10 +34,8 @@ class WeightBroadcasterService(Service):
         await super().start(bus)
         settings = self.settings
         publisher = Publisher(bus.js, max_in_flight=settings.publish_in_flight)
-        # A chunk and its headers must fit the server's max payload.
-        max_chunk_bytes = min(settings.max_chunk_bytes, bus.nc.max_payload - HEADROOM_BYTES // 16)
         options = EncodeOptions(
-            max_chunk_bytes=max_chunk_bytes,
+            max_chunk_bytes=chunk_bytes_for(bus.nc.max_payload, settings.max_chunk_bytes),
             level=settings.zstd_level,
             threads=settings.encode_threads,
         )
