@@ -310,9 +310,9 @@ class Trainer:
             await self._finish()
 
     async def _finish(self) -> None:
-        """Flush (and close) the stager, make sure the last step has a checkpoint (once: not again when
-        its own was just written; in line when the background write failed), close the
-        readers and the step records. Each part runs whatever the ones before did, so a
+        """Flush (and close) the stager, make sure the last step has a checkpoint (once: not
+        again when its own was just written; in line when the background write failed), close
+        the readers and the step records. Each part runs whatever the ones before did, so a
         failed write loses neither the final checkpoint nor the records; the first failure
         is raised after all of them."""
         failures: list[Exception] = []
