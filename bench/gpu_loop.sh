@@ -28,8 +28,12 @@ export RLPIPE_TRAINER_POLICY_DEVICE=$device RLPIPE_ROLLOUT_WORKER_POLICY_DEVICE=
 [ -n "${PUBLISH_EVERY:-}" ] && export RLPIPE_TRAINER_PUBLISH_EVERY_STEPS=$PUBLISH_EVERY
 [ -n "${MAX_STALENESS:-}" ] && export RLPIPE_TRAINER_MAX_STALENESS=$MAX_STALENESS
 [ -n "${LEARNING_RATE:-}" ] && export RLPIPE_TRAINER_LEARNING_RATE=$LEARNING_RATE
-# Tasks a worker rolls out at once (the worker's default is 8: 128 rows of arith groups).
-[ -n "${MAX_BATCH_TASKS:-}" ] && export RLPIPE_ROLLOUT_WORKER_MAX_BATCH_TASKS=$MAX_BATCH_TASKS
+# Tasks a worker rolls out at once: 16 here (256 rows of arith groups, a trainer batch per
+# engine call) against the worker's default of 8. With the trainer's delta handover, one
+# H200, 180 s each (2026-11-26, bench/results/h200/gpu_loop_handover_*): trainer busy 0.44
+# (16), 0.38 (32) and 0.38-0.40 over three runs with 8; with 16 and the feeder two batches
+# ahead (MAX_AHEAD=2 QUEUE_DEPTH=48) also 0.45, at 1.7% dropped and 2.4 s version latency.
+export RLPIPE_ROLLOUT_WORKER_MAX_BATCH_TASKS=${MAX_BATCH_TASKS:-16}
 # How far the feeder runs ahead of the trainer (env-gateway defaults: 32 tasks queued, one
 # batch ahead): the tasks in flight over the pipeline's round trip bound samples/s.
 [ -n "${QUEUE_DEPTH:-}" ] && export RLPIPE_ENV_GATEWAY_QUEUE_DEPTH_TASKS=$QUEUE_DEPTH
@@ -46,7 +50,9 @@ export RLPIPE_TRAINER_EVAL_EVERY_VERSIONS=${EVAL_EVERY:-0}
 # DIFF_DEVICE= (empty) for the host scan.
 diff_device=${DIFF_DEVICE-$device}
 [ -n "$diff_device" ] && export RLPIPE_WEIGHT_BROADCASTER_DIFF_DEVICE=$diff_device
-# ENGINE=paged for the continuous-batching engine. On this task (2-token arith episodes, one
+# ENGINE=paged for the continuous-batching engine (with the trainer's delta handover: 53
+# steps in 180 s, 42% dropped, the worker's announcements read 25 s late, decode 3.3 s:
+# bench/results/h200/gpu_loop_handover_paged). On this task (2-token arith episodes, one
 # request per sample) hf still trains more steps on an NVIDIA H200: 40 against 26 in 100 s,
 # run back to back (2026-11-26, bench/results/h200/gpu_loop_100s_*), though paged now serves
 # this request pattern faster by itself (1,255 against 823 episodes/s: bench/harness_bench.py,
