@@ -133,6 +133,10 @@ async def test_the_delta_encoder_process_reports_its_failures_and_death(tmp_path
     encoder._process.kill()  # a crash: the next request says so instead of hanging
     with pytest.raises(DeltaEncoderError, match="died"):
         await encoder.encode(changed, 3)
+    # The next one starts a new process, with no chain: adopt again.
+    with pytest.raises(DeltaEncoderError, match="no version adopted"):
+        await encoder.encode(changed, 3)
+    assert await encoder.adopt(changed, 3) == delta.target_hash
     await encoder.close()
     with pytest.raises(DeltaEncoderError, match="closed"):
         await encoder.adopt(state, 4)

@@ -456,7 +456,7 @@ async def test_a_staged_delta_on_another_base_is_refused_and_the_chain_left_alon
     assert service.broadcaster.failures.problem() is None
 
 
-async def test_the_trainer_hands_over_whole_when_the_broadcaster_lost_its_chain(
+async def test_the_trainer_hands_over_whole_when_the_chain_is_lost_on_either_side(
     harness: Harness,
 ) -> None:
     stager = WeightStager(
@@ -465,11 +465,14 @@ async def test_the_trainer_hands_over_whole_when_the_broadcaster_lost_its_chain(
     )  # fmt: skip
     kinds, subscription = await staged_kinds(harness.bus)
     try:
-        for version in range(1, 6):
+        for version in range(1, 8):
             if version == 4:  # the bus loses the chain: the broadcaster starts a new one
                 await harness.stop_broadcaster()
                 await harness.bus.js.purge_stream(streams.WEIGHTS_ANNOUNCE.name)
                 await harness.start_broadcaster()
+            if version == 6:  # the trainer's encoder process dies
+                assert stager._encoder is not None
+                stager._encoder._process.kill()
             previous = harness.versions.get(version - 1)
             new = trainer_state(0) if previous is None else next_version(previous, version)
             harness.versions[version] = new
@@ -479,11 +482,11 @@ async def test_the_trainer_hands_over_whole_when_the_broadcaster_lost_its_chain(
     finally:
         await subscription.unsubscribe()
         await stager.close()
-    assert kinds == ["state", "delta", "delta", "state", "delta"]
+    assert kinds == ["state", "delta", "delta", "state", "delta", "state", "delta"]
     state: dict[str, Any] = {}
     receiver = WeightReceiver(harness.bus)
     try:
-        await receiver.catch_up(state, version=5, timeout_s=20)
+        await receiver.catch_up(state, version=7, timeout_s=20)
     finally:
         await receiver.close()
-    assert_bit_exact(state, harness.versions[5])
+    assert_bit_exact(state, harness.versions[7])

@@ -16,7 +16,8 @@ delta into the staging folder, where the trainer announces it to the broadcaster
 
 The trainer keeps each version's tensors alive while the child may read them (the base of
 the next delta). A failed encode drops the chain (adopt again); a dead child raises
-`DeltaEncoderError` naming its exit code, and so does a request after close.
+`DeltaEncoderError` naming its exit code, and the next request starts a new one (with no
+chain: adopt again); a request after close raises too.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+import structlog
 import torch
 import torch.multiprocessing as mp
 
@@ -40,6 +42,8 @@ from libs.weights.gpu import encode_device
 from libs.weights.handoff import write_staged_delta
 from libs.weights.hashing import state_hash
 from libs.weights.tensors import raw_state
+
+log = structlog.get_logger(__name__)
 
 _PR_SET_PDEATHSIG = 1
 _POLL_S = 0.5  # how often a wait for the child checks it is alive
@@ -80,16 +84,22 @@ class DeltaEncoder:
     """The parent's handle on the encoder process (started on the first request)."""
 
     def __init__(self, staging_dir: Path, options: EncodeOptions) -> None:
+        self._staging_dir = staging_dir
+        self._options = options
+        self._closed = False
+        self._new_process()
+
+    def _new_process(self) -> None:
         context = mp.get_context("spawn")  # CUDA cannot be forked
         self._requests: Any = context.Queue()
         self._replies: Any = context.Queue()
         self._process = context.Process(
             target=_serve,
-            args=(self._requests, self._replies, str(staging_dir), options, os.getpid()),
+            args=(self._requests, self._replies, str(self._staging_dir), self._options,
+                  os.getpid()),
             name="rlpipe-delta-encoder",
             daemon=True,
-        )
-        self._closed = False
+        )  # fmt: skip
 
     async def adopt(self, state: dict[str, torch.Tensor], version: int) -> str:
         """Make `version` (already handed over whole) the base of the next delta; returns
@@ -120,6 +130,10 @@ class DeltaEncoder:
     async def _call(self, request: _Request) -> str | EncodedDelta:
         if self._closed:
             raise DeltaEncoderError("the delta encoder is closed")
+        if self._process.pid is not None and not self._process.is_alive():
+            log.warning("the delta encoder process died; starting a new one",
+                        exit_code=self._process.exitcode)  # fmt: skip
+            self._new_process()
         if self._process.pid is None:
             self._process.start()
         self._requests.put(request)

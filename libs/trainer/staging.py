@@ -50,7 +50,7 @@ from prometheus_client import Counter
 
 from libs.bus.connection import ride_through
 from libs.bus.publisher import Publisher
-from libs.trainer.delta_encoder import DeltaEncoder
+from libs.trainer.delta_encoder import DeltaEncoder, DeltaEncoderError
 from libs.trainer.host_memory import HostCopy
 from libs.weights.encoder import EncodeOptions
 from libs.weights.handoff import announce_staged_delta, stage_weights
@@ -183,8 +183,11 @@ class WeightStager:
     async def _stage(self, offer: _Offer) -> None:
         chain, self._chain = self._chain, None  # until this handover is done
         if chain is not None and await self._continues(chain):
-            await self._stage_delta(chain, offer)
-            return
+            try:
+                await self._stage_delta(chain, offer)
+                return
+            except DeltaEncoderError as exc:  # the version goes whole; the chain restarts
+                log.error("delta encode failed: the version goes whole", error=str(exc))
         host = await asyncio.to_thread(self._host.copy, offer.state, offer.ready)
         await ride_through(
             lambda: stage_weights(
