@@ -6,11 +6,19 @@ import asyncio
 
 import msgspec
 import pytest
+from nats.js.errors import APIError
 
 from libs.bus import wire
 from libs.bus.connection import Bus, BusConnectError, check_server_version, connect_bus
 from libs.bus.consumer import DEFAULT_BACKOFF_S, Delivery, PermanentError, PullConsumer
-from libs.bus.provision import ProvisionError, ensure_consumer, ensure_stream, provision
+from libs.bus.provision import (
+    STORE_FAILED_ERR_CODE,
+    ProvisionError,
+    ensure_consumer,
+    ensure_stream,
+    provision,
+    stream_config,
+)
 from libs.bus.publisher import Outgoing, Publisher
 from libs.nats_server import NatsServer, free_port
 from proto import streams
@@ -277,6 +285,22 @@ async def test_provisioning_twice_changes_nothing(bus: Bus) -> None:
     assert len(first.outcomes) == len(streams.ALL_STREAMS) + len(streams.ALL_CONSUMERS) + len(
         streams.ALL_KV
     )
+
+
+async def test_a_stream_whose_store_could_not_be_made_is_created_by_the_next_attempt(
+    bus: Bus, nats_server: NatsServer
+) -> None:
+    await ensure_stream(bus.js, STREAM)  # the account's streams folder exists from here
+    streams_folder = next(nats_server.store_dir.rglob("streams"))
+    blocked = StreamSpec(name="BLOCKED", subjects=("blocked.>",), description="x")
+    # A file where the store folder goes: the server fails the create (and clears the path).
+    (streams_folder / "BLOCKED").write_text("in the way")
+    with pytest.raises(APIError) as refused:
+        await bus.js.add_stream(config=stream_config(blocked))
+    assert refused.value.err_code == STORE_FAILED_ERR_CODE
+    (streams_folder / "BLOCKED").write_text("in the way")  # again: ensure_stream tries twice
+    assert await ensure_stream(bus.js, blocked) == "created"
+    assert (await bus.js.stream_info("BLOCKED")).config.subjects == ["blocked.>"]
 
 
 async def test_changed_definition_is_updated_or_refused(bus: Bus) -> None:

@@ -13,6 +13,7 @@ replication. A running stream can be scaled up or down in place.
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
@@ -163,6 +164,20 @@ def check_replicas(replicas: int) -> None:
         )
 
 
+async def _add_stream(js: JetStreamContext, config: js_api.StreamConfig) -> None:
+    """Create the stream, again after a short wait when the server failed to make its store."""
+    for attempt in range(1, STORE_ATTEMPTS + 1):
+        try:
+            await js.add_stream(config=config)
+            return
+        except APIError as exc:
+            if exc.err_code != STORE_FAILED_ERR_CODE or attempt == STORE_ATTEMPTS:
+                raise
+            log.warning("the server could not create the stream's store; trying again",
+                        stream=config.name, attempt=attempt, error=str(exc))  # fmt: skip
+            await asyncio.sleep(STORE_RETRY_S * attempt)
+
+
 def _refused_replicas(exc: APIError, replicas: int) -> ProvisionError:
     """The server's refusal of a replication, turned into the fix."""
     return ProvisionError(
@@ -172,13 +187,22 @@ def _refused_replicas(exc: APIError, replicas: int) -> ProvisionError:
     )
 
 
+# "error creating store for stream": the server could not make the stream's store folder.
+# Seen once in the test suite right after the stream of the same name was deleted (the
+# server still removing the old folder, under load); a folder that stays unusable (a file in
+# its place, no permission) keeps failing and is raised after the last attempt.
+STORE_FAILED_ERR_CODE = 10049
+STORE_ATTEMPTS = 4
+STORE_RETRY_S = 0.25
+
+
 async def ensure_stream(js: JetStreamContext, spec: StreamSpec, replicas: int = 1) -> Outcome:
     wanted = stream_config(spec, replicas)
     try:
         info = await js.stream_info(spec.name)
     except NotFoundError:
         try:
-            await js.add_stream(config=wanted)
+            await _add_stream(js, wanted)
         except APIError as exc:
             if replicas > 1:
                 raise _refused_replicas(exc, replicas) from exc
