@@ -89,8 +89,9 @@ class TrainerConfig(StepConfig):
         "auto",
         description="How versions reach the weight-broadcaster: state (each whole, it "
         "encodes the delta), delta (the trainer encodes each after the first against the "
-        "one before, on its device: libs/trainer/staging.py), auto (delta where the "
-        "policy is on a GPU)",
+        "one before, on its device, in a process of its own: holds one more copy of the "
+        "published weights on the device and two in pinned host memory, "
+        "libs/trainer/staging.py), auto (delta where the policy is on a GPU)",
     )
     handover_threads: int = Field(
         8, ge=1, description="Threads hashing and compressing the deltas the trainer encodes"
