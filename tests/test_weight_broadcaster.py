@@ -21,7 +21,12 @@ from libs.trainer.staging import WeightStager
 from libs.weights import BaseMismatchError, CorruptDeltaError, MissingChunkError
 from libs.weights.encoder import EncodeOptions, encode
 from libs.weights.format import encode_chunk
-from libs.weights.handoff import stage_delta, stage_weights, staged_versions
+from libs.weights.handoff import (
+    announce_staged_delta,
+    stage_weights,
+    staged_versions,
+    write_staged_delta,
+)
 from libs.weights.receiver import WeightReceiver, latest_announcement
 from libs.weights.tensors import as_raw
 from libs.weights.transport import chunk_subject, fetch_chunks
@@ -155,6 +160,17 @@ async def harness(bus: Bus, tmp_path: Path) -> AsyncIterator[Harness]:
         await h.stop_broadcaster()
 
 
+async def assert_caught_up(harness: Harness, version: int) -> None:
+    """A receiver starting from nothing reaches `version`, bit-exact with what was staged."""
+    state: dict[str, Any] = {}
+    receiver = WeightReceiver(harness.bus)
+    try:
+        await receiver.catch_up(state, version=version, timeout_s=20)
+    finally:
+        await receiver.close()
+    assert_bit_exact(state, harness.versions[version])
+
+
 async def receive(receiver: WeightReceiver, state: dict[str, Any]) -> tuple[str, float]:
     update = await asyncio.wait_for(receiver.next_update(), 20)
     pause_s = receiver.apply(update, state)
@@ -230,13 +246,7 @@ async def test_versions_staged_faster_than_broadcast_are_skipped_for_the_newest(
             streams.WEIGHT_CHUNKS.name, subject=weight_chunk_subject(2, "delta", 0), direct=True
         )
     assert staged_versions(harness.staging_dir) == [3]  # 2's file is gone with it
-    state: dict[str, Any] = {}
-    receiver = WeightReceiver(harness.bus)
-    try:
-        await receiver.catch_up(state, version=3, timeout_s=20)
-    finally:
-        await receiver.close()
-    assert_bit_exact(state, harness.versions[3])
+    await assert_caught_up(harness, 3)
 
 
 async def test_a_restarted_broadcaster_continues_the_chain(harness: Harness) -> None:
@@ -256,13 +266,7 @@ async def test_a_restarted_broadcaster_continues_the_chain(harness: Harness) -> 
     assert (delta[1].version, delta[1].base_version) == (5, 4)
     assert snapshot[1].version == 4  # the snapshot came on schedule, not from a broken chain
 
-    state: dict[str, Any] = {}
-    receiver = WeightReceiver(harness.bus)
-    try:
-        await receiver.catch_up(state, version=5, timeout_s=20)
-    finally:
-        await receiver.close()
-    assert_bit_exact(state, harness.versions[5])
+    await assert_caught_up(harness, 5)
 
 
 async def test_a_tampered_chunk_refuses_the_version_and_leaves_the_model_alone(
@@ -429,7 +433,8 @@ async def test_a_staged_delta_on_another_base_is_refused_and_the_chain_left_alon
     manifest, chunks = encode(
         harness.versions[1], third, base_version=1, version=3, options=options
     )
-    await stage_delta(harness.publisher, harness.staging_dir, manifest, chunks)
+    write_staged_delta(harness.staging_dir, manifest, chunks)
+    await announce_staged_delta(harness.publisher, harness.staging_dir, 3, 1)
     await wait_for(
         lambda: service.broadcaster is not None and service.broadcaster.failures.num_failures > 0,
         20, "the staged delta refused",
@@ -446,13 +451,7 @@ async def test_a_staged_delta_on_another_base_is_refused_and_the_chain_left_alon
     await wait_for(harness.announced(4), 20, "version 4 announced")
     delta = await latest_announcement(harness.bus.js, "delta")
     assert delta is not None and (delta[1].version, delta[1].base_version) == (4, 2)
-    state: dict[str, Any] = {}
-    receiver = WeightReceiver(harness.bus)
-    try:
-        await receiver.catch_up(state, version=4, timeout_s=20)
-    finally:
-        await receiver.close()
-    assert_bit_exact(state, harness.versions[4])
+    await assert_caught_up(harness, 4)
     assert service.broadcaster.failures.problem() is None
 
 
@@ -483,10 +482,4 @@ async def test_the_trainer_hands_over_whole_when_the_chain_is_lost_on_either_sid
         await subscription.unsubscribe()
         await stager.close()
     assert kinds == ["state", "delta", "delta", "state", "delta", "state", "delta"]
-    state: dict[str, Any] = {}
-    receiver = WeightReceiver(harness.bus)
-    try:
-        await receiver.catch_up(state, version=7, timeout_s=20)
-    finally:
-        await receiver.close()
-    assert_bit_exact(state, harness.versions[7])
+    await assert_caught_up(harness, 7)

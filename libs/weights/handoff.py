@@ -19,7 +19,8 @@ Where the trainer encodes deltas itself (its weights on a GPU: libs/trainer/stag
 it hands over the first version whole and each later one as a delta against the version it
 handed over before:
 
-    await stage_delta(publisher, staging_dir, manifest, chunks)
+    write_staged_delta(staging_dir, manifest, chunks)   # in the trainer's encoder process
+    await announce_staged_delta(publisher, staging_dir, version, base_version)
 
 writes `<staging_dir>/v<version>.delta` (libs/weights/container.py) and publishes a
 `WeightsStaged` of kind "delta" naming its base. The broadcaster stores that delta as it
@@ -87,29 +88,8 @@ async def stage_weights(
     return await _hand_over(publisher, message, started_s, offered_s)
 
 
-async def stage_delta(
-    publisher: Publisher,
-    staging_dir: str | Path,
-    manifest: Manifest,
-    chunks: list[Chunk],
-    *,
-    step: int | None = None,
-    offered_s: float | None = None,
-) -> WeightsStaged:
-    """Write a delta the trainer encoded (version `manifest.version` against
-    `manifest.base_version`, the version it handed over before) and tell the broadcaster;
-    returns once the message is stored on the bus."""
-    started_s = time.monotonic()
-    await asyncio.to_thread(write_staged_delta, staging_dir, manifest, chunks)
-    encode_s = time.monotonic() - started_s
-    return await announce_staged_delta(
-        publisher, staging_dir, manifest.version, manifest.base_version, step=step,
-        offered_s=offered_s, encode_s=encode_s,
-    )  # fmt: skip
-
-
 def write_staged_delta(staging_dir: str | Path, manifest: Manifest, chunks: list[Chunk]) -> Path:
-    """Write a delta file for `stage_delta` or `announce_staged_delta` (blocking)."""
+    """Write a delta file for `announce_staged_delta` (blocking)."""
     if manifest.base_version is None:
         raise ValueError(f"version {manifest.version} is a snapshot, not a delta: stage it whole")
     path = _staged_path(staging_dir, manifest.version, "delta")
