@@ -182,7 +182,9 @@ class WeightStager:
 
     async def _stage(self, offer: _Offer) -> None:
         chain, self._chain = self._chain, None  # until this handover is done
-        if chain is not None and await self._continues(chain):
+        if chain is not None and await ride_through(
+            lambda: self._continues(chain), "checking the weight chain"
+        ):
             try:
                 await self._stage_delta(chain, offer)
                 return
