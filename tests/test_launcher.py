@@ -276,6 +276,27 @@ def test_run_stops_at_max_trainer_steps_and_summarizes(
     assert not [pid for pid in recorded_pids(tmp_path / "run") if is_alive(pid)]
 
 
+def test_a_trainer_that_finishes_between_two_health_checks_ends_the_run_cleanly(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Its steps done before any check saw it serving: it exits 0 at its step bound.
+    commands = {**fake_commands(), "trainer": [PY, "-c", "import time; time.sleep(0.3)"]}
+    options = LaunchOptions(
+        run_dir=tmp_path / "run",
+        max_trainer_steps=3,
+        duration_s=60,
+        commands=commands,
+        stop_grace_s=5,
+    )
+    exit_code = run_local(options)
+
+    summary = last_json_line(capsys.readouterr().out)
+    assert exit_code == 0, summary
+    assert summary["stop_reason"] == "max_trainer_steps"
+    assert summary["services"]["trainer"]["exit"] == "exit 0"
+    assert not [pid for pid in recorded_pids(tmp_path / "run") if is_alive(pid)]
+
+
 def test_service_that_never_becomes_healthy_fails_the_run(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
