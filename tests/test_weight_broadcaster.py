@@ -122,12 +122,21 @@ class Harness:
         await asyncio.wait_for(self._task, 10)
         self.service, self._task = None, None
 
-    async def stage(self, version: int) -> None:
-        """The trainer's side: a new version, staged and handed over."""
+    def new_version(self, version: int) -> dict[str, torch.Tensor]:
+        """The trainer's weights at `version` (the first, or a step from the one before)."""
         previous = self.versions.get(version - 1)
         state = trainer_state(0) if previous is None else next_version(previous, version)
         self.versions[version] = state
-        await stage_weights(self.publisher, self.staging_dir, state, version)
+        return state
+
+    async def stage(self, version: int) -> None:
+        """The trainer's side: a new version, staged and handed over."""
+        await stage_weights(self.publisher, self.staging_dir, self.new_version(version), version)
+
+    def delta_stager(self) -> WeightStager:
+        """The trainer's stager, encoding the versions after the first itself."""
+        options = EncodeOptions(max_chunk_bytes=16 << 10)
+        return WeightStager(self.publisher, self.staging_dir, deltas=True, options=options)
 
     async def stage_until(self, version: int) -> None:
         """Stage each version up to `version`, one at a time: each is announced before the
@@ -381,19 +390,14 @@ async def staged_kinds(bus: Bus) -> tuple[list[str], Any]:
 async def test_deltas_the_trainer_encodes_arrive_bit_exact_with_snapshots_on_schedule(
     harness: Harness, device: str
 ) -> None:
-    stager = WeightStager(
-        harness.publisher, harness.staging_dir, deltas=True,
-        options=EncodeOptions(max_chunk_bytes=16 << 10),
-    )  # fmt: skip
+    stager = harness.delta_stager()
     kinds, subscription = await staged_kinds(harness.bus)
     state: dict[str, Any] = {}
     receiver = WeightReceiver(harness.bus)
     received = []
     try:
         for version in range(1, 8):
-            previous = harness.versions.get(version - 1)
-            new = trainer_state(0) if previous is None else next_version(previous, version)
-            harness.versions[version] = new
+            new = harness.new_version(version)
             await stager.offer({n: t.to(device, copy=True) for n, t in new.items()}, version)
             await stager.flush()
             await wait_for(harness.announced(version), 20, f"version {version} announced")
@@ -458,10 +462,7 @@ async def test_a_staged_delta_on_another_base_is_refused_and_the_chain_left_alon
 async def test_the_trainer_hands_over_whole_when_the_chain_is_lost_on_either_side(
     harness: Harness,
 ) -> None:
-    stager = WeightStager(
-        harness.publisher, harness.staging_dir, deltas=True,
-        options=EncodeOptions(max_chunk_bytes=16 << 10),
-    )  # fmt: skip
+    stager = harness.delta_stager()
     kinds, subscription = await staged_kinds(harness.bus)
     try:
         for version in range(1, 8):
@@ -472,9 +473,7 @@ async def test_the_trainer_hands_over_whole_when_the_chain_is_lost_on_either_sid
             if version == 6:  # the trainer's encoder process dies
                 assert stager._encoder is not None
                 stager._encoder._process.kill()
-            previous = harness.versions.get(version - 1)
-            new = trainer_state(0) if previous is None else next_version(previous, version)
-            harness.versions[version] = new
+            new = harness.new_version(version)
             await stager.offer({n: t.clone() for n, t in new.items()}, version)
             await stager.flush()
             await wait_for(harness.announced(version), 20, f"version {version} announced")
