@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 from libs.launcher.warm_start import RECIPES, default_cache_root, full_stage, worker_harness_env
+from libs.trainer.checkpoint import latest_checkpoint
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -141,24 +142,33 @@ def test_a_summarizing_episode_has_every_segment_trained(tmp_path: Path) -> None
     assert sum(r["num_rows"] for r in records) == total_segments
 
 
+def held_out(model: Path, num_tasks: int) -> dict[str, Any]:
+    """`python -m libs.sft.evaluate` on `model`: calc's held-out tasks at temperature 1."""
+    stdout = run_command(
+        [
+            "libs.sft.evaluate",
+            "--policy-path",
+            str(model),
+            "--env",
+            "calc",
+            "--num-tasks",
+            str(num_tasks),
+            "--temperature",
+            "1",
+        ],
+        timeout_s=300,
+    )
+    figures: dict[str, Any] = json.loads(stdout.strip().splitlines()[-1])
+    return figures
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
-@pytest.mark.skipif(
-    not (
-        full_stage("calc", default_cache_root(), RECIPES["calc"]).out / "model.safetensors"
-    ).exists(),
-    reason="needs calc's cached warm start (6.3 minutes to build on the idle 2-core VM): run "
-    "`rlpipe demo --env calc` once",
-)
-@pytest.mark.xfail(
-    reason="not met yet: no demo run has raised calc's success (the latest recipe: 0.30 -> "
-    "0.275 in 107 steps; in-process GRPO from it 0.18 -> 0.27 in 30 steps; README, the agent "
-    "recipe); kept as the target",
-    strict=False,
-)
 def test_a_warm_started_tool_using_policy_improves_with_rl(tmp_path: Path) -> None:
-    # The demo's own warm start, built into the default cache when missing (about 8
-    # CPU-minutes the first time; a cached one is reused).
+    # The demo's own warm start, built into the default cache when missing (3 minutes on the
+    # idle 2-core VM; a cached one is reused), then 150 RL steps through every service. On
+    # 256 held-out tasks at temperature 1 the warm start succeeded in 0.44 of the episodes
+    # and a 1,082-step demo's last checkpoint in 0.85.
     run_dir = tmp_path / "run"
     stdout = run_command(
         [
@@ -169,15 +179,18 @@ def test_a_warm_started_tool_using_policy_improves_with_rl(tmp_path: Path) -> No
             "--run-dir",
             str(run_dir),
             "--max-trainer-steps",
-            "25",
+            "150",
             "--duration-s",
-            "1500",
+            "900",
         ],
-        timeout_s=2400,
+        timeout_s=1500,
     )
     summary = json.loads(stdout.strip().splitlines()[-1])
-    assert summary["exit_code"] == 0 and summary["trainer_step"] >= 25
-    first, last = summary["episodes_first_steps"], summary["episodes_last_steps"]
-    assert first["episodes_with_tool_calls"] >= 0.8, "the warm start calls the tools"
-    assert last["episodes_with_tool_calls"] >= 0.8, "RL kept the tool use"
-    assert last["success"] >= first["success"] + 0.1, f"no improvement: {first} -> {last}"
+    assert summary["exit_code"] == 0 and summary["trainer_step"] >= 150
+    start = held_out(full_stage("calc", default_cache_root(), RECIPES["calc"]).out, 128)
+    checkpoint = latest_checkpoint(run_dir / "trainer" / "checkpoints")
+    assert checkpoint is not None and checkpoint.state.step >= 150
+    final = held_out(checkpoint.path, 128)
+    assert start["episodes_with_tool_calls"] >= 0.9, "the warm start calls the tools"
+    assert final["episodes_with_tool_calls"] >= 0.9, "RL kept the tool use"
+    assert final["success"] >= start["success"] + 0.25, f"no improvement: {start} -> {final}"

@@ -489,11 +489,16 @@ def test_demo_stops_cleanly_on_ctrl_c_once_every_service_is_up(run_dir: Path) ->
             break
         assert time.monotonic() < deadline, "services did not all come up within 90 s"
     process.send_signal(signal.SIGINT)
-    stdout, _ = process.communicate(timeout=60)
+    stdout, stderr = process.communicate(timeout=60)
 
     assert process.returncode == 0
     summary = last_json_line(stdout)
-    assert all(s["final_status"] == "stopped" for s in summary["services"].values())
+    not_stopped = {
+        name: (s["final_status"], s["exit"])
+        for name, s in summary["services"].items()
+        if s["final_status"] != "stopped"
+    }
+    assert not not_stopped, f"{not_stopped}; launcher stderr: {stderr[-3000:]}"
     assert not [pid for pid in recorded_pids(run_dir) if is_alive(pid)]
 
 

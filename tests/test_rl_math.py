@@ -19,6 +19,7 @@ from libs.rl import (
     ppo_clip_loss,
     reference_kl,
     same_version_mask,
+    sample_mean_scale,
     sample_policy_version,
     split_by_staleness,
     staleness_histogram,
@@ -373,6 +374,58 @@ def test_micro_batches_with_the_step_token_count_add_up_to_the_full_batch_loss()
     assert torch.cat([parts[0][1], parts[1][1]]).tolist() == [
         pytest.approx(row, abs=1e-6) for row in full_grad.tolist()
     ]
+
+
+def test_sample_mean_weighs_each_sample_alike_whatever_its_length() -> None:
+    # Row 0's objective sums to 1.1 + 1.2 + 0.8 = 3.1 over 3 tokens, row 1's to
+    # -1.6 - 10.8 = -12.4 over 2: the sample mean is -(3.1 / 3 - 12.4 / 2) / 2.
+    scale = sample_mean_scale(torch.tensor(MASK), num_tokens_total=5, num_rows_total=2)
+    assert scale.tolist() == [pytest.approx(5 / 6), pytest.approx(5 / 4)]
+    scaled = (torch.tensor(ADVANTAGES) * scale).tolist()
+    loss, grad, _ = run_loss(NEW, PROX, BEHAVIOR, scaled, MASK, is_cap=3.0)
+    assert loss.item() == pytest.approx(-(3.1 / 3 - 12.4 / 2) / 2, rel=1e-5)
+    # Each row's gradient is the token mean's, times its scale: a token of the short row
+    # weighs 1/4 of the step, one of the long row 1/6.
+    expected = [[g * s for g in row] for row, s in zip(EXPECTED_GRAD, [5 / 6, 5 / 4], strict=True)]
+    assert grad.tolist() == [pytest.approx(row, abs=1e-5) for row in expected]
+
+
+def test_sample_mean_gives_a_row_without_loss_tokens_no_weight() -> None:
+    mask = torch.tensor([[True, True], [False, False]])
+    assert sample_mean_scale(mask, num_tokens_total=2, num_rows_total=2).tolist() == [0.5, 0.0]
+
+
+@pytest.mark.parametrize("aggregation", ["token_mean", "sample_mean"])
+def test_a_real_step_reports_the_loss_of_its_aggregation(aggregation: str) -> None:
+    # One short sample (A > 0) and one long one (A < 0): the trainer's step computes the loss
+    # of the aggregation its config names (proximal = new at the first minibatch: r = 1, w = 1,
+    # so the loss is -mean(A) over tokens or over samples).
+    tokenizer = ByteTokenizer()
+    model = build_policy(PolicyConfig(preset="tiny", device="cpu", seed=0))
+    prompt = tokenizer.encode("1+1=")
+    short, long = [*tokenizer.encode("2"), tokenizer.eos_id], tokenizer.encode("22222222")
+
+    def sample(rollout_id: str, answer: list[int], reward: float) -> ScoredRollout:
+        # Behavior logprobs from these very weights: importance weight 1.
+        probe = build_batch(
+            [scored(rollout_id, [user(prompt), assistant(answer, [0.0] * len(answer), 0)])],
+            [0.0],
+            pad_id=tokenizer.pad_id,
+        )
+        with torch.no_grad():
+            behavior = sequence_logprobs(model, probe.input_ids, probe.attention_mask)
+        turn = assistant(answer, behavior[probe.loss_mask].tolist(), 0)
+        return scored(rollout_id, [user(prompt), turn], reward)
+
+    samples = [sample("a", short, 1.0), sample("b", long, 0.0)]
+    config = StepConfig(loss_aggregation=aggregation, normalize_advantage_std=False)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    stats = train_step(model, optimizer, samples, 0, config, tokenizer.pad_id)
+    # Advantages +0.5 and -0.5 (mean-centered), on 2 and 8 tokens.
+    token_mean = -(0.5 * 2 - 0.5 * 8) / 10
+    sample_mean = -(0.5 - 0.5) / 2
+    expected = token_mean if aggregation == "token_mean" else sample_mean
+    assert stats.loss == pytest.approx(expected, abs=1e-6)
 
 
 # --- one real step ----------------------------------------------------------------------------

@@ -36,6 +36,7 @@ from libs.launcher.run import add_demo_arguments, options_from_args
 from libs.policy import PolicyConfig, build_policy, load_policy
 from libs.rollout.agent import AgentRunner
 from libs.rollout.episode import RunnerSettings
+from libs.sft import cli as sft_cli
 from libs.sft.cli import LogFn
 from libs.sft.loss import MIN_SHARED_PREFIX_TOKENS, sft_loss, shared_prefix_length
 from libs.sft.train import SftConfig, SftStep, load_examples, train_sft
@@ -45,12 +46,20 @@ from libs.sft.transcript import (
     parse_line,
     read_transcripts,
     render_transcript,
+    transcript_texts,
     transcript_to_json,
     without_system_message,
 )
-from libs.tokenizer import ByteTokenizer
+from libs.tokenizer import (
+    ByteTokenizer,
+    HFTokenizer,
+    load_tokenizer,
+    save_tokenizer,
+    train_chat_tokenizer,
+)
 from proto import messages as m
 from proto.messages import Rollout
+from services.cli import build_parser
 
 TOKENIZER = ByteTokenizer()
 TEMPLATE = chat_template_for(TOKENIZER)
@@ -346,6 +355,69 @@ def test_a_warm_start_trains_on_the_free_cores_and_is_reused(
         ("warm start (calc): sft, short contexts step", 2),
         ("warm start (calc): sft, full transcripts step", 2),
     ]
+
+
+def test_a_chat_tokenizer_trained_on_demonstrations_keeps_digits_apart(tmp_path: Path) -> None:
+    transcripts = [t for i in range(40) for t in asyncio.run(_expert_episode("calc", i))]
+    texts = [text for t in transcripts for text in transcript_texts(t)]
+    tokenizer = train_chat_tokenizer(texts, vocab_size=400)
+    assert tokenizer.vocab_size <= 400
+    template = chat_template_for(tokenizer)
+    ids, mask = render_transcript(transcripts[0], template)
+    byte_ids, _ = render_transcript(transcripts[0], TEMPLATE)
+    assert len(ids) < len(byte_ids) / 3, "recurring text (the opening) merged into few tokens"
+    assert all(tokenizer.decode(tokenizer.encode(text)) == text for text in texts), "lossless"
+    # Numbers are written digit by digit, wherever they stand.
+    for text in ("1264", '{"a": 1264, "b": 7}', "-31"):
+        digits = [
+            tokenizer.decode([i]) for i in tokenizer.encode(text) if tokenizer.decode([i]).isdigit()
+        ]
+        assert digits == [c for c in text if c.isdigit()]
+    # Saved beside a model, it is the folder's own tokenizer, ChatML template included.
+    save_tokenizer(tokenizer, tmp_path)
+    loaded = load_tokenizer(str(tmp_path))
+    assert isinstance(loaded, HFTokenizer)
+    assert render_transcript(transcripts[0], chat_template_for(loaded)) == (ids, mask)
+
+
+def test_a_chat_tokenizer_needs_room_for_the_bytes_and_specials() -> None:
+    with pytest.raises(ValueError, match="vocab_size must hold the 256 bytes"):
+        train_chat_tokenizer(["hello"], vocab_size=258)
+
+
+def test_a_warm_start_with_its_own_tokenizer_is_a_model_folder_carrying_it(
+    tmp_path: Path,
+) -> None:
+    recipe = warm_start.WarmStartRecipe(
+        DemoConfig(env="calc", num_tasks=8, error_rate=0.0),
+        short_steps=0,
+        full_steps=2,
+        full_batch_size=2,
+        tokenizer_vocab_size=400,
+    )
+    model_dir = warm_start.ensure_warm_start("calc", tmp_path, recipe)
+    tokenizer = load_tokenizer(str(model_dir))
+    assert isinstance(tokenizer, HFTokenizer) and tokenizer.vocab_size <= 400
+    trained = load_tokenizer(str(model_dir.parent / warm_start.TOKENIZER_DIR))
+    assert tokenizer.encode("What is 12 * 7?") == trained.encode("What is 12 * 7?")
+    model = load_policy(model_dir)
+    assert model.config.vocab_size == tokenizer.vocab_size
+
+
+def test_rlpipe_sft_trains_a_tokenizer_of_its_own_when_asked(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    demos, out = tmp_path / "demos.jsonl", tmp_path / "calc-sft"
+    asyncio.run(write_demonstrations(DemoConfig(env="calc", num_tasks=8), demos))
+    flags = ["sft", "--data", str(demos), "--out", str(out), "--train-tokenizer", "400"]
+    with_base = build_parser().parse_args([*flags, "--policy-path", str(tmp_path)])
+    assert sft_cli.run(with_base) == 2
+    assert "--train-tokenizer builds a new policy" in capsys.readouterr().err
+    args = build_parser().parse_args([*flags, "--steps", "2", "--batch-size", "2"])
+    assert sft_cli.run(args) == 0
+    tokenizer = load_tokenizer(str(out))
+    assert isinstance(tokenizer, HFTokenizer) and tokenizer.vocab_size <= 400
+    assert load_policy(out).config.vocab_size == tokenizer.vocab_size
 
 
 def test_a_tool_demo_feeds_at_most_the_trainers_batches_ahead(

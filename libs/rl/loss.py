@@ -11,6 +11,10 @@ r = exp(new - proximal):
     objective = w * min(r * A, clip(r, 1 - clip_eps_low, 1 + clip_eps_high) * A)
     loss = -sum(objective over loss tokens) / number of loss tokens    (DAPO token mean)
 
+or, with `sample_mean_scale` applied to the advantages, the mean over samples of each
+sample's own token mean (GRPO's original weighting: a long sample weighs as much as a short
+one, not as much as all the short ones together).
+
 The importance weight w corrects for the samples coming from an older (or numerically
 different) policy; the clip keeps each step near the proximal policy, whatever the
 behavior policy was. The train/inference mismatch metric compares proximal and behavior
@@ -25,6 +29,7 @@ started from, e.g. an SFT warm start), over the whole run, not only within a ste
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -103,6 +108,25 @@ def reference_kl(
     k3 = torch.expm1(log_ratio) - log_ratio
     count = int(mask.sum().item()) if num_tokens_total is None else num_tokens_total
     return torch.where(mask, k3, torch.zeros_like(k3)).sum() / max(count, 1)
+
+
+LossAggregation = Literal["token_mean", "sample_mean"]
+
+
+def sample_mean_scale(
+    loss_mask: torch.Tensor, num_tokens_total: int, num_rows_total: int
+) -> torch.Tensor:
+    """[B] factors that turn the token mean into a sample mean when they scale `advantages`.
+
+    The objective is positively homogeneous in the advantage (min(r*cA, clip(r)*cA) = c *
+    min(r*A, clip(r)*A) for c > 0), so scaling row b's advantage by N / (R * L_b), with N the
+    loss tokens and R the rows of the whole (mini)batch and L_b the row's own loss tokens,
+    gives -(1/R) sum_b (1/L_b) sum_t objective: each sample weighs 1/R. A row without loss
+    tokens gets 0.
+    """
+    lengths = loss_mask.float().sum(dim=-1)
+    scale = num_tokens_total / (max(num_rows_total, 1) * lengths.clamp(min=1.0))
+    return torch.where(lengths > 0, scale, torch.zeros_like(scale))
 
 
 def ppo_clip_loss(

@@ -2,6 +2,7 @@
 
     rlpipe sft --data demos.jsonl --out models/calc-sft --steps 300
     rlpipe sft --data demos.jsonl --out models/mine --policy-path BASE   # BASE's tokenizer
+    rlpipe sft --data demos.jsonl --out models/calc-sft --train-tokenizer 1024  # its own
 
 Progress is a rich bar on a terminal and a log line every 10 steps otherwise. A malformed
 transcript line stops the run before training with its line number and field (exit 2).
@@ -40,6 +41,15 @@ def add_sft_parser(commands: Any) -> None:
         default=None,
         help="'byte' or a local tokenizer folder; default: the policy folder's own, else byte",
     )
+    sft.add_argument(
+        "--train-tokenizer",
+        type=int,
+        default=None,
+        metavar="VOCAB_SIZE",
+        help="first train a BPE tokenizer of at most VOCAB_SIZE tokens on --data (into "
+        "OUT/tokenizer) and build the --policy-preset over it (not with --policy-path or "
+        "--tokenizer)",
+    )
     sft.add_argument("--steps", type=int, default=300)
     sft.add_argument("--batch-size", type=int, default=8)
     sft.add_argument("--learning-rate", type=float, default=2e-3)
@@ -62,7 +72,7 @@ def config_from_args(args: argparse.Namespace) -> SftConfig:
     policy = PolicyConfig(
         preset=args.policy_preset,
         path=args.policy_path,
-        tokenizer=args.tokenizer,
+        tokenizer=trained_tokenizer(args) or args.tokenizer,
         device=args.device,
     )
     return SftConfig(
@@ -77,6 +87,22 @@ def config_from_args(args: argparse.Namespace) -> SftConfig:
         seed=args.seed,
         without_system_message=args.without_system_message,
     )
+
+
+def trained_tokenizer(args: argparse.Namespace) -> str | None:
+    """The folder of the tokenizer `--train-tokenizer` asks for (trained on the data once),
+    or None without the flag."""
+    if args.train_tokenizer is None:
+        return None
+    if args.policy_path or args.tokenizer:
+        raise ValueError(
+            "--train-tokenizer builds a new policy over a new tokenizer: drop --policy-path "
+            "and --tokenizer, or drop --train-tokenizer"
+        )
+    from libs.sft.tokenizer import ensure_transcript_tokenizer
+
+    folder = ensure_transcript_tokenizer(args.data, args.out / "tokenizer", args.train_tokenizer)
+    return str(folder)
 
 
 def run(args: argparse.Namespace) -> int:

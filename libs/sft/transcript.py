@@ -104,6 +104,13 @@ def render_transcript(
     return ids, mask
 
 
+def transcript_texts(transcript: Transcript) -> list[str]:
+    """The text of each message of `transcript` as the template lays it out (role, then
+    content: tool list, calls and results included), for training a tokenizer on."""
+    messages = with_tools(chat_messages(transcript.messages), transcript.tools)
+    return [f"{message.role}\n{message.content}\n" for message in messages]
+
+
 def without_system_message(transcript: Transcript) -> Transcript:
     """`transcript` with no system message and no tools (the tools are listed in it)."""
     messages = tuple(m for m in transcript.messages if m.role != "system")

@@ -24,6 +24,7 @@ from transformers import PreTrainedModel
 from libs.policy import sequence_logprobs
 from libs.rl import (
     GroupAdvantages,
+    LossAggregation,
     MismatchStats,
     PolicyLossStats,
     TrainBatch,
@@ -34,6 +35,7 @@ from libs.rl import (
     ppo_clip_loss,
     reference_kl,
     same_version_mask,
+    sample_mean_scale,
 )
 from libs.trainer.reference import ReferencePolicy
 from proto.messages import ScoredRollout
@@ -55,6 +57,12 @@ class StepConfig(BaseModel):
     max_sequence_tokens: int | None = Field(None, ge=2, description="Truncate longer samples")
     kl_coef: float = Field(
         0.0, ge=0, description="Weight of the KL penalty to the starting policy (0: none)"
+    )
+    loss_aggregation: LossAggregation = Field(
+        "token_mean",
+        description="token_mean: every loss token weighs the same (DAPO); sample_mean: every "
+        "sample weighs the same whatever its length (GRPO's original), so a few long failing "
+        "samples do not outweigh the rest of their group",
     )
 
 
@@ -235,15 +243,20 @@ def _minibatch_loss(
     enters every forward and backward (FSDP2 gathers the weights there)."""
     num_tokens = int(share.total(batch.loss_mask[rows].sum()))
     loss_mask = batch.loss_mask[rows]
+    advantages = batch.advantages[rows]
+    if config.loss_aggregation == "sample_mean":
+        num_rows = int(share.total(torch.tensor(len(rows), device=rows.device)))
+        advantages = advantages * sample_mean_scale(loss_mask, num_tokens, num_rows)
     if len(rows) == 0:
         rows = torch.zeros(1, dtype=torch.long, device=rows.device)
         loss_mask = torch.zeros_like(batch.loss_mask[rows])
+        advantages = batch.advantages[rows]
     new = sequence_logprobs(model, batch.input_ids[rows], batch.attention_mask[rows])
     loss, stats = ppo_clip_loss(
         new,
         proximal[rows],
         batch.behavior_logprobs[rows],
-        batch.advantages[rows],
+        advantages,
         loss_mask,
         clip_eps_low=config.clip_eps_low,
         clip_eps_high=config.clip_eps_high,
