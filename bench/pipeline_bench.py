@@ -65,6 +65,7 @@ SCENARIOS: dict[str, Scenario] = {
         extra_env={
             "env-gateway": {
                 "RLPIPE_ENV_GATEWAY_ENV": "calc",
+                # Groups of 8 (the warm start's RL setting) when started from it; 4 otherwise.
                 "RLPIPE_ENV_GATEWAY_GROUP_SIZE": "4",
                 "RLPIPE_ENV_GATEWAY_BATCH_GROUPS": "2",
                 "RLPIPE_ENV_GATEWAY_TOOL_LATENCY": HEAVY_TAIL_LATENCY,
@@ -75,7 +76,8 @@ SCENARIOS: dict[str, Scenario] = {
                 "RLPIPE_TRAINER_LEARNING_RATE": RL_LEARNING_RATE,
             },
         },
-        thresholds=(0.6, 0.7),
+        # The warm start's mean reward is ~0.55 (success 0.44 held out); RL takes it past 0.85.
+        thresholds=(0.7, 0.8),
         warm_start_env="calc",
     ),
 }

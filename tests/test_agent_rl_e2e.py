@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from libs.launcher.warm_start import RECIPES, default_cache_root, full_stage, worker_harness_env
+from libs.launcher.warm_start import RECIPES, default_cache_root, sft_stage, worker_harness_env
 from libs.trainer.checkpoint import latest_checkpoint
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -76,7 +76,7 @@ def demo(
     variables = {
         "RLPIPE_TRAINER_POLICY_PATH": str(model),
         "RLPIPE_ROLLOUT_WORKER_POLICY_PATH": str(model),
-        **worker_harness_env(env),
+        **worker_harness_env(env, model),
         **extra,
     }
     stdout = run_command(
@@ -187,7 +187,7 @@ def test_a_warm_started_tool_using_policy_improves_with_rl(tmp_path: Path) -> No
     )
     summary = json.loads(stdout.strip().splitlines()[-1])
     assert summary["exit_code"] == 0 and summary["trainer_step"] >= 150
-    start = held_out(full_stage("calc", default_cache_root(), RECIPES["calc"]).out, 128)
+    start = held_out(sft_stage("calc", default_cache_root(), RECIPES["calc"]).out, 128)
     checkpoint = latest_checkpoint(run_dir / "trainer" / "checkpoints")
     assert checkpoint is not None and checkpoint.state.step >= 150
     final = held_out(checkpoint.path, 128)

@@ -6,9 +6,11 @@ A task hides a code of `NUM_DIGITS_BASE + difficulty` digits. The one tool, `nex
 `info = {"answer_correct": bool, "expected": str, "answer": str, "digits_correct": float,
 "num_tool_calls": int}` (digits_correct: share of positions answered right).
 
-Why it is long-horizon: every reveal costs about 130 tokens of context (the call and its
-result), so with the embedded byte tokenizer and `CONTEXT_BUDGET_TOKENS` the
-digits do not all fit in one context segment. The harness then asks the policy for a summary
+Why it is long-horizon: the harness limits it is made for (libs.experts.demos.harness_settings)
+give a context segment room for the opening (with a summary), `REVEALS_PER_SEGMENT` reveals
+and one more turn, counted in the policy's own tokens (955 with the byte tokenizer, a reveal
+142 of them; 216 with the BPE tokenizer of recall's warm start), so the digits do not all fit
+in one context segment. The harness then asks the policy for a summary
 and restarts from the opening plus that summary (libs.rollout.agent): an episode succeeds only
 when its summaries carry the digits read so far. With summarization off, the same budget ends
 the episode (finish `length`) before the last digit.
@@ -39,9 +41,9 @@ MAX_DIFFICULTY = 6
 TOOL_NAME = "next_digit"
 TURN_MAX_TOKENS = 80
 # Harness limits the env is made for (the worker's settings in `rlpipe demo --env recall`,
-# libs.rollout.agent.AgentSettings): a context budget that holds the opening and two or three
-# reveals, and short summaries.
-CONTEXT_BUDGET_TOKENS = 1024
+# libs.rollout.agent.AgentSettings): a context segment that holds the opening and three
+# reveals (in tokens: libs.experts.demos.harness_settings), and short summaries.
+REVEALS_PER_SEGMENT = 3
 SUMMARY_MAX_TOKENS = 48
 MAX_SUMMARIES = 6
 

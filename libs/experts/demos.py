@@ -20,31 +20,57 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from libs.chat.template import chat_template_for
+from libs.chat.template import ChatTemplate, chat_template_for, render_tool_results
+from libs.chat.tool_calls import format_tool_call
 from libs.envs import make_env
 from libs.envs import recall as recall_env
 from libs.experts.calc import CalcExpert
 from libs.experts.recall import RecallExpert
 from libs.experts.record import Expert, record_episode
-from libs.rollout.agent import AgentSettings
+from libs.rollout.agent import SUMMARY_RESUME, AgentSettings
 from libs.sft.transcript import Transcript, render_transcript, transcript_to_json
 from libs.tokenizer import load_tokenizer
+from proto.messages import ChatMessage, ToolResult
 
 EXPERTS: dict[str, Callable[[float], Expert]] = {"calc": CalcExpert, "recall": RecallExpert}
 # Episodes recorded for `demonstrations_digest` (milliseconds each).
 DIGEST_TASKS = 8
 
 
-def harness_settings(env: str) -> AgentSettings:
-    """The harness limits an environment's demonstrations (and its demo run) use."""
+def harness_settings(env: str, template: ChatTemplate) -> AgentSettings:
+    """The harness limits an environment's demonstrations (and its demo run) use, with token
+    counts in `template`'s tokens (the policy's)."""
     if env == recall_env.ENV_NAME:
         return AgentSettings(
             max_turns=24,
-            context_budget_tokens=recall_env.CONTEXT_BUDGET_TOKENS,
+            context_budget_tokens=recall_context_budget(template),
             summary_max_tokens=recall_env.SUMMARY_MAX_TOKENS,
             max_summaries=recall_env.MAX_SUMMARIES,
         )
     return AgentSettings()
+
+
+def recall_context_budget(template: ChatTemplate) -> int:
+    """Tokens of a recall context segment: the opening with a summary, REVEALS_PER_SEGMENT
+    reveals (a call and its result) and room for one more turn, rendered in `template`: 955
+    with the byte tokenizer, 216 with the BPE tokenizer of recall's warm start."""
+    task = recall_env.RecallTasks(difficulty=0, group_size=1, seed=0).task(0)
+    summary = SUMMARY_RESUME.format(summary="Digits read: 739 (3 of 6).")
+    messages = [
+        ChatMessage(role="system", content=recall_env.SYSTEM_PROMPT),
+        ChatMessage(role="user", content=task.prompt),
+        ChatMessage(role="user", content=summary),
+    ]
+    opening = template.render(messages, tools=recall_env.TOOLS, add_generation_prompt=False)
+    call = [
+        *template.tokenizer.encode(format_tool_call(recall_env.TOOL_NAME, {})),
+        template.stop_token_ids[0],
+    ]
+    call = [*template.generation_prompt(), *call, *template.end_of_assistant(call)]
+    result = ToolResult(call_id="call-3-0", name=recall_env.TOOL_NAME, content="digit 3 of 6: 7")
+    reveal = len(call) + len(template.render_message(render_tool_results([result])))
+    turn = len(template.generation_prompt()) + recall_env.TURN_MAX_TOKENS
+    return len(opening) + recall_env.REVEALS_PER_SEGMENT * reveal + turn
 
 
 @dataclass(frozen=True)
@@ -89,7 +115,7 @@ async def record_demonstrations(
     template = chat_template_for(load_tokenizer(config.tokenizer))
     source = env.task_source(difficulty=config.difficulty, group_size=1, seed=config.seed)
     rng = random.Random(config.seed)
-    agent = harness_settings(config.env)
+    agent = harness_settings(config.env, template)
     for index in range(config.num_tasks if num_tasks is None else num_tasks):
         yield await record_episode(env, source.task(index), expert, agent, template, rng)
 

@@ -272,7 +272,7 @@ def with_warm_start(options: LaunchOptions, log: LauncherLog) -> LaunchOptions:
         },
         "rollout-worker": {
             "RLPIPE_ROLLOUT_WORKER_POLICY_PATH": path,
-            **warm_start.worker_harness_env(env),
+            **warm_start.worker_harness_env(env, Path(path)),
         },
         "env-gateway": {"RLPIPE_ENV_GATEWAY_GROUP_SIZE": warm_start.RL_GROUP_SIZE},
     }

@@ -19,6 +19,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from libs.chat.template import chat_template_for
 from libs.engine.base import InferenceEngine
 from libs.engine.factory import EngineConfig, build_engine
 from libs.envs import make_env
@@ -52,7 +53,7 @@ async def measure(
     source = environment.task_source(difficulty=difficulty, group_size=group_size, seed=seed)
     tasks = [source.task(i) for i in range(num_tasks)]
     client = LocalEnvClient({env: environment})
-    settings = agent or harness_settings(env)
+    settings = agent or harness_settings(env, chat_template_for(tokenizer))
     scored = await evaluate(engine, tokenizer, tasks, client, settings, temperature=temperature)
     return episode_figures(scored)
 
@@ -72,13 +73,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     configure_logging("evaluate", level="warning")
     policy = PolicyConfig(path=args.policy_path, tokenizer=args.tokenizer, device="cpu")
     engine = build_engine(EngineConfig(), policy)
-    agent = harness_settings(args.env)
+    tokenizer = load_policy_tokenizer(policy)
+    agent = harness_settings(args.env, chat_template_for(tokenizer))
     if args.no_summarize:
         agent = agent.model_copy(update={"summarize": False})
     figures = asyncio.run(
         measure(
             engine,
-            load_policy_tokenizer(policy),
+            tokenizer,
             args.env,
             num_tasks=args.num_tasks,
             difficulty=args.difficulty,
