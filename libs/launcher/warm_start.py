@@ -89,8 +89,9 @@ class WarmStartRecipe:
 # which the policy imitates at temperature 1 and RL removes: on 256 held-out tasks at
 # temperature 1, success 0.44-0.50 (the failures are the imitated slips), 0.85 after a 300 s
 # demo. recall's episodes are ~145 tokens a segment (2 segments an episode at its budget):
-# 1,500 steps of 32 (9.3 minutes) give success 0.14 with summaries and 0.0 without on 64
-# held-out tasks at temperature 1 (the byte-level recipe: 0.0 both ways).
+# 1,500 steps of 32 (9.3 minutes) give success 0.09-0.14 with summaries and 0.0 without on
+# held-out tasks at temperature 1 (the byte-level recipe: 0.0 both ways); RL has not raised
+# it yet (314 demo steps: 0.094 -> 0.094).
 RECIPES: dict[str, WarmStartRecipe] = {
     "calc": WarmStartRecipe(DemoConfig(env="calc", num_tasks=5000, error_rate=0.4), steps=1200),
     "recall": WarmStartRecipe(
