@@ -147,7 +147,7 @@ def ensure_warm_start(
         return sft.out
     with torch_threads(warm_start_threads()):
         _ensure_demos(sft.data, recipe)
-        tokenizer = Path(str(sft.policy.tokenizer))
+        tokenizer = sft.data.parent / TOKENIZER_DIR
         ensure_transcript_tokenizer(sft.data, tokenizer, recipe.tokenizer_vocab_size)
         run_with_progress(sft, f"warm start ({env}): sft", emit)
     return sft.out

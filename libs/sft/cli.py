@@ -65,14 +65,15 @@ def add_sft_parser(commands: Any) -> None:
     )
 
 
-def config_from_args(args: argparse.Namespace) -> SftConfig:
+def config_from_args(args: argparse.Namespace, tokenizer: str | None = None) -> SftConfig:
+    """The run the flags ask for; `tokenizer` (a folder) replaces --tokenizer."""
     from libs.policy import PolicyConfig
     from libs.sft.train import SftConfig
 
     policy = PolicyConfig(
         preset=args.policy_preset,
         path=args.policy_path,
-        tokenizer=trained_tokenizer(args) or args.tokenizer,
+        tokenizer=tokenizer or args.tokenizer,
         device=args.device,
     )
     return SftConfig(
@@ -110,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
     from libs.sft.transcript import TranscriptError
 
     try:
-        config = config_from_args(args)
+        config = config_from_args(args, trained_tokenizer(args))
         result = run_with_progress(config)
     except (TranscriptError, ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
