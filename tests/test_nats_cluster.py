@@ -9,6 +9,7 @@ each with its own JetStream folder. A node is killed with SIGKILL by its pid.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -16,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import AsyncIterator, Callable, Iterator
 from functools import partial
 from pathlib import Path
@@ -379,6 +381,7 @@ async def test_the_shipped_cluster_config_forms_a_cluster_that_outlives_a_node(
                     stderr=subprocess.STDOUT,
                 )
             )
+        await every_peer_current([http for _, http, _ in ports])
         password = PASSWORDS["RLPIPE_NATS_SERVICES_PASSWORD"]
         first = f"nats://rlpipe:{password}@127.0.0.1:{ports[0][0]}"
         bus = await connect_bus(first, name="pytest")
@@ -403,6 +406,24 @@ async def test_the_shipped_cluster_config_forms_a_cluster_that_outlives_a_node(
             if process.poll() is None:
                 process.kill()
                 process.wait()
+
+
+async def every_peer_current(http_ports: list[int], timeout_s: float = 60.0) -> None:
+    """Until a node (the meta leader) sees every other JetStream peer current on its
+    monitoring port's /jsz: a cluster whose routes were up but whose third peer the leader
+    had not heard from yet refused R3 with "no suitable peers for placement, peer offline"
+    (once in make test)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for port in http_ports:
+            with contextlib.suppress(OSError, ValueError):
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/jsz", timeout=5) as reply:
+                    meta = json.loads(reply.read()).get("meta_cluster", {})
+                peers = meta.get("replicas") or []
+                if len(peers) == len(http_ports) - 1 and all(p.get("current") for p in peers):
+                    return
+        await asyncio.sleep(0.2)
+    raise TimeoutError(f"the cluster's JetStream peers were not all current in {timeout_s} s")
 
 
 def node_config(folder: Path) -> Path:
