@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from libs.weights import CorruptDeltaError, DeltaApplier, EncodeOptions, VersionInfo, encode
+from libs.weights import CorruptDeltaError, DeltaApplier, EncodeOptions, VersionInfo, encode, gpu
 from libs.weights.format import Chunk, encode_chunk, encode_manifest
 from libs.weights.gpu import DeviceDeltaApplier, device_changes, encode_device, on_device
 from libs.weights.hashing import state_hash
@@ -238,3 +238,52 @@ def test_only_the_changes_cross_to_the_host() -> None:
     crossed = found.positions.nbytes + found.old.nbytes + found.new.nbytes
     assert crossed == 8 * found.positions.size
     assert crossed < 0.5 * old.numel() * old.element_size()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_state_of_many_tensors_is_diffed_with_one_copy_to_the_host(
+    device: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Each wait on the device costs as much as a small delta's whole diff on a GPU the
+    # trainer keeps busy: the number of copies must not grow with the number of tensors.
+    rng = np.random.default_rng(11)
+    pairs = [random_pair(rng, "BF16", 2_000 + 37 * i, 0.02, device) for i in range(40)]
+    pairs += [random_pair(rng, "F32", 1_000, 0.02, device) for _ in range(5)]  # another width
+    base = {f"w{i}": old for i, (old, _) in enumerate(pairs)}
+    new = {f"w{i}": fresh for i, (_, fresh) in enumerate(pairs)}
+    copies = []
+    to_host = gpu._to_host
+    monkeypatch.setattr(gpu, "_to_host", lambda parts: copies.append(1) or to_host(parts))
+    found = gpu.device_diff(base, new, list(new))
+    assert len(copies) == 1
+    for name in new:
+        want = changed_elements(
+            as_raw(base[name].cpu()).data, as_raw(new[name].cpu()).data, DTYPE_WIDTHS[
+                "F32" if new[name].dtype == torch.float32 else "BF16"]
+        )  # fmt: skip
+        assert np.array_equal(found[name].positions, want.positions), name
+        assert np.array_equal(found[name].old, want.old) and np.array_equal(
+            found[name].new, want.new
+        )
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_chunk_of_many_pieces_crosses_in_one_copy_each_way_per_step(
+    device: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    base, new = mixed_states(device, seed=3)
+    manifest, chunks = encode(host(base), host(new), base_version=1, version=2)
+    assert len(chunks) == 1 and len(chunks[0].header.pieces) >= 10  # one chunk, many pieces
+    uploads, downloads = [], []
+    upload, download = gpu._upload, gpu._download
+    monkeypatch.setattr(gpu, "_upload", lambda a, d: uploads.append(len(a)) or upload(a, d))
+    monkeypatch.setattr(gpu, "_download", lambda t: downloads.append(len(t)) or download(t))
+    state = {name: tensor.clone() for name, tensor in base.items()}
+    applier = DeviceDeltaApplier(state, manifest, reuse_whole=True)
+    prepared = applier.prepare(chunks[0])
+    # positions up, old values down, new values up: once each for the whole chunk
+    assert len(uploads) == 2 and len(downloads) == 1
+    assert uploads[1] == len(chunks[0].header.pieces)
+    applier.commit(prepared)
+    applier.finish(verify_full=True)
+    assert_same_bits(state, new)

@@ -21,19 +21,21 @@ in place instead of replacing it, so a model's parameters take a snapshot too.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, MutableMapping
+from collections.abc import Callable, Iterable, MutableMapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
-from libs.weights.encodings import decode_piece, decompress, hash_written
+from libs.weights.encodings import decode_piece, decompress, hash_written, piece_positions
 from libs.weights.errors import BaseMismatchError, CorruptDeltaError, MissingChunkError
 from libs.weights.format import Chunk, Manifest, TensorEntry, VersionInfo, check_format
 from libs.weights.hashing import digest, new_hasher, state_hash
 from libs.weights.targets import CpuRange
 from libs.weights.tensors import RawTensor, State, as_raw, empty_raw, kind_of, like_kind, raw_state
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -117,23 +119,36 @@ class DeltaApplier:
             streams = _split_payload(chunk)
         except ValueError as exc:  # stream lists of different lengths
             raise CorruptDeltaError(f"chunk {header.index}: inconsistent header: {exc}") from exc
+        ranges = [self._range(piece.name, piece.start, piece.stop) for piece in header.pieces]
+        positions = [
+            _decoding(header.index, piece.name, piece_positions,
+                      piece.encoding, raw, target.size, piece.num_changed)
+            for piece, raw, target in zip(header.pieces, streams, ranges, strict=True)
+        ]  # fmt: skip
+        encodings = [piece.encoding for piece in header.pieces]
+        targets = self._read_targets(ranges, positions, encodings)
         hasher = new_hasher()
         writes = []
-        for piece, raw_streams in zip(header.pieces, streams, strict=True):
-            target = self._range(piece.name, piece.start, piece.stop)
-            try:
-                written = decode_piece(piece.encoding, raw_streams, target, piece.num_changed)
-            except (ValueError, IndexError) as exc:
-                raise CorruptDeltaError(
-                    f"chunk {header.index}: piece {piece.name!r} does not decode: {exc}"
-                ) from exc
+        for piece, raw, target, at in zip(header.pieces, streams, targets, positions, strict=True):
+            written = _decoding(header.index, piece.name, decode_piece,
+                                piece.encoding, raw, target, piece.num_changed, at)  # fmt: skip
             hash_written(hasher, piece.name, piece.start, written)
             writes.append((target, written))
         if hasher.digest().hex() != header.output_hash:
             raise CorruptDeltaError(
                 f"chunk {header.index}: decoded bytes do not match its output hash"
             )
-        return PreparedChunk(header.index, writes)
+        return self._prepared(header.index, writes)
+
+    def _read_targets(
+        self, ranges: list[Any], positions: list[np.ndarray | None], encodings: list[str]
+    ) -> list[Any]:
+        """The ranges the chunk's pieces decode against (a subclass may read ahead)."""
+        return ranges
+
+    def _prepared(self, index: int, writes: list[tuple[Any, Any]]) -> PreparedChunk:
+        """The prepared chunk from its decoded writes (a subclass may stage them)."""
+        return PreparedChunk(index, writes)
 
     def commit(self, prepared: PreparedChunk) -> None:
         """Write a prepared chunk's changes into the state."""
@@ -209,6 +224,14 @@ class DeltaApplier:
                     "the applied state does not match the manifest's target hash"
                 )
         return VersionInfo(version=self.manifest.version, hash=self.manifest.target_hash)
+
+
+def _decoding(index: int, name: str, work: Callable[..., T], *args: Any) -> T:
+    """`work(*args)`, with a piece that does not decode reported as CorruptDeltaError."""
+    try:
+        return work(*args)
+    except (ValueError, IndexError) as exc:
+        raise CorruptDeltaError(f"chunk {index}: piece {name!r} does not decode: {exc}") from exc
 
 
 def _check_base(

@@ -261,13 +261,33 @@ def _sparse(
     return EncodedPiece(encoding, streams, sizes, int(pos_raw[0].size))
 
 
-def decode_piece(
-    encoding: Encoding, raw: list[np.ndarray], target: ElementRange, num_changed: int
-) -> Written:
-    """What one piece writes into `target` (which holds the base), computed without writing."""
+def piece_positions(
+    encoding: Encoding, raw: list[np.ndarray], size: int, num_changed: int
+) -> np.ndarray | None:
+    """The relative positions a piece writes (None: every element of a dense encoding),
+    decoded from its streams and checked against the piece's size and change count."""
     expected = 1 if encoding in DENSE_ENCODINGS else 4 if encoding == "sparse_add" else 3
     if len(raw) != expected:
         raise CorruptDeltaError(f"{encoding} piece has {len(raw)} streams, expected {expected}")
+    if encoding in DENSE_ENCODINGS:
+        return None
+    positions = decode_positions(raw[0], raw[1], size)
+    if positions.size != num_changed:
+        raise CorruptDeltaError("decoded change count differs from the piece header")
+    return positions
+
+
+def decode_piece(
+    encoding: Encoding,
+    raw: list[np.ndarray],
+    target: ElementRange,
+    num_changed: int,
+    positions: np.ndarray | None = None,
+) -> Written:
+    """What one piece writes into `target` (which holds the base), computed without writing.
+    `positions`: the piece's `piece_positions`, when the caller decoded them already."""
+    if positions is None:
+        positions = piece_positions(encoding, raw, target.size, num_changed)
     if encoding in DENSE_ENCODINGS:
         values = from_planes(raw[0], target.width)
         if values.size != target.size:
@@ -277,9 +297,7 @@ def decode_piece(
         if encoding == "dense_xor":
             return Written(None, values ^ target.read_all())
         return Written(None, target.read_all() + unzigzag(values))
-    positions = decode_positions(raw[0], raw[1], target.size)
-    if positions.size != num_changed:
-        raise CorruptDeltaError("decoded change count differs from the piece header")
+    assert positions is not None
     old = target.gather(positions)
     if encoding == "sparse_add":
         return Written(positions, decode_add_values(old, raw[2], raw[3]))
