@@ -308,6 +308,47 @@ def test_overlapping_calls_count_once_toward_the_busy_fraction() -> None:
     assert meter.busy_fraction(now=10.0) == pytest.approx(0.4)  # [1, 4] and [6, 7]
 
 
+def test_the_meter_keeps_the_union_of_calls_in_its_window_as_calls_come() -> None:
+    # The meter is updated at every call (hundreds a second with the paged engine): it keeps
+    # the union incrementally; here it must equal the union computed from scratch, with calls
+    # overlapping, nested, recorded out of order, and leaving the window as time passes.
+    import random
+
+    from libs.rollout.batcher import ThroughputMeter
+
+    rng = random.Random(5)
+    meter = ThroughputMeter(window_s=5.0)
+    meter.started = 0.0
+    calls: list[tuple[float, float, int]] = []
+    now = 0.0
+    for _ in range(400):
+        now += rng.expovariate(20.0)
+        start = now - rng.choice([rng.uniform(0, 0.3), rng.uniform(0, 3.0)])
+        end = now - (rng.uniform(0, 0.2) if rng.random() < 0.2 else 0.0)  # some end earlier
+        tokens = rng.randrange(1, 50)
+        start = min(max(start, 0.0), end)
+        meter.record(start, end, tokens)
+        calls.append((start, end, tokens))
+        begin = max(0.0, now - 5.0)
+        live = [c for c in calls if c[1] >= begin]
+        union, covered = 0.0, begin
+        for s, e, _ in sorted(live):
+            s = max(s, covered)
+            if e > s:
+                union += e - s
+                covered = e
+        length = max(now - begin, 1e-9)
+        assert meter.busy_fraction(now) == pytest.approx(min(union / length, 1.0), abs=1e-9)
+    # Tokens are counted per call by when it ended; calls recorded late leave in order.
+    begin = now - 5.0
+    in_order_left = 0
+    for _, end, tokens in calls:  # the meter drops from the oldest record while it ended early
+        if end < begin and in_order_left == 0:
+            continue
+        in_order_left += tokens
+    assert meter.tokens_per_s(now) == pytest.approx(in_order_left / 5.0)
+
+
 @CUDA
 def test_gpu_kernels_match_the_torch_paths() -> None:
     torch.manual_seed(0)
