@@ -64,6 +64,13 @@ diff_device=${DIFF_DEVICE-$device}
 # 180 s, 2026-11-26, bench/results/h200/gpu_loop_paged_s6): 80 steps against 226 with hf,
 # busy 0.12, version latency 14.6 s median, of it 7.2 s before the worker even read the
 # announcement (notify) and 2.9 s of decode: the paged worker's event loop is starved.
+# Found on 2026-11-27 (py-spy of the worker, bench/results/h200/worker_pyspy_paged): the
+# batcher's throughput meter sorted the last minute's calls at every call, one per request
+# here, so the event loop spent itself on it. With the meter O(1) (75 s run, H200,
+# bench/results/h200/gpu_loop_paged_meter_fix, against gpu_loop_paged_batched before): decode
+# 3.07 -> 0.78 s, notify 20.2 -> 3.8 s, version latency 25.2 -> 6.5 s, busy 0.17 -> 0.42,
+# samples generated 154 -> 370/s; still 31% dropped as stale (hf: 0.4%), so hf stays the
+# default here.
 export RLPIPE_ROLLOUT_WORKER_ENGINE_TYPE=${ENGINE:-hf}
 export RLPIPE_ROLLOUT_WORKER_ENGINE_MAX_BATCH_ROWS=${MAX_BATCH_ROWS:-256}
 if [ "${MODE:-async}" = sync ]; then

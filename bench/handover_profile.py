@@ -24,6 +24,7 @@ import argparse
 import asyncio
 import json
 import statistics
+import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -161,11 +162,20 @@ def main() -> None:
     parser.add_argument("--versions", type=int, default=4)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument(
+        "--switch-interval-ms", type=float, default=None,
+        help="sys.setswitchinterval for this process (the in-process parts and the decode)",
+    )  # fmt: skip
+    parser.add_argument("--no-process", action="store_true", help="skip the encoder process")
     args = parser.parse_args()
+    if args.switch_interval_ms is not None:
+        sys.setswitchinterval(args.switch_interval_ms / 1000)
     device = args.device
     card = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     options = EncodeOptions(threads=args.threads)
-    report: dict[str, Any] = {"card": card, "threads": args.threads}
+    report: dict[str, Any] = {
+        "card": card, "threads": args.threads, "switch_interval_s": sys.getswitchinterval()
+    }  # fmt: skip
     for label, lr in (("sparse_lr1e-6", 1e-6), ("default_lr1e-5", 1e-5)):
         states = versions(device, lr, args.versions)
         mirror = {n: t.cpu().clone() for n, t in states[0].items()}
@@ -173,8 +183,10 @@ def main() -> None:
         for v in range(1, len(states)):
             rows.append(in_process_parts(states[v - 1], states[v], mirror, options, device))
         state_hash({n: as_raw(t) for n, t in mirror.items()}, args.threads)
-        with tempfile.TemporaryDirectory() as folder:
-            trips = asyncio.run(through_encoder(states, options, Path(folder)))
+        trips = [{"round_trip_s": 0.0}]
+        if not args.no_process:
+            with tempfile.TemporaryDirectory() as folder:
+                trips = asyncio.run(through_encoder(states, options, Path(folder)))
         decode = worker_decode(states[-2], states[-1], device, 8)
         median = {k: statistics.median(r[k] for r in rows[1:] or rows) for k in rows[0]}
         trip = {k: statistics.median(r[k] for r in trips[1:] or trips) for k in trips[0]}
