@@ -3,8 +3,8 @@
 Diff: `device_changes(base, new)` compares two tensors of any torch device on their bit
 patterns (an integer view of the same width: never float compares, so NaN payloads and
 -0.0 count as they are), and copies only the changed positions and their old and new bits
-to the host. `device_diff` does that for a whole state with three waits on the device in
-all (one flat mask per element width, one `nonzero`, one packed transfer): a wait per
+to the host. `device_diff` does that for a whole state with a few waits on the device in
+all (one flat mask and one `nonzero` per element width, one packed transfer): a wait per
 tensor made the diff cost about the same whatever the delta, on a GPU the trainer keeps
 busy. `encode_device(base, new, mirror, ...)` turns
 those into the same manifest and chunks, byte for byte, as `encode` on host copies: the
@@ -82,9 +82,10 @@ def device_diff(
     base: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor], names: list[str]
 ) -> dict[str, Changes]:
     """`device_changes` of the named tensors, found together so the host waits on the device
-    three times whatever the number of tensors: the tensors of one device and element width
-    are compared into one flat mask searched by one `nonzero`, each tensor's share of the
-    hits is read in one transfer, and every change crosses to the host in one packed copy.
+    twice per element width and once more, whatever the number of tensors: the tensors of
+    one device and width are compared into one flat mask searched by one `nonzero`, each
+    tensor's share of the hits is read in one transfer, and every change crosses to the host
+    in one packed copy.
     One wait per tensor (byte-0.5b has 399) cost about 0.6 s per version on an H200 shared
     with the trainer's steps, whatever the delta's size (2026-11-26, gpu_loop.sh)."""
     groups: dict[tuple[torch.device, int], list[str]] = {}
@@ -141,9 +142,9 @@ def _group_changes(
     mask = torch.empty(starts[-1], dtype=torch.bool, device=device)
     for (old_bits, new_bits), start in zip(views, starts, strict=False):
         torch.ne(old_bits, new_bits, out=mask[start : start + old_bits.numel()])
-    hits = mask.nonzero().view(-1)  # sorted, int64; the first wait
+    hits = mask.nonzero().view(-1)  # sorted, int64; a wait
     del mask
-    bounds = torch.searchsorted(hits, torch.tensor(starts, device=device)).tolist()  # the second
+    bounds = torch.searchsorted(hits, torch.tensor(starts, device=device)).tolist()  # another
     return [
         (hits[bounds[i] : bounds[i + 1]] - starts[i], old_bits, new_bits)
         for i, (old_bits, new_bits) in enumerate(views)
@@ -158,7 +159,7 @@ def _to_host(parts: list[torch.Tensor]) -> np.ndarray:
         return packed.numpy()
     host = torch.empty(packed.shape, dtype=torch.uint8, pin_memory=True)
     host.copy_(packed, non_blocking=True)
-    torch.cuda.current_stream(packed.device).synchronize()  # the third wait
+    torch.cuda.current_stream(packed.device).synchronize()  # the one wait of the copy
     return host.numpy()
 
 
