@@ -50,6 +50,7 @@ bench: $(INSTALLED)
 	$(BIN)/python bench/agentic_bench.py
 	$(BIN)/python bench/feedback_bench.py
 	$(BIN)/python bench/pipeline_bench.py
+	$(BIN)/python bench/batcher_bench.py
 
 lint: $(INSTALLED)
 	$(BIN)/ruff check .

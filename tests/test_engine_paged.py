@@ -298,6 +298,38 @@ def test_the_batcher_hands_requests_over_as_they_come(engine: PagedEngine) -> No
     )
 
 
+def test_a_continuous_batcher_gives_the_gate_back_when_its_last_call_ends() -> None:
+    # The batcher wakes on arrivals, on a swap wanting the gate, and when its last running
+    # call ends (not on every call): idle, it must hold neither the gate nor a call.
+    from libs.rollout.batcher import GenerationBatcher
+
+    class Sleeping:
+        continuous_batching = True
+        policy_version = 0
+
+        def generate(self, prompts, params, num_samples=1):  # type: ignore[no-untyped-def]
+            time.sleep(0.05 * len(prompts))
+            return [Completion(i, 0, [7], [0.0], [0.0], "stop", 0) for i in range(len(prompts))]
+
+    async def scenario() -> None:
+        batcher = GenerationBatcher(Sleeping())  # type: ignore[arg-type]
+        batcher.open.set()
+        running = asyncio.create_task(batcher.run())
+        params = SamplingParams(max_tokens=1)
+        results = await asyncio.gather(*(batcher.generate([[1]] * n, params) for n in (1, 3, 2)))
+        assert [len(r) for r in results] == [1, 3, 2]
+        await asyncio.sleep(0.05)
+        assert not batcher.gate.locked(), "the gate is held with nothing running"
+        late = asyncio.create_task(batcher.generate([[1]] * 4, params))
+        await asyncio.sleep(0.05)
+        async with batcher.gate:  # a swap waits for the running call, then holds the engine
+            assert late.done()
+        assert len(await batcher.generate([[1]], params)) == 1  # and calls go on after it
+        running.cancel()
+
+    asyncio.run(scenario())
+
+
 def test_overlapping_calls_count_once_toward_the_busy_fraction() -> None:
     from libs.rollout.batcher import ThroughputMeter
 

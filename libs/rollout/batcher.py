@@ -262,22 +262,26 @@ class GenerationBatcher:
 
     async def _hand_over(self, running: set[asyncio.Task[None]], pool: ThreadPoolExecutor) -> None:
         """Start every request as it arrives until someone wants the gate or nothing runs;
-        then wait for the running calls (the gate is held)."""
+        then wait for the running calls (the gate is held).
+
+        The loop wakes on an arrival, on the gate being wanted, and when the last running
+        call ends: O(1) a wake-up. Waiting on every running call as well (as it did) cost
+        about 0.5 ms of the event loop per call with 500 episodes in flight (2-core VM)."""
+
+        def ended(task: asyncio.Task[None]) -> None:
+            running.discard(task)
+            if not running:
+                self._arrived.set()  # nothing runs: the loop gives the gate back
+
         while not self.gate.wanted.is_set():
             self._arrived.clear()
             for request in self._take_all():
                 task = asyncio.create_task(self._run_alone(request, pool))
                 running.add(task)
-                task.add_done_callback(running.discard)
+                task.add_done_callback(ended)
             if not running:
                 return
-            wakers = {
-                asyncio.create_task(self._arrived.wait()),
-                asyncio.create_task(self.gate.wanted.wait()),
-            }
-            await asyncio.wait(wakers | running, return_when=asyncio.FIRST_COMPLETED)
-            for waker in wakers:
-                waker.cancel()
+            await _first_set(self._arrived, self.gate.wanted)
         if running:
             await asyncio.wait(set(running))
 
@@ -415,3 +419,13 @@ def _resolve(request: _Request, completions: list[Completion]) -> None:
 def _fail(request: _Request, exc: BaseException) -> None:
     if not request.future.done():
         request.future.set_exception(exc)
+
+
+async def _first_set(*events: asyncio.Event) -> None:
+    """Until one of `events` is set."""
+    waiters = {asyncio.create_task(event.wait()) for event in events}
+    try:
+        await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for waiter in waiters:
+            waiter.cancel()
