@@ -4,9 +4,8 @@ Diff: `device_changes(base, new)` compares two tensors of any torch device on th
 patterns (an integer view of the same width: never float compares, so NaN payloads and
 -0.0 count as they are), and copies only the changed positions and their old and new bits
 to the host. `device_diff` does that for a whole state with a few waits on the device in
-all (one flat mask and one `nonzero` per element width, one packed transfer): a wait per
-tensor made the diff cost about the same whatever the delta, on a GPU the trainer keeps
-busy. `encode_device(base, new, mirror, ...)` turns
+all (one flat mask and one `nonzero` per element width, one packed transfer) rather than
+one per tensor. `encode_device(base, new, mirror, ...)` turns
 those into the same manifest and chunks, byte for byte, as `encode` on host copies: the
 existing CPU entropy coder does the rest. `mirror` is a host copy of the base that the
 caller keeps (the trainer side's copy of the last version): it is patched to the target
@@ -15,8 +14,7 @@ with the changes and hashed there, so whole tensors never cross PCIe for a delta
 Apply: `DeviceDeltaApplier` is the codec's DeltaApplier for a state of device tensors.
 `prepare` gathers the old bits at the changed positions from the device, decodes and checks
 the chunk on the host, and stages its positions and new bits on the device, each of the
-three in one copy for all the chunk's pieces (a wait per piece cost ~0.3 s per byte-0.5b
-version beside a generating engine); `commit` (the
+three in one copy for all the chunk's pieces; `commit` (the
 pause a serving engine sees) is then one index scatter per piece into the integer view of
 each tensor, in place, and a `copy_` for whole tensors. Every function also runs on CPU
 torch tensors, which is how the tests check it without a GPU.
@@ -85,9 +83,9 @@ def device_diff(
     twice per element width and once more, whatever the number of tensors: the tensors of
     one device and width are compared into one flat mask searched by one `nonzero`, each
     tensor's share of the hits is read in one transfer, and every change crosses to the host
-    in one packed copy.
-    One wait per tensor (byte-0.5b has 399) cost about 0.6 s per version on an H200 shared
-    with the trainer's steps, whatever the delta's size (2026-11-26, gpu_loop.sh)."""
+    in one packed copy. With a wait per tensor (byte-0.5b has 399) a sparse version's
+    encode took 0.64 s median in the H200 loop (2026-11-26), 0.49 s this way (2026-11-27);
+    the diff itself is now ~0.03 s of it (bench/handover_profile.py)."""
     groups: dict[tuple[torch.device, int], list[str]] = {}
     for name in names:
         key = (new[name].device, new[name].element_size())
