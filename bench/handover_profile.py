@@ -2,7 +2,7 @@
 
 The trainer encodes each version against the last in a process of its own
 (libs/trainer/delta_encoder.py), the rollout-worker decodes it on its GPU
-(libs/weights/gpu.py DeviceDeltaApplier). This times each part of both on versions made as
+(libs/weights/gpu_apply.py DeviceDeltaApplier). This times each part of both on versions made as
 the trainer makes them (fp32 master weights, an AdamW-like step of `lr` times unit noise,
 published in bf16), for a sparse step (lr 1e-6) and the GPU loop's default (1e-5):
 
@@ -38,6 +38,7 @@ from libs.trainer.delta_encoder import DeltaEncoder
 from libs.weights import gpu
 from libs.weights.chunking import TensorJob, plan_chunks
 from libs.weights.encoder import EncodeOptions, _encode_bodies
+from libs.weights.gpu_apply import DeviceDeltaApplier
 from libs.weights.hashing import state_hash, tensor_digests
 from libs.weights.tensors import as_raw
 
@@ -142,7 +143,7 @@ def worker_decode(
     state = {n: t.clone() for n, t in base.items()}
     synchronize(device)
     started = time.perf_counter()
-    applier = gpu.DeviceDeltaApplier(state, manifest, current=None)
+    applier = DeviceDeltaApplier(state, manifest, current=None)
     opened = time.perf_counter()
     with ThreadPoolExecutor(8) as pool:
         prepared = list(pool.map(lambda c: applier.prepare(c, check_payload=False), chunks))

@@ -1,4 +1,4 @@
-"""The GPU path of the delta codec (libs/weights/gpu.py): diff and apply on torch devices.
+"""The GPU path of the delta codec (libs/weights/gpu.py and gpu_apply.py): diff and apply.
 
 Every test runs on CPU torch tensors through the same code; the `cuda` cases skip without a
 GPU. The reference is always the CPU codec: the device encoder must produce the same bytes.
@@ -10,9 +10,18 @@ import numpy as np
 import pytest
 import torch
 
-from libs.weights import CorruptDeltaError, DeltaApplier, EncodeOptions, VersionInfo, encode, gpu
+from libs.weights import (
+    CorruptDeltaError,
+    DeltaApplier,
+    EncodeOptions,
+    VersionInfo,
+    encode,
+    gpu,
+    gpu_apply,
+)
 from libs.weights.format import Chunk, encode_chunk, encode_manifest
-from libs.weights.gpu import DeviceDeltaApplier, device_changes, encode_device, on_device
+from libs.weights.gpu import device_changes, encode_device, on_device
+from libs.weights.gpu_apply import DeviceDeltaApplier
 from libs.weights.hashing import state_hash
 from libs.weights.scan import changed_elements
 from libs.weights.tensors import DTYPE_WIDTHS, _torch_dtypes, as_raw, raw_state
@@ -252,8 +261,8 @@ def test_a_state_of_many_tensors_is_diffed_with_one_copy_to_the_host(
     base = {f"w{i}": old for i, (old, _) in enumerate(pairs)}
     new = {f"w{i}": fresh for i, (_, fresh) in enumerate(pairs)}
     copies = []
-    to_host = gpu._to_host
-    monkeypatch.setattr(gpu, "_to_host", lambda parts: copies.append(1) or to_host(parts))
+    to_host = gpu.host_bytes
+    monkeypatch.setattr(gpu, "host_bytes", lambda parts: copies.append(1) or to_host(parts))
     found = gpu.device_diff(base, new, list(new))
     assert len(copies) == 1
     for name in new:
@@ -275,9 +284,9 @@ def test_a_chunk_of_many_pieces_crosses_in_one_copy_each_way_per_step(
     manifest, chunks = encode(host(base), host(new), base_version=1, version=2)
     assert len(chunks) == 1 and len(chunks[0].header.pieces) >= 10  # one chunk, many pieces
     uploads, downloads = [], []
-    upload, download = gpu._upload, gpu._download
-    monkeypatch.setattr(gpu, "_upload", lambda a, d: uploads.append(len(a)) or upload(a, d))
-    monkeypatch.setattr(gpu, "_download", lambda t: downloads.append(len(t)) or download(t))
+    upload, download = gpu_apply._upload, gpu_apply._download
+    monkeypatch.setattr(gpu_apply, "_upload", lambda a, d: uploads.append(len(a)) or upload(a, d))
+    monkeypatch.setattr(gpu_apply, "_download", lambda t: downloads.append(len(t)) or download(t))
     state = {name: tensor.clone() for name, tensor in base.items()}
     applier = DeviceDeltaApplier(state, manifest, reuse_whole=True)
     prepared = applier.prepare(chunks[0])

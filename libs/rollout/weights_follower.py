@@ -393,7 +393,7 @@ class WeightsFollower:
 
 def _writable_on_host(tensors: dict[str, torch.Tensor] | None) -> bool:
     """True when the receiver can write these tensors in place: contiguous, on the CPU
-    (numpy views) or on a CUDA device (libs.weights.gpu scatters there); a non-contiguous
+    (numpy views) or on a CUDA device (libs.weights.gpu_apply scatters there); a non-contiguous
     tensor's view would be a copy."""
     if not tensors:
         return False

@@ -1,52 +1,37 @@
-"""The delta codec on the GPU: find changes and apply deltas where the weights live.
+"""The delta codec on the GPU, the diff side: find changes where the weights live.
 
-Diff: `device_changes(base, new)` compares two tensors of any torch device on their bit
-patterns (an integer view of the same width: never float compares, so NaN payloads and
--0.0 count as they are), and copies only the changed positions and their old and new bits
-to the host. `device_diff` does that for a whole state with a few waits on the device in
-all (one flat mask and one `nonzero` per element width, one packed transfer) rather than
-one per tensor. `encode_device(base, new, mirror, ...)` turns
-those into the same manifest and chunks, byte for byte, as `encode` on host copies: the
-existing CPU entropy coder does the rest. `mirror` is a host copy of the base that the
-caller keeps (the trainer side's copy of the last version): it is patched to the target
-with the changes and hashed there, so whole tensors never cross PCIe for a delta.
-
-Apply: `DeviceDeltaApplier` is the codec's DeltaApplier for a state of device tensors.
-`prepare` gathers the old bits at the changed positions from the device, decodes and checks
-the chunk on the host, and stages its positions and new bits on the device, each of the
-three in one copy for all the chunk's pieces; `commit` (the
-pause a serving engine sees) is then one index scatter per piece into the integer view of
-each tensor, in place, and a `copy_` for whole tensors. Every function also runs on CPU
-torch tensors, which is how the tests check it without a GPU.
+`device_changes(base, new)` compares two tensors of any torch device on their bit patterns
+(an integer view of the same width: never float compares, so NaN payloads and -0.0 count as
+they are), and copies only the changed positions and their old and new bits to the host.
+`device_diff` does that for a whole state with a few waits on the device in all (one flat
+mask and one `nonzero` per element width, one packed transfer) rather than one per tensor.
+`encode_device(base, new, mirror, ...)` turns those into the same manifest and chunks, byte
+for byte, as `encode` on host copies: the existing CPU entropy coder does the rest. `mirror`
+is a host copy of the base that the caller keeps (the trainer side's copy of the last
+version): it is patched to the target with the changes and hashed there, so whole tensors
+never cross PCIe for a delta. The apply side is `libs.weights.gpu_apply`. Every function also
+runs on CPU torch tensors, which is how the tests check it without a GPU.
 
     manifest, chunks = encode_device(base, new, mirror, base_version=2, version=3)
-    applier = DeviceDeltaApplier(cuda_state, manifest, current)
-    prepared = [applier.prepare(c) for c in chunks]      # while the engine serves
-    for p in prepared: applier.commit(p)                  # the pause
-    applier.finish()
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, MutableMapping
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-from libs.weights.applier import DeltaApplier, PreparedChunk
 from libs.weights.chunking import TensorJob
 from libs.weights.encoder import DENSE_FRACTION, DENSITY_SAMPLE, EncodeOptions, _finish
-from libs.weights.errors import BaseMismatchError, CorruptDeltaError
-from libs.weights.format import Change, Chunk, Manifest, TensorEntry, VersionInfo
+from libs.weights.format import Change, Chunk, Manifest
 from libs.weights.hashing import state_hash
 from libs.weights.scan import Changes
 from libs.weights.tensors import DTYPE_WIDTHS, RawTensor, _torch_dtypes, as_raw, unsigned_dtype
 
 # Element width in bytes -> the integer dtype whose view holds a tensor's bit patterns.
 INT_VIEWS: dict[int, torch.dtype] = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-_NUMPY_SIGNED = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}  # same, for from_numpy
 
 
 def dtype_name(tensor: torch.Tensor) -> str:
@@ -107,7 +92,7 @@ def device_diff(
             pending.append((name, local.numel(), width, narrow))
     if not pending:
         return {}
-    host = _to_host(parts)
+    host = host_bytes(parts)
     out: dict[str, Changes] = {}
     at = 0
     for name, count, width, narrow in pending:
@@ -149,7 +134,7 @@ def _group_changes(
     ]
 
 
-def _to_host(parts: list[torch.Tensor]) -> np.ndarray:
+def host_bytes(parts: list[torch.Tensor]) -> np.ndarray:
     """The bytes of `parts` (uint8 tensors of one device) concatenated, as a host array: one
     copy, into pinned memory from a GPU."""
     packed = torch.cat(parts)
@@ -321,270 +306,3 @@ def device_state_hash(state: Mapping[str, Any], threads: int = 1) -> str:
 def on_device(state: Mapping[str, Any]) -> bool:
     """True when some tensor of the state is a torch tensor off the CPU."""
     return any(isinstance(t, torch.Tensor) and t.device.type != "cpu" for t in state.values())
-
-
-# ---- apply --------------------------------------------------------------------------
-
-
-def _to_device(values: np.ndarray | torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Host uint elements (or an already staged tensor) as device integers of the width."""
-    if isinstance(values, torch.Tensor):
-        return values.to(device)
-    width = values.dtype.itemsize
-    array = np.ascontiguousarray(values).view(_NUMPY_SIGNED[width])
-    return torch.from_numpy(array).to(device, non_blocking=False)
-
-
-@dataclass(frozen=True)
-class GpuRange:
-    """An ElementRange over elements [start, stop) of a torch tensor on any device.
-
-    `bits` is the tensor's flat integer view (int_view). Reads return host arrays of the
-    width's uint dtype; writes take host arrays or tensors already staged on the device.
-    """
-
-    bits: torch.Tensor
-    start: int
-    stop: int
-
-    @property
-    def width(self) -> int:
-        """Element width in bytes."""
-        return int(self.bits.element_size())
-
-    @property
-    def size(self) -> int:
-        """Number of elements in the range."""
-        return self.stop - self.start
-
-    def _view(self) -> torch.Tensor:
-        return self.bits[self.start : self.stop]
-
-    def _host(self, values: torch.Tensor) -> np.ndarray:
-        return values.cpu().numpy().view(unsigned_dtype(self.width))
-
-    def gather(self, positions: np.ndarray | torch.Tensor) -> np.ndarray:
-        """Current values at range-relative positions (a host array)."""
-        index = _to_device(positions, self.bits.device)
-        return self._host(self._view()[index])
-
-    def read_all(self) -> np.ndarray:
-        """Current values of the whole range (a host array)."""
-        return self._host(self._view())
-
-    def scatter(
-        self, positions: np.ndarray | torch.Tensor, values: np.ndarray | torch.Tensor
-    ) -> None:
-        """Write values at range-relative positions, in place."""
-        device = self.bits.device
-        self._view()[_to_device(positions, device)] = _to_device(values, device)
-
-    def write_all(self, values: np.ndarray | torch.Tensor) -> None:
-        """Overwrite the whole range in place."""
-        self._view().copy_(_to_device(values, self.bits.device))
-
-
-@dataclass(frozen=True)
-class StagedWrite:
-    """What one piece writes, on the device: range-relative positions (None: all) and bits."""
-
-    positions: torch.Tensor | None
-    values: torch.Tensor
-
-
-@dataclass(frozen=True)
-class _Fetched:
-    """A GpuRange with the old values a piece decodes against, read ahead with the rest of
-    its chunk's (`old`: the values at `positions`, or the whole range for a dense delta;
-    None for a raw piece), and its positions already on the device."""
-
-    range: GpuRange
-    positions: np.ndarray | None
-    device_positions: torch.Tensor | None
-    old: np.ndarray | None
-
-    @property
-    def width(self) -> int:
-        return self.range.width
-
-    @property
-    def size(self) -> int:
-        return self.range.size
-
-    def gather(self, positions: np.ndarray) -> np.ndarray:
-        """The values read ahead (read now if asked for other positions)."""
-        if positions is self.positions and self.old is not None:
-            return self.old
-        return self.range.gather(positions)
-
-    def read_all(self) -> np.ndarray:
-        """The whole range, as read ahead."""
-        if self.positions is None and self.old is not None:
-            return self.old
-        return self.range.read_all()
-
-
-def _upload(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
-    """Host arrays on the device, as uint8 tensors, in one copy (through pinned memory from
-    a GPU); each starts 8-byte aligned so it can be viewed as any integer type."""
-    if not arrays:
-        return []
-    sizes = [a.nbytes for a in arrays]
-    starts = [0]
-    for size in sizes:
-        starts.append(starts[-1] + size + -size % 8)
-    host = torch.empty(starts[-1], dtype=torch.uint8, pin_memory=device.type == "cuda")
-    buffer = host.numpy()
-    for array, start, size in zip(arrays, starts, sizes, strict=False):
-        buffer[start : start + size] = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
-    staged = host.to(device, non_blocking=True)
-    return [staged[start : start + size] for start, size in zip(starts, sizes, strict=False)]
-
-
-def _download(tensors: list[torch.Tensor]) -> list[np.ndarray]:
-    """Device integer tensors as host arrays of their width's uint dtype, in one copy."""
-    if not tensors:
-        return []
-    parts: list[torch.Tensor] = []
-    for tensor in tensors:
-        parts.append(tensor.reshape(-1).view(torch.uint8))
-        if pad := -parts[-1].numel() % 8:
-            parts.append(torch.zeros(pad, dtype=torch.uint8, device=tensor.device))
-    host = _to_host(parts)
-    out, at = [], 0
-    for tensor in tensors:
-        size = tensor.numel() * tensor.element_size()
-        out.append(host[at : at + size].view(unsigned_dtype(tensor.element_size())))
-        at += size + -size % 8
-    return out
-
-
-@dataclass(frozen=True)
-class DevicePreparedChunk(PreparedChunk):
-    """A prepared chunk whose writes are staged on the device."""
-
-    @property
-    def num_written(self) -> int:
-        """Elements this chunk writes."""
-        return sum(int(w.values.numel()) for _, w in self.writes)
-
-
-@dataclass(frozen=True)
-class _DeviceTarget:
-    """A tensor of the state that receives pieces: its dtype, shape and integer view."""
-
-    dtype: str
-    shape: tuple[int, ...]
-    bits: torch.Tensor
-
-    @property
-    def numel(self) -> int:
-        return int(self.bits.numel())
-
-
-class DeviceDeltaApplier(DeltaApplier):
-    """DeltaApplier for a state of torch tensors on a device (any device, CPU included).
-
-    Writes land in place in the state's tensors (which must be contiguous); tensors a
-    version adds are created on `device` (default: the device of the state's first tensor).
-    """
-
-    def __init__(
-        self,
-        state: MutableMapping[str, Any],
-        manifest: Manifest,
-        current: VersionInfo | None = None,
-        kind: str = "auto",
-        *,
-        reuse_whole: bool = False,
-        device: torch.device | str | None = None,
-    ) -> None:
-        """See DeltaApplier; `current` None hashes the state (one copy to the host)."""
-        first = next(iter(state.values()), None)
-        fallback = first.device if isinstance(first, torch.Tensor) else "cpu"
-        self.device = torch.device(device if device is not None else fallback)
-        if current is None and not manifest.is_snapshot:
-            current = VersionInfo(version=None, hash=device_state_hash(state))
-        super().__init__(state, manifest, current, kind, reuse_whole=reuse_whole)
-
-    def _prepare(self, entry: TensorEntry) -> Any:
-        """The target that receives this entry: the state's own tensor, or a new one."""
-        dtype = _torch_dtypes()[entry.dtype]
-        existing = self.state.get(entry.name)
-        fits = (
-            isinstance(existing, torch.Tensor)
-            and existing.dtype == dtype
-            and list(existing.shape) == entry.shape
-        )
-        if entry.change != "whole" or (self._reuse_whole and fits):
-            if not isinstance(existing, torch.Tensor) or not fits:
-                raise BaseMismatchError(
-                    f"tensor {entry.name!r} is not a {entry.dtype}{entry.shape} torch tensor "
-                    "in the base, as the delta expects"
-                )
-            return _DeviceTarget(entry.dtype, tuple(entry.shape), int_view(existing))
-        tensor = torch.empty(entry.shape, dtype=dtype, device=self.device)
-        self._added[entry.name] = tensor
-        return _DeviceTarget(entry.dtype, tuple(entry.shape), int_view(tensor))
-
-    def _range(self, name: str, start: int, stop: int) -> Any:
-        target = self._raw.get(name)
-        if target is None or not 0 <= start < stop <= target.numel:
-            raise CorruptDeltaError(f"chunk piece {name!r}[{start}:{stop}] is not in the manifest")
-        return GpuRange(target.bits, start, stop)  # type: ignore[attr-defined]
-
-    def _read_targets(
-        self, ranges: list[Any], positions: list[np.ndarray | None], encodings: list[str]
-    ) -> list[Any]:
-        """The chunk's ranges with the old values its pieces decode against, read from the
-        device together: the positions go up in one copy, the values come down in one."""
-        if not ranges:
-            return []
-        on_device = _upload([p for p in positions if p is not None], self.device)
-        staged = iter(on_device)
-        device_positions = [
-            None if p is None else next(staged).view(torch.int64) for p in positions
-        ]
-        reads: list[torch.Tensor] = []
-        for target, at, encoding in zip(ranges, device_positions, encodings, strict=True):
-            if at is not None:
-                reads.append(target._view()[at])
-            elif encoding != "raw":  # a dense delta decodes against the whole range
-                reads.append(target._view())
-        olds = iter(_download(reads))
-        return [
-            _Fetched(target, host, at, None if at is None and encoding == "raw" else next(olds))
-            for target, host, at, encoding in zip(
-                ranges, positions, device_positions, encodings, strict=True
-            )
-        ]
-
-    def _prepared(self, index: int, writes: list[tuple[Any, Any]]) -> DevicePreparedChunk:
-        """Stage the decoded writes on the device, every piece's values in one copy (the
-        positions are there already)."""
-        values = _upload([written.values for _, written in writes], self.device)
-        staged: list[tuple[Any, Any]] = []
-        for (fetched, written), bits in zip(writes, values, strict=True):
-            target = fetched.range
-            positions = None
-            if written.positions is not None:
-                positions = fetched.device_positions
-                if written.positions is not fetched.positions:  # not what was read ahead
-                    positions = _to_device(written.positions, self.device)
-            staged.append((target, StagedWrite(positions, bits.view(INT_VIEWS[target.width]))))
-        if self.device.type == "cuda":  # the staging copies are done before commit
-            torch.cuda.current_stream(self.device).synchronize()
-        return DevicePreparedChunk(index, staged)
-
-    def finish(self, verify_full: bool = False, threads: int = 1) -> VersionInfo:
-        """As DeltaApplier.finish; waits for the device's writes, verifies on a host copy."""
-        held = super().finish(False, threads)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        if verify_full:
-            targets = {e.name: self.state[e.name] for e in self.manifest.tensors}
-            if device_state_hash(targets, threads) != self.manifest.target_hash:
-                raise CorruptDeltaError(
-                    "the applied state does not match the manifest's target hash"
-                )
-        return held

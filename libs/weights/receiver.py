@@ -38,7 +38,7 @@ the receiver holds "unknown" until the next snapshot.
 
 The state is a mutable mapping name -> tensor (numpy, torch, RawTensor) sharing memory
 with the model, e.g. `dict(model.state_dict())` for a contiguous torch model; a state of CUDA
-tensors is patched on the GPU (libs/weights/gpu.py), only the changed elements crossing
+tensors is patched on the GPU (libs/weights/gpu_apply.py), only the changed elements crossing
 PCIe. Tensors a version adds are inserted into that mapping (not into a module); removed
 ones are dropped.
 """
@@ -415,7 +415,7 @@ def _applier_type(state: MutableMapping[str, Any]) -> type[DeltaApplier]:
     """DeltaApplier, or its device variant for a state of GPU tensors (imports torch)."""
     if not any(kind_of(t) == "torch" and t.device.type != "cpu" for t in state.values()):
         return DeltaApplier
-    from libs.weights.gpu import DeviceDeltaApplier
+    from libs.weights.gpu_apply import DeviceDeltaApplier
 
     return DeviceDeltaApplier
 

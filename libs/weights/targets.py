@@ -2,7 +2,7 @@
 
 The codec reads old values and writes new ones only through `ElementRange`, so applying a
 delta touches only the changed elements. `CpuRange` serves numpy arrays and CPU torch
-tensors (they share memory). `gpu.GpuRange` implements the same methods with torch indexing
+tensors (they share memory). `gpu_apply.GpuRange` implements the same methods with torch indexing
 on the device (gather to host, scatter of values staged on the device).
 """
 
