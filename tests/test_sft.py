@@ -153,6 +153,30 @@ async def _trained_template(env: str) -> ChatTemplate:
     return chat_template_for(train_chat_tokenizer(texts, vocab_size=400))
 
 
+async def test_every_digit_the_recall_expert_writes_is_just_revealed_or_its_last_note() -> None:
+    # What the warm start must learn to copy: no look-up of one `digit k of 6` result among
+    # several (without the notes, the last digit was never learnt).
+    notes, revealed = [], ""
+    for transcript in await _expert_episode("recall", 2):
+        for message in transcript.messages:
+            if message.role == "tool":
+                revealed = message.content.rsplit(": ", 1)[1]
+            elif message.role == "assistant" and message.content.isdigit():
+                last = notes[-1] if notes else ""
+                assert message.content in (last, last + revealed), (notes, message.content)
+                notes.append(message.content)
+    assert len(notes) >= 6 and len(notes[-1]) == 6
+
+
+def test_recall_rl_runs_without_the_anchor_and_calc_keeps_it() -> None:
+    recall = warm_start.rl_trainer_env("recall", Path("model"))
+    calc = warm_start.rl_trainer_env("calc", Path("model"))
+    assert recall["RLPIPE_TRAINER_KL_COEF"] == "0" and calc["RLPIPE_TRAINER_KL_COEF"] == "0.2"
+    assert recall["RLPIPE_TRAINER_LEARNING_RATE"] == calc["RLPIPE_TRAINER_LEARNING_RATE"]
+    assert "RLPIPE_TRAINER_LEARNING_RATE_DECAY_STEPS" not in calc
+    assert calc["RLPIPE_TRAINER_POLICY_PATH"] == "model"
+
+
 async def test_the_error_rate_knob_makes_experts_fail_that_often(tmp_path: Path) -> None:
     perfect = await write_demonstrations(
         DemoConfig(env="calc", num_tasks=60, error_rate=0.0), tmp_path / "a"
