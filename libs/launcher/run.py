@@ -265,11 +265,7 @@ def with_warm_start(options: LaunchOptions, log: LauncherLog) -> LaunchOptions:
     root = options.warm_start_root or warm_start.default_cache_root()
     path = str(warm_start.ensure_warm_start(env, root, emit=log.info))
     services = {
-        "trainer": {
-            "RLPIPE_TRAINER_POLICY_PATH": path,
-            "RLPIPE_TRAINER_LEARNING_RATE": warm_start.RL_LEARNING_RATE,
-            "RLPIPE_TRAINER_KL_COEF": warm_start.RL_KL_COEF,
-        },
+        "trainer": warm_start.rl_trainer_env(env, Path(path)),
         "rollout-worker": {
             "RLPIPE_ROLLOUT_WORKER_POLICY_PATH": path,
             **warm_start.worker_harness_env(env, Path(path)),
