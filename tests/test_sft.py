@@ -168,12 +168,13 @@ async def test_every_digit_the_recall_expert_writes_is_just_revealed_or_its_last
     assert len(notes) >= 6 and len(notes[-1]) == 6
 
 
-def test_recall_rl_runs_without_the_anchor_and_calc_keeps_it() -> None:
+def test_recall_rl_decays_its_rate_more_slowly_and_both_keep_the_anchor() -> None:
     recall = warm_start.rl_trainer_env("recall", Path("model"))
     calc = warm_start.rl_trainer_env("calc", Path("model"))
-    assert recall["RLPIPE_TRAINER_KL_COEF"] == "0" and calc["RLPIPE_TRAINER_KL_COEF"] == "0.2"
+    assert recall["RLPIPE_TRAINER_KL_COEF"] == calc["RLPIPE_TRAINER_KL_COEF"] == "0.2"
     assert recall["RLPIPE_TRAINER_LEARNING_RATE"] == calc["RLPIPE_TRAINER_LEARNING_RATE"]
-    assert "RLPIPE_TRAINER_LEARNING_RATE_DECAY_STEPS" not in calc
+    assert recall["RLPIPE_TRAINER_LEARNING_RATE_DECAY_STEPS"] == "1000"
+    assert "RLPIPE_TRAINER_LEARNING_RATE_DECAY_STEPS" not in calc, "calc: the trainer's 400"
     assert calc["RLPIPE_TRAINER_POLICY_PATH"] == "model"
 
 

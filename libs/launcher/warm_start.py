@@ -56,15 +56,16 @@ RL_KL_COEF = "0.2"
 RL_GROUP_SIZE = "8"
 # Trainer settings of one environment's RL that differ from the above. recall sharpens its
 # warm start's copying (diffuse at temperature 1: ~30 digits written an episode, each can
-# slip), which the anchor holds back, and it needs more steps at full rate than a 6-minute
-# demo makes under the trainer's 400-step decay. `rlpipe demo --env recall --duration-s 360`
-# from the same warm start (256 held-out tasks at temperature 1, warm start 0.266): anchor 0.2
-# and the 400-step decay, 208 steps -> 0.359; no anchor and a 1,000-step decay, 372 and
-# 386 steps (the reference's forward saved) -> 0.484 and 0.488. In-process, a higher rate
-# undid it instead (2e-4: 0.31 -> 0.18, 3e-4: 0.23 -> 0.13 in 90 steps of 2 groups of 8,
-# anchor 0.2).
+# slip) and needs more steps at full rate than a 6-minute demo makes under the trainer's
+# 400-step decay. `rlpipe demo --env recall --duration-s 360` from the same warm start (256
+# held-out tasks at temperature 1, warm start 0.277): the anchor and the 400-step decay, 208
+# steps -> 0.359; the anchor and a 1,000-step decay, 315 steps -> 0.523 (trained episodes'
+# success rising through the run). Without the anchor the steps are cheaper (no reference
+# forward) but the policy went off the edge: 372 and 386 steps -> 0.484 and 0.488, a third
+# run collapsed at step ~310 (grad norm 15, success 0.0 held out). In-process, a higher rate
+# undid it (2e-4: 0.31 -> 0.18, 3e-4: 0.23 -> 0.13 in 90 steps of 2 groups of 8).
 RL_TRAINER_OVERRIDES: dict[str, dict[str, str]] = {
-    "recall": {"RLPIPE_TRAINER_KL_COEF": "0", "RLPIPE_TRAINER_LEARNING_RATE_DECAY_STEPS": "1000"},
+    "recall": {"RLPIPE_TRAINER_LEARNING_RATE_DECAY_STEPS": "1000"},
 }
 MODEL_DIR = "model"
 TOKENIZER_DIR = "tokenizer"
@@ -104,8 +105,8 @@ class WarmStartRecipe:
 # (libs.experts.recall): 1,100 steps of 32 (12.7 minutes on one thread; the copying sets in
 # after 600-700 steps, 600 steps left success at 0.01) copy 98% of the revealed digits
 # teacher-forced; greedy success 0.73, at temperature 1 0.27 on 256 held-out tasks (digits
-# miscopied anywhere among ~30 written: what RL sharpens), 0.48-0.49 after a 360 s demo
-# (372-386 steps, RL_TRAINER_OVERRIDES). A slip in 7% of the reads (~35% of the episodes)
+# miscopied anywhere among ~30 written: what RL sharpens), 0.52 after a 360 s demo
+# (315 steps, RL_TRAINER_OVERRIDES). A slip in 7% of the reads (~35% of the episodes)
 # leaves room as calc's do. Without the notes (1,500 steps, 2% slips) the last digit was
 # never learnt (5 of 64 teacher-forced): 0.094 with summaries, 0.094 after 314 demo steps.
 RECIPES: dict[str, WarmStartRecipe] = {
