@@ -331,7 +331,7 @@ def test_a_continuous_batcher_gives_the_gate_back_when_its_last_call_ends() -> N
 
 
 def test_overlapping_calls_count_once_toward_the_busy_fraction() -> None:
-    from libs.rollout.batcher import ThroughputMeter
+    from libs.rollout.throughput import ThroughputMeter
 
     meter = ThroughputMeter(window_s=10.0)
     meter.started = 0.0
@@ -346,7 +346,7 @@ def test_the_meter_keeps_the_union_of_calls_in_its_window_as_calls_come() -> Non
     # overlapping, nested, recorded out of order, and leaving the window as time passes.
     import random
 
-    from libs.rollout.batcher import ThroughputMeter
+    from libs.rollout.throughput import ThroughputMeter
 
     rng = random.Random(5)
     meter = ThroughputMeter(window_s=5.0)

@@ -38,7 +38,8 @@ from libs.envs.client import EnvClient, EnvError
 from libs.policy import architecture, load_policy_tokenizer, tokenizer_spec
 from libs.policy_identity import check_same_policy, describe_policy, wait_for_identity
 from libs.rollout.agent import AgentRunner, AgentSettings
-from libs.rollout.batcher import GenerationBatcher, ThroughputMeter
+from libs.rollout.batcher import GenerationBatcher
+from libs.rollout.throughput import ThroughputMeter
 from libs.rollout.weights_follower import WeightsFollower
 from libs.serve.app import OpenAIApi, ServeConfig, create_app
 from libs.serve.generation import ServedPolicy
