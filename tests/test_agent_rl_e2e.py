@@ -162,6 +162,34 @@ def held_out(model: Path, num_tasks: int, env: str = "calc") -> dict[str, Any]:
     return figures
 
 
+def rl_from_warm_start(
+    env: str, run_dir: Path, steps: int, num_tasks: int, timeout_s: float
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """`rlpipe demo --env ENV` for `steps` RL steps from the demo's cached warm start (built
+    when missing), then held-out figures of the warm start and of the last checkpoint."""
+    stdout = run_command(
+        [
+            "services.cli",
+            "demo",
+            "--env",
+            env,
+            "--run-dir",
+            str(run_dir),
+            "--max-trainer-steps",
+            str(steps),
+            "--duration-s",
+            "900",
+        ],
+        timeout_s=timeout_s,
+    )
+    summary = json.loads(stdout.strip().splitlines()[-1])
+    assert summary["exit_code"] == 0 and summary["trainer_step"] >= steps
+    start = held_out(sft_stage(env, default_cache_root(), RECIPES[env]).out, num_tasks, env)
+    checkpoint = latest_checkpoint(run_dir / "trainer" / "checkpoints")
+    assert checkpoint is not None and checkpoint.state.step >= steps
+    return start, held_out(checkpoint.path, num_tasks, env)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
 def test_a_warm_started_tool_using_policy_improves_with_rl(tmp_path: Path) -> None:
@@ -169,28 +197,7 @@ def test_a_warm_started_tool_using_policy_improves_with_rl(tmp_path: Path) -> No
     # idle 2-core VM; a cached one is reused), then 150 RL steps through every service. On
     # 256 held-out tasks at temperature 1 the warm start succeeded in 0.44 of the episodes
     # and a 1,082-step demo's last checkpoint in 0.85.
-    run_dir = tmp_path / "run"
-    stdout = run_command(
-        [
-            "services.cli",
-            "demo",
-            "--env",
-            "calc",
-            "--run-dir",
-            str(run_dir),
-            "--max-trainer-steps",
-            "150",
-            "--duration-s",
-            "900",
-        ],
-        timeout_s=1500,
-    )
-    summary = json.loads(stdout.strip().splitlines()[-1])
-    assert summary["exit_code"] == 0 and summary["trainer_step"] >= 150
-    start = held_out(sft_stage("calc", default_cache_root(), RECIPES["calc"]).out, 128)
-    checkpoint = latest_checkpoint(run_dir / "trainer" / "checkpoints")
-    assert checkpoint is not None and checkpoint.state.step >= 150
-    final = held_out(checkpoint.path, 128)
+    start, final = rl_from_warm_start("calc", tmp_path / "run", 150, 128, timeout_s=1500)
     assert start["episodes_with_tool_calls"] >= 0.9, "the warm start calls the tools"
     assert final["episodes_with_tool_calls"] >= 0.9, "RL kept the tool use"
     assert final["success"] >= start["success"] + 0.25, f"no improvement: {start} -> {final}"
@@ -204,29 +211,6 @@ def test_a_warm_started_long_horizon_policy_improves_with_rl(tmp_path: Path) -> 
     # temperature 1 the warm start succeeded in 0.27-0.28 of the episodes and a 315-step
     # demo's last checkpoint in 0.52; this test's run at load 5-7 (720 s): 0.40, a thin margin
     # over the bound. Every episode summarizes once.
-    run_dir = tmp_path / "run"
-    stdout = run_command(
-        [
-            "services.cli",
-            "demo",
-            "--env",
-            "recall",
-            "--run-dir",
-            str(run_dir),
-            "--max-trainer-steps",
-            "300",
-            "--duration-s",
-            "900",
-        ],
-        timeout_s=2200,
-    )
-    summary = json.loads(stdout.strip().splitlines()[-1])
-    assert summary["exit_code"] == 0 and summary["trainer_step"] >= 300
-    start = held_out(
-        sft_stage("recall", default_cache_root(), RECIPES["recall"]).out, 256, "recall"
-    )
-    checkpoint = latest_checkpoint(run_dir / "trainer" / "checkpoints")
-    assert checkpoint is not None and checkpoint.state.step >= 300
-    final = held_out(checkpoint.path, 256, "recall")
+    start, final = rl_from_warm_start("recall", tmp_path / "run", 300, 256, timeout_s=2200)
     assert final["segments_per_episode"] > 1.5, "RL kept the summaries"
     assert final["success"] >= start["success"] + 0.1, f"no improvement: {start} -> {final}"
