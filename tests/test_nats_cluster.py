@@ -14,10 +14,10 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import AsyncIterator, Callable, Iterator
 from functools import partial
 from pathlib import Path
@@ -25,6 +25,7 @@ from typing import Any
 
 import msgspec
 import pytest
+import structlog.testing
 from nats.js.errors import NotFoundError
 
 from libs.bus import wire
@@ -101,6 +102,35 @@ async def test_replicas_on_a_single_server_are_refused_with_the_fix(bus: Bus) ->
         await provision(bus.js, (streams.TASKS,), (), (), replicas=3)
     with pytest.raises(ProvisionError, match="replicas must be 1 to 5"):
         await provision(bus.js, (streams.TASKS,), (), (), replicas=7)
+
+
+async def test_provisioning_waits_for_a_node_that_joins_the_cluster_late(tmp_path: Path) -> None:
+    """Two of three nodes up: R3 cannot be placed ("no suitable peers"), so provisioning
+    waits; the third node starts two seconds later and every stream lands on all three (a
+    compose cluster whose services provision while a node is still starting)."""
+    late = NatsCluster(root=tmp_path, size=3)
+    try:
+        for node in late.nodes[:2]:
+            node.start()
+        late.wait_jetstream()
+        bus = await connect_bus(late.nodes[0].url, name="pytest-late")
+        try:
+            with structlog.testing.capture_logs() as logs:
+                provisioning = asyncio.create_task(
+                    ride_through(lambda: provision(bus.js, replicas=3), "provision")
+                )
+                await asyncio.sleep(2.0)
+                assert not provisioning.done(), f"ended on two nodes: {provisioning.exception()!r}"
+                late.nodes[2].start()
+                report = await asyncio.wait_for(provisioning, timeout=60)
+            assert set(report.outcomes.values()) == {"created"}
+            assert any("no peers for placement" in entry["event"] for entry in logs)
+            info = await bus.js.stream_info(streams.ROLLOUTS_SCORED.name)
+            assert info.cluster is not None and len(info.cluster.replicas or []) == 2
+        finally:
+            await bus.close()
+    finally:
+        late.stop()
 
 
 async def test_no_acknowledged_message_is_lost_when_the_stream_leader_dies(
@@ -381,7 +411,8 @@ async def test_the_shipped_cluster_config_forms_a_cluster_that_outlives_a_node(
                     stderr=subprocess.STDOUT,
                 )
             )
-        await every_peer_current([http for _, http, _ in ports])
+        for (client, _, _), process, index in zip(ports, processes, range(3), strict=True):
+            await accepting_clients(client, process, tmp_path / f"n{index}.log")
         password = PASSWORDS["RLPIPE_NATS_SERVICES_PASSWORD"]
         first = f"nats://rlpipe:{password}@127.0.0.1:{ports[0][0]}"
         bus = await connect_bus(first, name="pytest")
@@ -408,22 +439,26 @@ async def test_the_shipped_cluster_config_forms_a_cluster_that_outlives_a_node(
                 process.wait()
 
 
-async def every_peer_current(http_ports: list[int], timeout_s: float = 60.0) -> None:
-    """Until a node (the meta leader) sees every other JetStream peer current on its
-    monitoring port's /jsz: a cluster whose routes were up but whose third peer the leader
-    had not heard from yet refused R3 with "no suitable peers for placement, peer offline"
-    (once in make test)."""
+async def accepting_clients(
+    port: int, process: subprocess.Popen[bytes], log: Path, timeout_s: float = 30.0
+) -> None:
+    """Until the node's client port answers with INFO; its log's end in the error if it died
+    (a port taken between drawing it and binding it) or never answered. JetStream's own
+    readiness is not awaited: provisioning rides through the moments before the meta leader
+    is elected and waits while the cluster has too few peers for R3 (libs/bus/provision.py)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        for port in http_ports:
-            with contextlib.suppress(OSError, ValueError):
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/jsz", timeout=5) as reply:
-                    meta = json.loads(reply.read()).get("meta_cluster", {})
-                peers = meta.get("replicas") or []
-                if len(peers) == len(http_ports) - 1 and all(p.get("current") for p in peers):
-                    return
-        await asyncio.sleep(0.2)
-    raise TimeoutError(f"the cluster's JetStream peers were not all current in {timeout_s} s")
+        if process.poll() is not None:
+            break
+        with (
+            contextlib.suppress(OSError),
+            socket.create_connection(("127.0.0.1", port), timeout=0.5) as sock,
+        ):
+            if sock.recv(4096).startswith(b"INFO"):
+                return
+        await asyncio.sleep(0.1)
+    tail = log.read_text(errors="replace")[-2000:]
+    raise AssertionError(f"nats-server on port {port} (exit {process.poll()}) is not up:\n{tail}")
 
 
 def node_config(folder: Path) -> Path:

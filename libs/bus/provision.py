@@ -14,8 +14,9 @@ replication. A running stream can be scaled up or down in place.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import structlog
 from nats.js import JetStreamContext
@@ -27,6 +28,7 @@ from proto import streams
 from proto.streams import ConsumerSpec, KeyValueSpec, StreamSpec
 
 log = structlog.get_logger(__name__)
+T = TypeVar("T")
 
 Outcome = Literal["created", "unchanged", "updated"]
 # JetStream's limit on one stream's replication.
@@ -168,7 +170,7 @@ async def _add_stream(js: JetStreamContext, config: js_api.StreamConfig) -> None
     """Create the stream, again after a short wait when the server failed to make its store."""
     for attempt in range(1, STORE_ATTEMPTS + 1):
         try:
-            await js.add_stream(config=config)
+            await _placed(lambda: js.add_stream(config=config), f"stream {config.name}")
             return
         except APIError as exc:
             if exc.err_code != STORE_FAILED_ERR_CODE or attempt == STORE_ATTEMPTS:
@@ -176,6 +178,23 @@ async def _add_stream(js: JetStreamContext, config: js_api.StreamConfig) -> None
             log.warning("the server could not create the stream's store; trying again",
                         stream=config.name, attempt=attempt, error=str(exc))  # fmt: skip
             await asyncio.sleep(STORE_RETRY_S * attempt)
+
+
+async def _placed(change: Callable[[], Awaitable[T]], what: str) -> T:
+    """`await change()`, again while the cluster refuses placement for want of peers (for up
+    to PLACEMENT_WAIT_S): a cluster whose routes are up refuses replicated streams until its
+    meta leader has heard from enough peers, and services started beside their NATS nodes
+    (compose's cluster profile) provision in exactly those seconds."""
+    deadline = asyncio.get_running_loop().time() + PLACEMENT_WAIT_S
+    while True:
+        try:
+            return await change()
+        except APIError as exc:
+            if exc.err_code != NO_PEERS_ERR_CODE or asyncio.get_running_loop().time() > deadline:
+                raise
+            log.warning("the cluster has no peers for placement yet; waiting", what=what,
+                        error=str(exc))  # fmt: skip
+            await asyncio.sleep(PLACEMENT_RETRY_S)
 
 
 def _refused_replicas(exc: APIError, replicas: int) -> ProvisionError:
@@ -194,6 +213,12 @@ def _refused_replicas(exc: APIError, replicas: int) -> ProvisionError:
 STORE_FAILED_ERR_CODE = 10049
 STORE_ATTEMPTS = 4
 STORE_RETRY_S = 0.25
+# "no suitable peers for placement": the cluster cannot place the replicas now. While a
+# cluster forms this passes in seconds; a cluster with fewer nodes than replicas keeps
+# refusing and is raised (with the fix) after PLACEMENT_WAIT_S.
+NO_PEERS_ERR_CODE = 10005
+PLACEMENT_WAIT_S = 30.0
+PLACEMENT_RETRY_S = 0.5
 
 
 async def ensure_stream(js: JetStreamContext, spec: StreamSpec, replicas: int = 1) -> Outcome:
@@ -214,7 +239,7 @@ async def ensure_stream(js: JetStreamContext, spec: StreamSpec, replicas: int = 
     _refuse_fixed("stream", spec.name, diff, STREAM_FIXED_FIELDS)
     log.info("updating stream", stream=spec.name, fields=sorted(diff))
     try:
-        await js.update_stream(config=wanted)
+        await _placed(lambda: js.update_stream(config=wanted), f"stream {spec.name}")
     except APIError as exc:
         if "num_replicas" in diff:
             raise _refused_replicas(exc, replicas) from exc
@@ -255,7 +280,7 @@ async def ensure_key_value(js: JetStreamContext, spec: KeyValueSpec, replicas: i
             replicas=replicas,
         )
         try:
-            await js.create_key_value(config=config)
+            await _placed(lambda: js.create_key_value(config=config), f"kv {spec.bucket}")
         except APIError as exc:
             if replicas > 1:
                 raise _refused_replicas(exc, replicas) from exc
@@ -271,7 +296,8 @@ async def _scale_bucket(js: JetStreamContext, bucket: str, replicas: int) -> Out
         return "unchanged"
     log.info("scaling kv bucket", bucket=bucket, replicas=replicas)
     try:
-        await js.update_stream(config=replace(info.config, num_replicas=replicas))
+        scaled = replace(info.config, num_replicas=replicas)
+        await _placed(lambda: js.update_stream(config=scaled), f"kv {bucket}")
     except APIError as exc:
         raise _refused_replicas(exc, replicas) from exc
     return "updated"
