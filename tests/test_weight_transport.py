@@ -3,8 +3,11 @@ corrupt or missing chunk refuses the version instead of reaching a model."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
+from nats.aio.msg import Msg
 from nats.js.errors import NotFoundError
 
 from libs.bus.connection import Bus
@@ -15,6 +18,7 @@ from libs.weights.encoder import encode_snapshot
 from libs.weights.format import encode_chunk
 from libs.weights.tensors import RawTensor
 from libs.weights.transport import (
+    CHUNK_LEADER_READS,
     CHUNK_REFETCHES,
     chunk_subject,
     fetch_chunks,
@@ -108,6 +112,39 @@ async def test_a_purged_chunk_refuses_the_version_at_once(chunk_bus: Bus) -> Non
     for batch in (True, False):
         with pytest.raises(MissingChunkError, match="not stored"):
             await fetch_chunks(chunk_bus.nc, manifest, parallel=4, batch=batch)
+
+
+async def test_a_replica_behind_does_not_refuse_a_stored_version(chunk_bus: Bus) -> None:
+    """A follower that has not applied the newest chunks yet answers their direct gets with
+    404 (a version was refused so on a 3-node cluster under load). Here the only direct-get
+    responder is such a replica, injected on the real server (the stream's own direct get is
+    off): every chunk still comes, read from the stream's leader."""
+    info = await chunk_bus.js.stream_info(streams.WEIGHT_CHUNKS.name)
+    await chunk_bus.js.update_stream(config=replace(info.config, allow_direct=False))
+    manifest, chunks = encode_snapshot(random_state(8), version=3, options=SMALL)
+    await store_chunks(Publisher(chunk_bus.js), manifest, chunks)
+
+    async def behind(msg: Msg) -> None:
+        await chunk_bus.nc.publish(msg.reply, b"", headers={"Status": "404"})
+
+    prefix = f"$JS.API.DIRECT.GET.{streams.WEIGHT_CHUNKS.name}"
+    replica = [await chunk_bus.nc.subscribe(s, cb=behind) for s in (prefix, f"{prefix}.>")]
+    try:
+        reads_before = CHUNK_LEADER_READS._value.get()
+        for batch in (True, False):
+            fetched = await fetch_chunks(chunk_bus.nc, manifest, parallel=4, batch=batch)
+            rebuilt = decode({}, manifest, fetched.chunks, kind="raw", verify_full=True)
+            assert all(np.array_equal(rebuilt[n].data, t.data) for n, t in random_state(8).items())
+        assert CHUNK_LEADER_READS._value.get() - reads_before == 2 * len(chunks)
+        # A chunk the leader lacks too is missing: the version is refused at once.
+        await chunk_bus.js.purge_stream(
+            streams.WEIGHT_CHUNKS.name, subject=chunk_subject(manifest, 1)
+        )
+        with pytest.raises(MissingChunkError, match="not stored"):
+            await fetch_chunks(chunk_bus.nc, manifest, parallel=4)
+    finally:
+        for sub in replica:
+            await sub.unsubscribe()
 
 
 async def test_a_chunk_above_the_server_limit_is_refused_before_publishing(chunk_bus: Bus) -> None:

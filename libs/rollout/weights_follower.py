@@ -18,10 +18,11 @@ was locked for the write, and is exported.
 
 A version that cannot be had intact (MissingChunkError, CorruptDeltaError) or does not fit
 (BaseMismatchError, or it names tensors the model lacks) is logged loudly and never written;
-the receiver moves on (to the next snapshot), after a growing delay so a bad snapshot is not
-refetched in a tight loop. Should the whole-state check fail after a write (the weights were
-changed outside the receiver), generation stops (`batcher.open` cleared, status "waiting for
-weights") until a snapshot has been applied.
+after a growing delay the receiver reads it again (a damaged or timed-out read, a few times)
+or moves on (to the next snapshot), so a bad version is not refetched in a tight loop.
+Should the whole-state check fail after a write (the weights were changed outside the
+receiver), generation stops (`batcher.open` cleared, status "waiting for weights") until a
+snapshot has been applied.
 
 Health: while it follows, the follower polls the newest announced version every
 `LAG_POLL_S`; `problem()` says why the worker is stuck when a newer version than the engine

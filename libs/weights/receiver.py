@@ -28,7 +28,10 @@ verified against the manifest's hashes, and the whole state against the version 
 
 `next_update` fetches every chunk with many direct gets in flight (libs/weights/transport.py)
 and raises MissingChunkError / CorruptDeltaError, applying nothing, when the version cannot
-be had intact; the next call moves on (to the snapshot of the same version, or the next one).
+be had intact. A version refused for a damaged or timed-out read is read again by the next
+call (up to VERSION_ATTEMPTS reads); one whose chunk is gone (MissingChunkError), or that
+kept failing, is skipped: the next call moves on (to the snapshot of the same version, or
+the next one).
 `apply` refuses an update whose base is not the version held (BaseMismatchError), writes
 the chunks in place through the codec's DeltaApplier (deltas touch only changed elements;
 snapshots write into same-named tensors of the same dtype and shape), and returns the pause
@@ -65,7 +68,7 @@ from libs.bus.connection import Bus
 from libs.bus.dead_letter import Delivery, publish_dead_letter
 from libs.bus.publisher import Publisher
 from libs.weights.applier import DeltaApplier, PreparedChunk
-from libs.weights.errors import BaseMismatchError, CorruptDeltaError
+from libs.weights.errors import BaseMismatchError, CorruptDeltaError, MissingChunkError
 from libs.weights.format import Chunk, VersionInfo
 from libs.weights.hashing import state_hash
 from libs.weights.tensors import kind_of, raw_state
@@ -82,6 +85,10 @@ from proto.subjects import WEIGHTS_ANNOUNCE_ALL, weights_announce_subject
 from proto.validation import InvalidValue, check_announcement_plausible
 
 log = structlog.get_logger(__name__)
+
+# Reads of a version refused for a timeout or a damaged chunk before it is given up (the
+# rollout-worker waits between them: libs/rollout/weights_follower.py).
+VERSION_ATTEMPTS = 3
 
 APPLY_PAUSE_SECONDS = Histogram(
     "rlpipe_weights_apply_pause_seconds",
@@ -157,6 +164,8 @@ class WeightReceiver:
         self._poll_timeout_s = poll_timeout_s
         self._sub: JetStreamContext.PullSubscription | None = None
         self._next_seq: int | None = None  # where a re-created consumer resumes
+        self._taken_seq: int | None = None  # the stream sequence of the last announcement read
+        self._attempts_by_version: dict[int, int] = {}  # reads of the version last refused
         self._publisher = Publisher(bus.js)
         self._newest_known = -1  # the trainer's newest version, as last read from the KV
         self.num_refused = 0
@@ -198,11 +207,13 @@ class WeightReceiver:
                 )
             except CorruptDeltaError as exc:  # MissingChunkError included
                 UPDATES.labels(kind, "refused").inc()
+                again = await self._read_again(announcement, exc)
                 log.error(
                     "weight version refused",
                     version=announcement.version,
                     kind=kind,
                     error=str(exc),
+                    read_again=again,
                 )
                 raise
             FETCH_SECONDS.labels(kind).observe(fetched.seconds)
@@ -214,6 +225,22 @@ class WeightReceiver:
                 mb_per_s=round(fetched.mb_per_s, 1),
             )
             return PreparedUpdate(announcement, fetched)
+
+    async def _read_again(self, announcement: WeightAnnouncement, exc: CorruptDeltaError) -> bool:
+        """Whether the next call reads this refused announcement again: yes, up to
+        VERSION_ATTEMPTS times, unless a chunk is gone for good (MissingChunkError: the
+        stream's leader lacks it). A version refused for a timeout or a damaged read (a node
+        dying, a leader changing) is otherwise skipped, and every delta after it is on
+        another base: the worker then waits for the next snapshot, which a trainer starved
+        of samples at that worker's version may never make."""
+        if isinstance(exc, MissingChunkError):
+            return False
+        tries = self._attempts_by_version.get(announcement.version, 0) + 1
+        self._attempts_by_version = {announcement.version: tries}
+        if tries >= VERSION_ATTEMPTS or self._taken_seq is None:
+            return False
+        await self._reposition(self._taken_seq)
+        return True
 
     async def _wanted(self, announcement: WeightAnnouncement) -> bool:
         """Whether to take this announcement; on a gap, reposition to the latest snapshot."""
@@ -259,7 +286,8 @@ class WeightReceiver:
                 await asyncio.sleep(self._poll_timeout_s / 2)
                 continue
             msg = msgs[0]
-            self._next_seq = msg.metadata.sequence.stream + 1
+            self._taken_seq = msg.metadata.sequence.stream
+            self._next_seq = self._taken_seq + 1
             try:
                 announcement = wire.decode(WeightAnnouncement, msg.data, msg.headers)
                 await self._check_plausible(announcement)

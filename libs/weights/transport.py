@@ -19,8 +19,10 @@ default; a client past it is cut off as a slow consumer). `batch=False` asks for
 per request (direct get, last by subject). Each chunk is decoded and checked against the
 manifest (size, payload hash, version, index); a corrupt, missing or timed-out one is read
 again alone, up to `attempts` reads in all, then the version is refused with
-CorruptDeltaError. A chunk the stream does not hold (purged, never stored) raises
-MissingChunkError. Nothing here writes to a model: a caller applies only a complete,
+CorruptDeltaError. A replica that answers a direct get without the chunk (a follower not
+yet caught up) is not the stream's last word: the chunk is then read from the stream's
+leader (`$JS.API.STREAM.MSG.GET`), and only a chunk the leader lacks too (purged, never
+stored) raises MissingChunkError. Nothing here writes to a model: a caller applies only a complete,
 verified set.
 
 Measured on 2 shared cores over loopback (bench/weights_transport_bench.py): batches beat
@@ -31,6 +33,7 @@ connection is CPU-bound reading; see bench/results/weights_transport.json.
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import time
 from collections.abc import Sequence
@@ -63,6 +66,10 @@ CHUNK_REFETCHES = Counter(
     "rlpipe_weights_chunk_refetches_total",
     "Chunk reads repeated after a corrupt reply or a timeout",
     ["reason"],
+)
+CHUNK_LEADER_READS = Counter(
+    "rlpipe_weights_chunk_leader_reads_total",
+    "Chunks a replica's direct get did not hold yet, read from the stream's leader instead",
 )
 CHUNK_FETCHED_BYTES = Counter(
     "rlpipe_weights_chunk_fetched_bytes_total", "Bytes of weight chunks fetched and verified"
@@ -205,6 +212,7 @@ class _Fetcher:
         self._manifest = manifest
         self._stream = stream
         self._prefix = f"$JS.API.DIRECT.GET.{stream}."
+        self._leader_get = f"$JS.API.STREAM.MSG.GET.{stream}"
         self._attempts = attempts
         self._timeout_s = timeout_s
         self.num_refetched = 0
@@ -262,10 +270,12 @@ class _Fetcher:
         for attempt in range(1, attempts + 1):
             try:
                 reply = await self._nc.request(self._prefix + subject, b"", timeout=self._timeout_s)
+                body = _reply_body(reply.data, reply.headers, subject)
+                if body is None:
+                    body = await self._stored_body(subject)
             except (nats.errors.TimeoutError, TimeoutError):  # fetch raises either
                 problem, reason = f"no reply within {self._timeout_s} s", "timeout"
             else:
-                body = _reply_body(reply.data, reply.headers, subject)
                 # Hashing releases the GIL: on a thread it overlaps the reads of other chunks.
                 chunk, problem = await asyncio.to_thread(_checked, self._manifest, ref, body)
                 if chunk is not None:
@@ -278,18 +288,36 @@ class _Fetcher:
             f"{self._attempts} attempts: {problem}"
         )
 
+    async def _stored_body(self, subject: str) -> bytes:
+        """The chunk as the stream's leader holds it, or MissingChunkError. A direct get is
+        answered by any replica, and a follower that has not applied a just-stored chunk yet
+        answers 404: on a 3-node cluster under load a worker refused a version for a chunk
+        the stream had acknowledged, then waited for a snapshot that the starved trainer
+        never made. The leader's message get is the stream's own answer."""
+        request = json.dumps({"last_by_subj": subject}).encode()
+        reply = await self._nc.request(self._leader_get, request, timeout=self._timeout_s)
+        answer = json.loads(reply.data)
+        error = answer.get("error")
+        if error is not None and error.get("code") == 404:
+            raise MissingChunkError(f"chunk {subject} is not stored (purged or never published)")
+        if error is not None or "message" not in answer:
+            raise CorruptDeltaError(f"message get of {subject} failed: {error or answer}")
+        CHUNK_LEADER_READS.inc()
+        return base64.b64decode(answer["message"].get("data") or "")
+
     def _count_refetch(self, subject: str, attempt: int, problem: str, reason: str) -> None:
         self.num_refetched += 1
         CHUNK_REFETCHES.labels(reason).inc()
         log.warning("refetching chunk", subject=subject, attempt=attempt, problem=problem)
 
 
-def _reply_body(data: bytes, headers: dict[str, str] | None, subject: str) -> bytes:
-    """The stored message body of a direct-get reply, or an error naming the status."""
+def _reply_body(data: bytes, headers: dict[str, str] | None, subject: str) -> bytes | None:
+    """The stored message body of a direct-get reply; None when the replica that answered
+    does not hold it (404); an error naming any other status."""
     status = (headers or {}).get("Status")
     if not data and status:
         if status == "404":
-            raise MissingChunkError(f"chunk {subject} is not stored (purged or never published)")
+            return None
         description = (headers or {}).get("Description", "")
         raise CorruptDeltaError(f"direct get of {subject} failed: {status} {description}")
     return data
