@@ -13,6 +13,7 @@ samples the trainer dropped as stale from it until the next kill, against all it
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
@@ -136,6 +137,26 @@ def alive(pid: int) -> bool:
     return status != "Z"
 
 
+def stop_demo(process: subprocess.Popen[Any], run_dir: Path, grace_s: float = 60.0) -> None:
+    """Stop a demo still running (a test that failed or ran out of time): SIGINT, so the
+    launcher drains its services and stops NATS, then SIGKILL; then SIGKILL whatever of
+    `pids.json` still lives (a launcher killed outright leaves its NATS nodes and services,
+    which run in sessions of their own, behind)."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGINT)
+        try:
+            process.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+    pids = read_pids(run_dir)
+    services = [pid for group in pids.get("services", {}).values() for pid in group]
+    for pid in [*services, *pids.get("nats", [])]:
+        if alive(int(pid)):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid), signal.SIGKILL)
+
+
 def _wait(condition: Any, timeout_s: float, poll_s: float = 0.25) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -190,9 +211,7 @@ def run_chaos(
             process.kill()
             process.wait()
     finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
+        stop_demo(process, run_dir)
         out.close()
     report.exit_code = process.returncode
     report.wall_s = time.monotonic() - started

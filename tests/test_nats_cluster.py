@@ -36,7 +36,14 @@ from libs.nats_server import NatsCluster, find_nats_server, free_port
 from proto import streams
 from proto.messages import DeadLetter, Rollout, ScoredRollout, Task
 from proto.streams import StreamSpec
-from tests.chaos_support import _cursor, _read_scored_and_dead, audit, effective_steps, read_steps
+from tests.chaos_support import (
+    _cursor,
+    _read_scored_and_dead,
+    audit,
+    effective_steps,
+    read_steps,
+    stop_demo,
+)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -199,9 +206,7 @@ def test_demo_trains_on_through_the_death_of_the_scored_stream_leader(tmp_path: 
         killed = kill_scored_leader(run_dir, demo)
         stdout, _ = demo.communicate(timeout=330)
     finally:
-        if demo.poll() is None:
-            demo.kill()
-            demo.wait()
+        stop_demo(demo, run_dir)
     summary = json.loads(stdout.strip().splitlines()[-1])
     assert demo.returncode == 0, summary
     assert summary["stop_reason"] == "max_trainer_steps", summary
