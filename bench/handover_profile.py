@@ -6,8 +6,9 @@ The trainer encodes each version against the last in a process of its own
 the trainer makes them (fp32 master weights, an AdamW-like step of `lr` times unit noise,
 published in bf16), for a sparse step (lr 1e-6) and the GPU loop's default (1e-5):
 
-- in-process: the device scan of densities, the dense tensors' copies to the host, the
-  device diff, the patch of the host mirror, the target hash, the chunk encode;
+- in-process: the device scan of densities, the tensors' copies into spare pinned host
+  buffers, the device diff, the patch of the host mirror (tensors without a spare buffer),
+  the target hash, the chunk encode;
 - through the encoder process: the whole round trip as the trainer sees it, and the child's
   own encode (the rest is the hand-over of the tensors between the processes);
 - the worker's decode: every chunk prepared (verified, decoded, staged on the device) on
@@ -70,6 +71,7 @@ def in_process_parts(
     base: dict[str, torch.Tensor],
     new: dict[str, torch.Tensor],
     mirror: dict[str, torch.Tensor],
+    spare: dict[str, torch.Tensor],
     options: EncodeOptions,
     device: str,
 ) -> dict[str, float]:
@@ -87,14 +89,17 @@ def in_process_parts(
     target, changes = gpu._host_targets(base, new, mirror)
     densities = gpu._device_densities(base, new, list(new))
     lap("densities")
-    dense, copies = gpu._dense_deltas(base, new, target, changes, None)
-    lap("dense_copies")
+    dense = gpu._dense_deltas(base, new, target, changes)
+    copies = gpu._host_copies(new, [n for n in target if changes.get(n) != "whole"], dense, spare)
+    target.update({name: as_raw(copy) for name, copy in copies.items()})
+    lap("host_copies")
     found = gpu.device_diff(base, new, [n for n in new if n not in changes])
     lap("diff")
     jobs = []
     for name, raw in target.items():
         if name in found:
-            raw.units()[found[name].positions] = found[name].new
+            if name not in copies:
+                raw.units()[found[name].positions] = found[name].new
             changes[name] = "delta" if found[name].positions.size else "same"
         if changes[name] != "same":
             jobs.append(TensorJob(name, raw.width, raw.numel, found.get(name), name in dense))
@@ -103,6 +108,7 @@ def in_process_parts(
     lap("target_hash")
     bodies = _encode_bodies(dense, target, plan_chunks(jobs, options.target()), options)
     lap("chunk_encode")
+    spare.update({n: mirror[n] for n in copies})
     mirror.update(copies)
     parts["chunks"] = len(bodies)
     parts["mb"] = sum(len(b.payload) for b in bodies) / 1e6
@@ -168,6 +174,10 @@ def main() -> None:
         help="sys.setswitchinterval for this process (the in-process parts and the decode)",
     )  # fmt: skip
     parser.add_argument("--no-process", action="store_true", help="skip the encoder process")
+    parser.add_argument(
+        "--no-spare", action="store_true",
+        help="no spare host buffers: every delta tensor patched in the mirror (before 2026-11-28)",
+    )  # fmt: skip
     args = parser.parse_args()
     if args.switch_interval_ms is not None:
         sys.setswitchinterval(args.switch_interval_ms / 1000)
@@ -179,10 +189,15 @@ def main() -> None:
     }  # fmt: skip
     for label, lr in (("sparse_lr1e-6", 1e-6), ("default_lr1e-5", 1e-5)):
         states = versions(device, lr, args.versions)
-        mirror = {n: t.cpu().clone() for n, t in states[0].items()}
+        pinned = device == "cuda"  # as the trainer's encoder keeps them (delta_encoder.py)
+        mirror = {n: torch.empty_like(t, device="cpu", pin_memory=pinned).copy_(t)
+                  for n, t in states[0].items()}  # fmt: skip
+        spare = {n: torch.empty_like(t, pin_memory=pinned) for n, t in mirror.items()}
+        if args.no_spare:
+            spare = {}
         rows = []
         for v in range(1, len(states)):
-            rows.append(in_process_parts(states[v - 1], states[v], mirror, options, device))
+            rows.append(in_process_parts(states[v - 1], states[v], mirror, spare, options, device))
         state_hash({n: as_raw(t) for n, t in mirror.items()}, args.threads)
         trips = [{"round_trip_s": 0.0}]
         if not args.no_process:

@@ -152,7 +152,13 @@ def test_device_encoder_is_byte_identical_to_the_cpu_encoder(device: str) -> Non
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_dense_tensors_cross_into_spare_buffers_that_swap_with_the_mirror(device: str) -> None:
+@pytest.mark.parametrize("spared", [("dense",), ("dense", "sparse")])
+def test_tensors_cross_into_spare_buffers_that_swap_with_the_mirror(
+    device: str, spared: tuple[str, ...]
+) -> None:
+    """A tensor with a spare host buffer is copied into it whole (the trainer keeps one per
+    tensor, pinned); one without is patched with its changes (a dense one copied fresh): the
+    delta is the CPU encoder's either way."""
     rng = np.random.default_rng(7)
     versions = [{"dense": random_pair(rng, "BF16", 8192, 0.0, device)[0],
                  "sparse": random_pair(rng, "F32", 4096, 0.0, device)[0]}]  # fmt: skip
@@ -166,8 +172,9 @@ def test_dense_tensors_cross_into_spare_buffers_that_swap_with_the_mirror(device
                 random_pair(rng, "F32", 4096, 0.0, device)[0]),
         })  # fmt: skip
     mirror = host(versions[0])
-    spare = {"dense": torch.empty(8192, dtype=torch.bfloat16)}
-    buffers = {spare["dense"].data_ptr(), mirror["dense"].data_ptr()}
+    spare = {name: torch.empty_like(mirror[name]) for name in spared}
+    buffers = {name: {spare[name].data_ptr(), mirror[name].data_ptr()} for name in spared}
+    patched = None if "sparse" in spared else mirror["sparse"].data_ptr()
     for v in range(1, 4):
         base, new = versions[v - 1], versions[v]
         want = encode(host(base), host(new), base_version=v - 1, version=v, options=SMALL)
@@ -179,9 +186,12 @@ def test_dense_tensors_cross_into_spare_buffers_that_swap_with_the_mirror(device
             "dense_add"
         }
         assert_same_bits(mirror, new)
-        # The two host buffers of the dense tensor take turns: no fresh allocation.
-        assert {spare["dense"].data_ptr(), mirror["dense"].data_ptr()} == buffers
-        assert_same_bits({"dense": spare["dense"]}, {"dense": base["dense"]})
+        # The two host buffers of a spared tensor take turns: no fresh allocation.
+        for name in spared:
+            assert {spare[name].data_ptr(), mirror[name].data_ptr()} == buffers[name]
+            assert_same_bits({name: spare[name]}, {name: base[name]})
+        if patched is not None:
+            assert mirror["sparse"].data_ptr() == patched
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -74,7 +74,7 @@ class _Chain:
     hash: str
     state: dict[str, torch.Tensor]  # the trainer's tensors (IPC views) or shared CPU copies
     mirror: dict[str, torch.Tensor]  # its bytes on the host, patched by each encode
-    spare: dict[str, torch.Tensor]  # host buffers for the next dense tensors
+    spare: dict[str, torch.Tensor]  # host buffers the next version is copied into
 
 
 _Request = tuple[Literal["adopt", "encode"], int, dict[str, torch.Tensor]]
@@ -181,7 +181,7 @@ def _serve(
 
 def _adopt(state: dict[str, torch.Tensor], version: int, options: EncodeOptions) -> _Chain:
     """The chain from a version handed over whole: its host mirror (pinned for GPU states,
-    with as many spare pinned buffers for the tensors that change densely) and its hash."""
+    with a spare pinned buffer per tensor that the next version is copied into) and its hash."""
     on_gpu = any(tensor.is_cuda for tensor in state.values())
     mirror = {
         name: torch.empty(t.shape, dtype=t.dtype, pin_memory=on_gpu).copy_(t)

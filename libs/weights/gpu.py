@@ -8,9 +8,10 @@ mask and one `nonzero` per element width, one packed transfer) rather than one p
 `encode_device(base, new, mirror, ...)` turns those into the same manifest and chunks, byte
 for byte, as `encode` on host copies: the existing CPU entropy coder does the rest. `mirror`
 is a host copy of the base that the caller keeps (the trainer side's copy of the last
-version): it is patched to the target with the changes and hashed there, so whole tensors
-never cross PCIe for a delta. The apply side is `libs.weights.gpu_apply`. Every function also
-runs on CPU torch tensors, which is how the tests check it without a GPU.
+version): it becomes the target, by a full copy into a spare pinned buffer where the caller
+keeps one (a DMA at bus speed) or patched with the changes, and is hashed there. The apply
+side is `libs.weights.gpu_apply`. Every function also runs on CPU torch tensors, which is how
+the tests check it without a GPU.
 
     manifest, chunks = encode_device(base, new, mirror, base_version=2, version=3)
 """
@@ -171,25 +172,28 @@ def encode_device(
     """Delta of `new` against `base` (torch tensors on any device), as `encode` makes it.
 
     `mirror` holds the base's bytes on the host (numpy arrays or CPU tensors, writable, e.g.
-    the previous call's mirror); it is patched in place into a host copy of `new`. Only the
-    changed elements and the tensors that travel whole cross to the host. `base_hash`
-    (the base's version hash) is computed from the mirror when not given.
+    the previous call's mirror); afterwards it holds `new`'s. `base_hash` (the base's version
+    hash) is computed from the mirror when not given.
 
-    `spare` holds host tensors that the tensors sent as dense deltas are copied into when one
-    of their name, dtype and shape is there (pinned, the copy runs at full bus speed: a fresh
-    pageable copy of byte-0.5b's dense tensors took 0.6-0.9 s on an H200 host); afterwards
-    it holds the mirror's previous tensors of those names, for the next call.
+    `spare` holds host tensors (pinned, for a GPU state) that tensors are copied into whole
+    when one of their name, dtype and shape is there; afterwards it holds the mirror's
+    previous tensors of those names, for the next call. Tensors without one are patched in
+    the mirror with their changes (only those cross to the host), except dense deltas, which
+    are copied fresh.
     """
     opts = options or EncodeOptions()
     if base_hash is None:
         base_hash = state_hash({n: as_raw(mirror[n]) for n in base}, opts.threads)
     target, changes = _host_targets(base, new, mirror)
-    dense, copies = _dense_deltas(base, new, target, changes, spare)
+    dense = _dense_deltas(base, new, target, changes)
+    copies = _host_copies(new, [n for n in target if changes.get(n) != "whole"], dense, spare)
+    target.update({name: as_raw(copy) for name, copy in copies.items()})
     found = device_diff(base, new, [n for n in new if n not in changes])
     jobs: list[TensorJob] = []
     for name, raw in target.items():  # jobs in manifest order, as `encode` plans them
         if name in found:
-            raw.units()[found[name].positions] = found[name].new
+            if name not in copies:  # no fresh host copy: patch the mirror
+                raw.units()[found[name].positions] = found[name].new
             changes[name] = "delta" if found[name].positions.size else "same"
         if changes[name] != "same":
             jobs.append(TensorJob(name, raw.width, raw.numel, found.get(name), name in dense))
@@ -208,36 +212,49 @@ def _dense_deltas(
     new: Mapping[str, torch.Tensor],
     target: dict[str, RawTensor],
     changes: dict[str, Change],
-    spare: MutableMapping[str, torch.Tensor] | None = None,
-) -> tuple[dict[str, RawTensor], dict[str, torch.Tensor]]:
-    """The tensors `encode` sends as dense deltas (sampled density, compared on the device):
-    every element crosses to the host anyway. Their host target becomes a copy of the new
-    tensor (into its `spare` buffer if there is one) and the mirror's bytes the base they are
-    encoded against; marked in `changes`. Returns those bases and the copies (the mirror's
-    next content) by name."""
-    bases: dict[str, RawTensor] = {}
-    copies: dict[str, torch.Tensor] = {}
+) -> dict[str, RawTensor]:
+    """The tensors `encode` sends as dense deltas (sampled density, compared on the device),
+    marked in `changes`: every element crosses to the host anyway. Returns their bases, the
+    mirror's bytes (`target` still holds them), by name."""
     densities = _device_densities(base, new, [n for n in new if n not in changes])
-    waits: set[torch.device] = set()
+    bases: dict[str, RawTensor] = {}
     for name, density in densities.items():
-        if density < DENSE_FRACTION:
-            continue
+        if density >= DENSE_FRACTION:
+            bases[name] = target[name]
+            changes[name] = "delta"
+    return bases
+
+
+def _host_copies(
+    new: Mapping[str, torch.Tensor],
+    names: list[str],
+    required: Mapping[str, Any],
+    spare: MutableMapping[str, torch.Tensor] | None,
+) -> dict[str, torch.Tensor]:
+    """Host copies of the named tensors, the mirror's next content: each one into its `spare`
+    buffer when one of its dtype and shape is there (pinned: the copies run at full bus speed
+    with one wait per device), else a fresh copy for the `required` ones (dense deltas);
+    the rest are patched in the mirror with their changes instead.
+
+    A full copy of byte-0.5b into pinned memory moves 1 GB over PCIe; patching the mirror
+    with a demo-rate step's 34M changes took 0.21-0.25 s on the H200 host (2026-11-27), and
+    a fresh pageable copy of just the dense tensors 0.6-0.9 s."""
+    copies: dict[str, torch.Tensor] = {}
+    waits: set[torch.device] = set()
+    for name in names:
         tensor = new[name].detach()
-        bases[name] = target[name]
-        buffer = None if spare is None else spare.pop(name, None)
-        fits = buffer is not None and buffer.dtype == tensor.dtype and buffer.shape == tensor.shape
-        if buffer is not None and fits:
+        buffer = None if spare is None else spare.get(name)
+        if buffer is not None and buffer.dtype == tensor.dtype and buffer.shape == tensor.shape:
+            del spare[name]  # type: ignore[union-attr]
             asynchronous = tensor.is_cuda and buffer.is_pinned()  # waited for below
             copies[name] = buffer.copy_(tensor, non_blocking=asynchronous)
             if asynchronous:
                 waits.add(tensor.device)
-        else:
+        elif name in required:
             copies[name] = tensor.to("cpu", copy=True).contiguous()
-        target[name] = as_raw(copies[name])
-        changes[name] = "delta"
     for device in waits:
         torch.cuda.current_stream(device).synchronize()
-    return bases, copies
+    return copies
 
 
 def _device_densities(
