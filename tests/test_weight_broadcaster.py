@@ -339,6 +339,49 @@ async def test_a_version_refused_for_a_damaged_read_is_read_again(harness: Harne
     assert_bit_exact(state, harness.versions[3])
 
 
+async def test_a_worker_that_lost_a_delta_is_unblocked_by_an_idle_snapshot(
+    bus: Bus, tmp_path: Path
+) -> None:
+    """Delta 2 lost (its chunk purged): the worker holding 1 cannot use 3 and waits for a
+    snapshot. No version comes after 3 (a trainer waiting for that worker's samples stages
+    none), so the broadcaster snapshots the head once it has been idle, and the worker takes
+    it: bit-exact at 3."""
+    await provision(bus.js)
+    harness = Harness(bus, tmp_path / "staging", snapshot_when_idle_s=1.0)
+    await harness.start_broadcaster()
+    state: dict[str, Any] = {}
+    receiver = WeightReceiver(harness.bus)
+    try:
+        await harness.stage_until(1)
+        await receive(receiver, state)
+        await harness.stage_until(2)
+        lost = await _announcement(harness.bus, "delta", 2)
+        subject = chunk_subject(lost.manifest, 0)
+        await harness.bus.js.purge_stream(streams.WEIGHT_CHUNKS.name, subject=subject)
+        await harness.stage_until(3)
+        with pytest.raises(MissingChunkError):
+            await asyncio.wait_for(receiver.next_update(), 20)
+
+        kind, _ = await receive(receiver, state)  # waits for the idle snapshot
+        assert kind == "snapshot" and receiver.current is not None
+        assert receiver.current.version == 3
+        assert_bit_exact(state, harness.versions[3])
+        head = (
+            harness.service.broadcaster.head
+            if harness.service and harness.service.broadcaster
+            else None
+        )
+        assert head is not None and (head.version, head.chain_length) == (3, 0)
+        # Idle again, the head is a snapshot now: nothing more is published.
+        before = await harness.bus.js.stream_info(streams.WEIGHTS_ANNOUNCE.name)
+        await asyncio.sleep(2.5)
+        after = await harness.bus.js.stream_info(streams.WEIGHTS_ANNOUNCE.name)
+        assert after.state.last_seq == before.state.last_seq, "the head was snapshotted again"
+    finally:
+        await receiver.close()
+        await harness.stop_broadcaster()
+
+
 async def test_a_missing_chunk_refuses_the_version_loudly(harness: Harness) -> None:
     await harness.stage_until(2)
     announcement = await _announcement(harness.bus, "delta", 2)

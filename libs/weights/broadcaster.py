@@ -9,7 +9,9 @@ encoded against the last announced version either way):
    `rl.weights.announce.delta`;
 2. every `snapshot_every` deltas, and for the first version, also encode the full version,
    store it and announce it on `rl.weights.announce.snapshot` (after the delta, so a worker
-   one version behind takes the small delta and a late joiner the snapshot);
+   one version behind takes the small delta and a late joiner the snapshot); also when the
+   head is a delta and no version came for a while (`snapshot_when_idle`: a worker that lost
+   a delta waits for a snapshot, and the trainer may be waiting for that worker);
 3. after a snapshot at version v, purge everything before v from the chunk and announce
    streams (by sequence: versions are stored in order): no receiver needs it, since a late
    one catches up from snapshot v plus the deltas after it (receiver.py);
@@ -198,6 +200,9 @@ class WeightBroadcaster:
         self._advancing: asyncio.Task[Mapping[str, RawTensor] | None] | None = None
         self._device_base = DeviceBase(diff_device) if diff_device is not None else None
         self.num_handled = 0
+        # Staged versions and idle snapshots take turns on the chain.
+        self._chain_lock = asyncio.Lock()
+        self._last_activity_s = time.monotonic()
         # A version that could not be broadcast (e.g. its staged file is unreadable) makes
         # /healthz fail until one is, with the reason.
         self.failures = FailureWatch("broadcasting staged versions")
@@ -266,11 +271,42 @@ class WeightBroadcaster:
         try:
             if self._superseded(message, delivery):
                 return
-            await self._broadcast(message)
+            async with self._chain_lock:
+                await self._broadcast(message)
+                self._last_activity_s = time.monotonic()
         except Exception as exc:
             self.failures.failed(f"version {message.version}: {exc}")
             raise
         self.failures.succeeded()
+
+    async def snapshot_when_idle(self, idle_s: float) -> bool:
+        """Snapshot the chain's head when it is a delta and no version came for `idle_s`;
+        True when one was published.
+
+        A worker that lost a delta (its chunk gone, or refused after every read) waits for
+        the next snapshot, and its tasks wait with it. When every worker is in that state
+        the trainer, starved of samples, stages nothing, so the snapshot due every
+        `snapshot_every` versions never comes: this one unblocks them (once per idle
+        period: the head is then a snapshot)."""
+        head = self.head
+        if head is None or head.chain_length == 0:
+            return False
+        if time.monotonic() - self._last_activity_s < idle_s:
+            return False
+        async with self._chain_lock:
+            head = self.head
+            if head is None or head.chain_length == 0:
+                return False
+            state = await self._base_state()
+            if state is None:
+                log.error("idle snapshot skipped: the head's state is unavailable", head=head)
+                self._last_activity_s = time.monotonic()
+                return False
+            log.info("no version for a while; snapshotting the head", version=head.version,
+                     idle_s=round(time.monotonic() - self._last_activity_s, 1))  # fmt: skip
+            await self._publish_snapshot(state, head.version)
+            self._last_activity_s = time.monotonic()
+        return True
 
     def _superseded(self, message: WeightsStaged, delivery: Delivery | None) -> bool:
         """True (and the staged file deleted) when a newer staged version is already waiting

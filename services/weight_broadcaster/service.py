@@ -6,7 +6,11 @@ not be broadcast until one is: e.g. a staging folder the trainer does not share.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from typing import Any
+
+import structlog
 
 from libs.bus.connection import Bus
 from libs.bus.consumer import PullConsumer
@@ -17,6 +21,8 @@ from libs.weights.encoder import EncodeOptions, chunk_bytes_for
 from proto.messages import WeightsStaged
 from proto.streams import WEIGHT_BROADCASTER_STAGED
 from services.weight_broadcaster.settings import WeightBroadcasterSettings
+
+log = structlog.get_logger(__name__)
 
 
 class WeightBroadcasterService(Service):
@@ -65,7 +71,26 @@ class WeightBroadcasterService(Service):
 
     async def run(self) -> None:
         assert self._consumer is not None, "start() first"
-        await self._consumer.run()
+        idle = self.settings.snapshot_when_idle_s
+        watch = asyncio.create_task(self._snapshot_when_idle(idle)) if idle > 0 else None
+        try:
+            await self._consumer.run()
+        finally:
+            if watch is not None:
+                watch.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await watch
+
+    async def _snapshot_when_idle(self, idle_s: float) -> None:
+        """Check every few seconds whether the head needs a snapshot for want of versions."""
+        assert self.broadcaster is not None
+        while True:
+            await asyncio.sleep(min(5.0, idle_s / 4))
+            try:
+                await self.broadcaster.snapshot_when_idle(idle_s)
+            except Exception as exc:  # the next check tries again; staged versions go on
+                self.broadcaster.failures.failed(f"idle snapshot: {exc}")
+                log.error("idle snapshot failed", error=repr(exc))
 
     async def stop(self) -> None:
         await super().stop()

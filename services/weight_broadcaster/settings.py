@@ -25,6 +25,13 @@ class WeightBroadcasterSettings(ServiceSettings):
     snapshot_every_versions: int = Field(
         10, ge=1, description="Deltas between full snapshots (K); the first version is one"
     )
+    snapshot_when_idle_s: float = Field(
+        60.0,
+        ge=0,
+        description="Snapshot the head when it is a delta and no version came for this long "
+        "(workers that lost a delta wait for a snapshot; a trainer waiting for their samples "
+        "stages none); 0: never",
+    )
     max_chunk_bytes: int = Field(
         1 << 20,
         ge=16 << 10,
