@@ -278,6 +278,19 @@ async def test_a_restarted_broadcaster_continues_the_chain(harness: Harness) -> 
     await assert_caught_up(harness, 5)
 
 
+async def damage_first_chunk(harness: Harness, version: int) -> tuple[str, bytes]:
+    """Store a copy of delta `version`'s first chunk with one bit flipped in its payload
+    (what a reader then gets); returns its subject and the intact body."""
+    announcement = await _announcement(harness.bus, "delta", version)
+    good = await fetch_chunks(harness.bus.nc, announcement.manifest)
+    intact = encode_chunk(good.chunks[0])
+    body = bytearray(intact)
+    body[-5] ^= 0x01
+    subject = chunk_subject(announcement.manifest, 0)
+    await harness.bus.js.publish(subject, bytes(body))
+    return subject, intact
+
+
 async def test_a_tampered_chunk_refuses_the_version_and_leaves_the_model_alone(
     harness: Harness,
 ) -> None:
@@ -287,11 +300,7 @@ async def test_a_tampered_chunk_refuses_the_version_and_leaves_the_model_alone(
         await harness.stage_until(1)
         await receive(receiver, state)
         await harness.stage_until(2)
-        announcement = await _announcement(harness.bus, "delta", 2)
-        good = await fetch_chunks(harness.bus.nc, announcement.manifest)
-        body = bytearray(encode_chunk(good.chunks[0]))
-        body[-5] ^= 0x01
-        await harness.bus.js.publish(chunk_subject(announcement.manifest, 0), bytes(body))
+        await damage_first_chunk(harness, 2)
         before = {n: as_raw(t).data.copy() for n, t in state.items()}
 
         for _ in range(VERSION_ATTEMPTS):  # read again: a damaged read may not last
@@ -321,17 +330,12 @@ async def test_a_version_refused_for_a_damaged_read_is_read_again(harness: Harne
         await harness.stage_until(1)
         await receive(receiver, state)
         await harness.stage_until(2)
-        announcement = await _announcement(harness.bus, "delta", 2)
-        good = await fetch_chunks(harness.bus.nc, announcement.manifest)
-        subject = chunk_subject(announcement.manifest, 0)
-        body = bytearray(encode_chunk(good.chunks[0]))
-        body[-5] ^= 0x01
-        await harness.bus.js.publish(subject, bytes(body))
+        subject, intact = await damage_first_chunk(harness, 2)
         await harness.stage_until(3)  # a delta on 2: of no use without 2
         with pytest.raises(CorruptDeltaError, match="refused after 1 attempts"):
             await asyncio.wait_for(receiver.next_update(), 20)
 
-        await harness.bus.js.publish(subject, encode_chunk(good.chunks[0]))  # reads intact now
+        await harness.bus.js.publish(subject, intact)  # reads intact now
         kinds = [(await receive(receiver, state))[0] for _ in range(2)]
     finally:
         await receiver.close()
