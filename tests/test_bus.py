@@ -19,7 +19,7 @@ from libs.bus.provision import (
     provision,
     stream_config,
 )
-from libs.bus.publisher import Outgoing, Publisher
+from libs.bus.publisher import Outgoing, Publisher, PublishError
 from libs.nats_server import NatsServer, free_port
 from proto import streams
 from proto.messages import DeadLetter, Task
@@ -127,6 +127,25 @@ async def test_retried_publish_with_same_id_is_stored_once(bus: Bus) -> None:
     await consumer.stop()
     await running
     assert sorted(handler.handled) == ["t1", "t2"]
+
+
+async def test_a_publish_rides_through_a_stream_that_answers_nobody_for_a_while(
+    bus: Bus,
+) -> None:
+    """A stream electing a new leader answers "no responders" at once, for a while: five
+    quick attempts (1.5 s of backoff) are not enough, the retry window is. Here the stream
+    appears 1.5 s into the publish."""
+    hasty = Publisher(bus.js, max_attempts=5, retry_window_s=0.0)
+    with pytest.raises(PublishError, match="after 5 attempts"):
+        await hasty.publish("test.work", task(1), msg_id="a")
+
+    patient = Publisher(bus.js, max_attempts=5, retry_window_s=10.0)
+    publishing = asyncio.create_task(patient.publish("test.work", task(1), msg_id="b"))
+    await asyncio.sleep(1.5)
+    assert not publishing.done(), "gave up before the window"
+    await setup_work(bus)
+    ack = await asyncio.wait_for(publishing, timeout=15)
+    assert ack.stream == STREAM.name and ack.seq == 1
 
 
 async def test_poison_message_is_dead_lettered_and_consumer_keeps_going(bus: Bus) -> None:

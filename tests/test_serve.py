@@ -376,7 +376,8 @@ async def test_a_lost_record_is_counted_and_the_answer_still_goes_out(
 ) -> None:
     # No generations stream on the bus: every record publish fails.
     serving = await start_serving(
-        provisioned=False, publisher=Publisher(bus.js, ack_timeout_s=0.2, max_attempts=1)
+        provisioned=False,
+        publisher=Publisher(bus.js, ack_timeout_s=0.2, max_attempts=1, retry_window_s=0.0),
     )
     response = await serving.post("/v1/completions", {"prompt": "hi", "max_tokens": 4})
     assert response.status_code == 200, response.text

@@ -20,7 +20,7 @@ import torch
 
 from libs.bus.connection import Bus
 from libs.bus.provision import provision
-from libs.bus.publisher import Outgoing, Publisher
+from libs.bus.publisher import Outgoing, Publisher, PublishError
 from libs.engine.base import SamplingParams
 from libs.engine.hf import HFEngine
 from libs.nats_server import NatsServer, free_port
@@ -286,6 +286,30 @@ async def test_trainer_steps_on_groups_drops_stale_samples_and_stages_each_versi
     assert (await kv.get("policy_version")).value == b"13"
     assert (await kv.get("trainer_groups_taken")).value == b"5"
     assert (tmp_path / "trainer" / "checkpoints" / "step-00000002" / "model.safetensors").exists()
+
+
+async def test_a_version_that_fails_to_stage_stops_the_trainer_waiting_for_samples(
+    bus: Bus, tmp_path: Path
+) -> None:
+    """The staged-weights stream is gone after the first version: step 1's version cannot
+    be handed over. The workers would wait for it and send nothing more, so the trainer,
+    waiting for samples, stops with the handover's error (to be restarted) rather than
+    waiting forever."""
+    await provision(bus.js)
+    publisher = Publisher(bus.js, max_attempts=1, retry_window_s=0.0)
+    trainer = Trainer(trainer_config(max_steps=5), tmp_path, bus, publisher)
+    await trainer.setup()
+    await bus.js.delete_stream(streams.WEIGHTS_STAGED.name)
+    await publish_scored(bus, [scored(g, i, float(i % 2)) for g in range(2) for i in range(4)])
+    running = asyncio.create_task(trainer.run())
+    await asyncio.wait([running], timeout=30)
+    if not running.done():  # waiting for samples that cannot come
+        await trainer.stop()
+        await asyncio.gather(running, return_exceptions=True)
+        pytest.fail("the trainer waited on with its version unstaged")
+    with pytest.raises(PublishError, match=r"rl\.weights\.staged"):
+        running.result()
+    assert [s["step"] for s in read_steps(tmp_path)] == [1]
 
 
 @E2E

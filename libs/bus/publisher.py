@@ -3,12 +3,16 @@
 `publish` waits for the stream's acknowledgement (the message is durable when it returns);
 `publish_many` pipelines a batch with at most `max_in_flight` unacknowledged at a time.
 A publish whose ack does not come in time is retried with the same `Nats-Msg-Id`, so the
-stream stores it once even if the first attempt did land.
+stream stores it once even if the first attempt did land; it gives up after `max_attempts`
+attempts and `retry_window_s` seconds both (a stream electing a leader answers "no
+responders" at once for a while), raising PublishError.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
+import time
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -30,6 +34,13 @@ PUBLISHED = Counter(
 PUBLISH_RETRIES = Counter(
     "rlpipe_bus_publish_retries_total", "Publishes retried after an ack timeout or error"
 )
+
+
+# How long a publish keeps being retried (besides `max_attempts`): a stream whose leader died
+# answers "no responders" at once until its replicas elect a new one, which took over a second
+# on a loaded 2-core machine: five quick attempts (1.5 s) ran out in the middle of it, the
+# trainer's staged version was lost and the 3-node cluster demo hung.
+RETRY_WINDOW_S = 30.0
 
 
 class PublishError(RuntimeError):
@@ -105,11 +116,13 @@ class Publisher:
         max_in_flight_bytes: int = 32 * 1024 * 1024,
         ack_timeout_s: float = 5.0,
         max_attempts: int = 5,
+        retry_window_s: float = RETRY_WINDOW_S,
     ) -> None:
         self._js = js
         self._window = InFlightWindow(max_in_flight, max_in_flight_bytes)
         self._ack_timeout_s = ack_timeout_s
         self._max_attempts = max_attempts
+        self._retry_window_s = retry_window_s
         self._published: dict[str, Any] = {}  # subject -> its counter child, to skip .labels()
 
     @property
@@ -185,15 +198,20 @@ class Publisher:
     async def _send_with_retries(
         self, subject: str, payload: bytes, headers: dict[str, str], first_attempt: int = 1
     ) -> js_api.PubAck:
+        if first_attempt > self._max_attempts:
+            raise PublishError(f"publish to {subject}: no attempts allowed (max_attempts)")
         delay_s = 0.1
-        for attempt in range(first_attempt, self._max_attempts + 1):
+        started_s = time.monotonic()
+        for attempt in itertools.count(first_attempt):
             try:
                 future = await self._start_send(subject, payload, headers)
                 ack = await asyncio.wait_for(future, timeout=self._ack_timeout_s)
             except Exception as exc:  # timeouts, no responders, 503 while the server restarts
-                if attempt >= self._max_attempts:
+                elapsed_s = time.monotonic() - started_s
+                if attempt >= self._max_attempts and elapsed_s >= self._retry_window_s:
                     raise PublishError(
-                        f"publish to {subject} failed after {attempt} attempts: {exc!r}"
+                        f"publish to {subject} failed after {attempt} attempts in "
+                        f"{elapsed_s:.1f} s: {exc!r}"
                     ) from exc
                 PUBLISH_RETRIES.inc()
                 log.warning("publish retry", subject=subject, attempt=attempt, error=repr(exc))
@@ -202,7 +220,7 @@ class Publisher:
                 continue
             self._count(subject)
             return ack
-        raise PublishError(f"publish to {subject}: no attempts allowed (max_attempts)")
+        raise AssertionError("unreachable")  # itertools.count never ends
 
     def _count(self, subject: str) -> None:
         counter = self._published.get(subject)

@@ -397,6 +397,9 @@ class Trainer:
         weights, None when stopping first."""
         weights_wait_s = 0.0
         while True:
+            # A version that failed to stage never reaches the workers, whose samples may
+            # wait for it: stop loudly (and be restarted) rather than wait forever.
+            self._stager.raise_if_failed()
             ready = self._buffer.num_ready > 0
             if ready and await self._weights_announced():
                 return weights_wait_s

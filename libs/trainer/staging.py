@@ -20,7 +20,9 @@ a stream of its own that waits only for the offered copy (not for the training s
 after it): 1 GB crosses at tens of GB/s instead of the few GB/s of a pageable copy.
 
 A handover that fails (the disk is full, the bus is gone past the ride-through) raises from
-the next `offer` or `flush`: the trainer stops loudly rather than training on unpublished.
+the next `offer`, `flush` or `raise_if_failed` (the trainer calls it while it waits for
+samples: the workers' samples may be waiting for that very version): the trainer stops
+loudly rather than training on unpublished, or waiting forever.
 
 With `deltas=True` (the trainer's `weight_handover`, by default where its weights are on a
 GPU) each version after the first is encoded against the version handed over before, by a
@@ -136,7 +138,7 @@ class WeightStager:
     ) -> None:
         """Stage `state` (a copy nobody changes any more) as `version` as soon as the stager
         is free; an offer still waiting is replaced."""
-        self._raise_if_failed()
+        self.raise_if_failed()
         if self._pending is not None:
             self.num_skipped += 1
             SKIPPED.inc()
@@ -161,7 +163,8 @@ class WeightStager:
                 if self._running is running:
                     self._running = None
 
-    def _raise_if_failed(self) -> None:
+    def raise_if_failed(self) -> None:
+        """Re-raise the error of a handover that failed (once: the stager is then idle)."""
         if self._running is not None and self._running.done():
             running, self._running = self._running, None
             running.result()  # re-raises the handover's error, if any

@@ -77,6 +77,7 @@ class FeedbackIngesterService(Service):
             max_in_flight=settings.publish_max_in_flight,
             ack_timeout_s=settings.publish_timeout_s,
             max_attempts=settings.publish_attempts,
+            retry_window_s=0.0,  # bounded: the product's request waits (a 503 after)
         )
         self.ingest = FeedbackIngest(
             keys,

@@ -268,8 +268,11 @@ class RolloutWorkerService(Service):
         s = self.settings
         recorder = None
         if s.record_generations:
-            publisher = Publisher(
-                bus.js, ack_timeout_s=s.record_timeout_s, max_attempts=s.record_attempts
+            publisher = Publisher(  # bounded: the answer waits for the record
+                bus.js,
+                ack_timeout_s=s.record_timeout_s,
+                max_attempts=s.record_attempts,
+                retry_window_s=0.0,
             )
             recorder = GenerationRecorder(publisher)
         self.served = ServedPolicy(
