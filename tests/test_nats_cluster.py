@@ -29,7 +29,7 @@ import structlog.testing
 from nats.js.errors import NotFoundError
 
 from libs.bus import wire
-from libs.bus.connection import Bus, connect_bus, ride_through, server_urls
+from libs.bus.connection import Bus, BusConnectError, connect_bus, ride_through, server_urls
 from libs.bus.provision import ProvisionError, ensure_stream, provision
 from libs.bus.publisher import Publisher
 from libs.nats_server import NatsCluster, find_nats_server, free_port
@@ -254,7 +254,12 @@ def client_ports(run_dir: Path) -> list[int]:
 
 
 async def scored_leader(url: str) -> str | None:
-    bus = await connect_bus(url, name="pytest-leader", max_attempts=2)
+    """The node leading the scored stream; None while nobody can say (an election, or a
+    connect that timed out on the node just killed: asked again)."""
+    try:
+        bus = await connect_bus(url, name="pytest-leader", max_attempts=2)
+    except BusConnectError:
+        return None
     try:
         info = await bus.js.stream_info(streams.ROLLOUTS_SCORED.name)
         return info.cluster.leader if info.cluster else None
