@@ -35,6 +35,7 @@ from libs.trainer.ranks import Setup, weights_fingerprint
 from libs.trainer.sharded import (
     export_policy_folder,
     full_state_dict,
+    leave_process_group,
     load_sharded_checkpoint,
     rank_rows,
     save_sharded_checkpoint,
@@ -157,8 +158,10 @@ def run_rank(rank: int, port: int, out: Path, resume: bool) -> None:
         if rank == 0:
             name = "resumed.pt" if resume else "step2.pt"
             torch.save({"stats": stats, "weights": step2}, out / name)
+        leave_process_group()
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():  # a rank that failed: no barrier, the others may be gone
+            dist.destroy_process_group()
 
 
 def spawn_ranks(out: Path, resume: bool) -> None:

@@ -64,6 +64,7 @@ from libs.trainer.precision import TrainingPrecision
 from libs.trainer.sharded import (
     export_policy_folder,
     full_state_dict,
+    leave_process_group,
     load_sharded_checkpoint,
     save_sharded_checkpoint,
     setup_process_group,
@@ -341,7 +342,7 @@ class ShardedTrainer(Trainer):
     async def run(self) -> None:
         await super().run()
         await asyncio.to_thread(self._ranks.run, Stop())
-        dist.destroy_process_group()
+        leave_process_group()
 
     def health(self) -> dict[str, Any]:
         return {**super().health(), "ranks": world_size()}
@@ -373,7 +374,7 @@ def follow(policy: PolicyConfig, log_level: str, log_format: str) -> None:
         log.error("the trainer job broke: a rank died (its log says why)", error=str(exc))
         raise
     log.info("rank 0 stopped the job", rank=rank)
-    dist.destroy_process_group()
+    leave_process_group()
 
 
 def _log_signal(signum: int, frame: object) -> None:

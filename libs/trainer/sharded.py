@@ -71,6 +71,14 @@ def setup_process_group(device: torch.device) -> None:
         dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
 
 
+def leave_process_group() -> None:
+    """Leave the job's process group once every rank got here: a rank that tears its group
+    down while another still finishes its last collective can abort that one (a gloo rank
+    died with SIGABRT, "terminate called without an active exception", once in make test)."""
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def shard_policy(model: PreTrainedModel) -> PreTrainedModel:
     """`model` sharded in place by FSDP2: one unit per decoder layer, the rest (embeddings,
     tied head, final norm) in the root unit; gradients summed, not averaged, across ranks."""
