@@ -11,7 +11,6 @@ responders" at once for a while), raising PublishError.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import time
 from collections import deque
 from collections.abc import Iterable
@@ -202,7 +201,8 @@ class Publisher:
             raise PublishError(f"publish to {subject}: no attempts allowed (max_attempts)")
         delay_s = 0.1
         started_s = time.monotonic()
-        for attempt in itertools.count(first_attempt):
+        attempt = first_attempt
+        while True:
             try:
                 future = await self._start_send(subject, payload, headers)
                 ack = await asyncio.wait_for(future, timeout=self._ack_timeout_s)
@@ -217,10 +217,10 @@ class Publisher:
                 log.warning("publish retry", subject=subject, attempt=attempt, error=repr(exc))
                 await asyncio.sleep(delay_s)
                 delay_s = min(delay_s * 2, 2.0)
+                attempt += 1
                 continue
             self._count(subject)
             return ack
-        raise AssertionError("unreachable")  # itertools.count never ends
 
     def _count(self, subject: str) -> None:
         counter = self._published.get(subject)
