@@ -165,7 +165,7 @@ class WeightReceiver:
         self._sub: JetStreamContext.PullSubscription | None = None
         self._next_seq: int | None = None  # where a re-created consumer resumes
         self._taken_seq: int | None = None  # the stream sequence of the last announcement read
-        self._attempts_by_version: dict[int, int] = {}  # reads of the version last refused
+        self._refused: tuple[int, int] | None = None  # the version last refused, its reads
         self._publisher = Publisher(bus.js)
         self._newest_known = -1  # the trainer's newest version, as last read from the KV
         self.num_refused = 0
@@ -235,8 +235,9 @@ class WeightReceiver:
         of samples at that worker's version may never make."""
         if isinstance(exc, MissingChunkError):
             return False
-        tries = self._attempts_by_version.get(announcement.version, 0) + 1
-        self._attempts_by_version = {announcement.version: tries}
+        last = self._refused
+        tries = last[1] + 1 if last is not None and last[0] == announcement.version else 1
+        self._refused = (announcement.version, tries)
         if tries >= VERSION_ATTEMPTS or self._taken_seq is None:
             return False
         await self._reposition(self._taken_seq)
