@@ -70,7 +70,10 @@ diff_device=${DIFF_DEVICE-$device}
 # bench/results/h200/gpu_loop_paged_meter_fix, against gpu_loop_paged_batched before): decode
 # 3.07 -> 0.78 s, notify 20.2 -> 3.8 s, version latency 25.2 -> 6.5 s, busy 0.17 -> 0.42,
 # samples generated 154 -> 370/s; still 31% dropped as stale (hf: 0.4%), so hf stays the
-# default here.
+# default here. On 2026-11-28 (H200, 180 s, zstd level 1 and 8 codec threads,
+# bench/results/h200/gpu_loop_level1_paged against gpu_loop_level1_defaults for hf): paged 119
+# steps, version latency 9.5 s median (notify 7.2 s: versions queued behind a decode of 0.92 s
+# median, 0.24 s beside hf), 42% dropped, busy 0.30; hf 281 steps, 1.09 s, 0.2%, busy 0.43.
 export RLPIPE_ROLLOUT_WORKER_ENGINE_TYPE=${ENGINE:-hf}
 export RLPIPE_ROLLOUT_WORKER_ENGINE_MAX_BATCH_ROWS=${MAX_BATCH_ROWS:-256}
 if [ "${MODE:-async}" = sync ]; then
@@ -84,10 +87,11 @@ export RLPIPE_ROLLOUT_WORKER_WEIGHTS_VERIFY_FULL=${VERIFY_FULL:-false}
 # (weight_handover auto: its weights are on a GPU); HANDOVER=state stages each whole for
 # the broadcaster to encode, as before. Its encode threads share the host with the rest.
 [ -n "${HANDOVER:-}" ] && export RLPIPE_TRAINER_WEIGHT_HANDOVER=$HANDOVER
-export RLPIPE_TRAINER_HANDOVER_THREADS=${HANDOVER_THREADS:-12}
-# The broadcaster's encode was 2.3 threads busy on average beside the other services on a
-# 16-core H200 host (py-spy, 2026-11-26): the chunk encode (zstd) has cores to spare.
-export RLPIPE_WEIGHT_BROADCASTER_ENCODE_THREADS=${ENCODE_THREADS:-12}
+# 8 threads: a version's chunk encode on a 16-core H100 host took 0.91 s on 1 thread, 0.31 s
+# on 4, 0.25 s on 8, 0.33 s on 12 and 0.36 s on 16 (bench/codec_threads.py, 2026-11-28,
+# bench/results/h100/codec_threads.json); the worker's decode 0.56, 0.22, 0.26, 0.24, 0.28 s.
+export RLPIPE_TRAINER_HANDOVER_THREADS=${HANDOVER_THREADS:-8}
+export RLPIPE_WEIGHT_BROADCASTER_ENCODE_THREADS=${ENCODE_THREADS:-8}
 # A snapshot (the whole 1 GB state, ~2 s to encode and store on an H200 host) every 10
 # versions held the next version back; versions come every ~1.7 s here and no worker joins
 # late, so one every 50 (a late joiner still catches up from it plus <= 50 deltas of ~15 MB).

@@ -92,7 +92,7 @@ def _add_encode_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-o", "--output", type=Path, required=True)
     parser.add_argument("--version", type=int, default=None, help="target version (default base+1)")
     parser.add_argument("--max-chunk-bytes", type=int, default=DEFAULT_MAX_CHUNK_BYTES)
-    parser.add_argument("--level", type=int, default=3, help="zstd level")
+    parser.add_argument("--level", type=int, default=EncodeOptions.level, help="zstd level")
     parser.add_argument("--threads", type=int, default=1)
 
 

@@ -38,7 +38,9 @@ class WeightBroadcasterSettings(ServiceSettings):
         le=8 << 20,
         description="Largest stored chunk in bytes (capped at the server's max payload)",
     )
-    zstd_level: int = Field(3, ge=1, le=19, description="zstd level of chunk payloads")
+    zstd_level: int = Field(
+        1, ge=1, le=19, description="zstd level of chunk payloads (1: smallest and fastest on weights)"
+    )
     encode_threads: int = Field(2, ge=1, description="Threads for scanning, hashing, encoding")
     diff_device: str | None = Field(
         None,

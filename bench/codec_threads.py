@@ -1,0 +1,144 @@
+"""How the weight codec's host work scales with threads on this machine (byte-0.5b, bf16).
+
+The trainer's encoder and the rollout-worker's decoder spread a version's chunks over a
+thread pool. On a 16-core GPU host the chunk encode on 12 threads took about as long as on
+one or two cores of a VM (bench/handover_profile.py, 2026-11-28): this times, for one
+version made as the trainer makes them (fp32 masters, lr 1e-5, published in bf16),
+
+- the chunk encode (`_encode_bodies`) on 1, 2, 4, 8, 12 and 16 threads;
+- the worker's prepare of every chunk (`DeviceDeltaApplier.prepare`) on as many threads;
+- a control: numpy work alone (subtract, plane split, zstd level 1) on chunk-sized arrays,
+  on as many threads, which says whether the host itself scales;
+
+each with the process's user and system CPU seconds and minor page faults, the median of
+three runs.
+
+    PYTHONPATH=. python3 bench/codec_threads.py [--device cuda] [--out F]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import sys
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from handover_profile import synchronize, versions
+
+from libs.weights import gpu
+from libs.weights.chunking import TensorJob, plan_chunks
+from libs.weights.encoder import EncodeOptions, _encode_bodies
+from libs.weights.encodings import compress, to_planes
+from libs.weights.gpu_apply import DeviceDeltaApplier
+from libs.weights.tensors import as_raw
+
+THREADS = (1, 2, 4, 8, 12, 16)
+RESULTS = Path(__file__).parent / "results"
+
+
+def measured(run: Callable[[], Any], device: str) -> dict[str, float]:
+    """Median wall time of three runs, with the CPU seconds and faults of the median one."""
+    rows = []
+    for _ in range(3):
+        before, started = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+        run()
+        synchronize(device)
+        wall = time.perf_counter() - started
+        after = resource.getrusage(resource.RUSAGE_SELF)
+        rows.append({"wall_s": wall, "user_s": after.ru_utime - before.ru_utime,
+                     "sys_s": after.ru_stime - before.ru_stime,
+                     "minor_faults": after.ru_minflt - before.ru_minflt})  # fmt: skip
+    rows.sort(key=lambda r: r["wall_s"])
+    return {k: round(v, 4) for k, v in rows[1].items()}
+
+
+def encode_inputs(base: dict, new: dict) -> tuple[dict, dict, list]:
+    """What encode_device hands `_encode_bodies`: dense bases, host targets and the plan."""
+    mirror = {n: t.cpu().clone() for n, t in base.items()}
+    target, changes = gpu._host_targets(base, new, mirror)
+    dense = gpu._dense_deltas(base, new, target, changes)
+    copies = gpu._host_copies(new, [n for n in target if changes.get(n) != "whole"], dense, {})
+    target.update({name: as_raw(copy) for name, copy in copies.items()})
+    found = gpu.device_diff(base, new, [n for n in new if n not in changes])
+    jobs = []
+    for name, raw in target.items():
+        if name in found:
+            changes[name] = "delta" if found[name].positions.size else "same"
+        if changes[name] != "same":
+            jobs.append(TensorJob(name, raw.width, raw.numel, found.get(name), name in dense))
+    return dense, target, plan_chunks(jobs, EncodeOptions().target())
+
+
+def control_work(old: np.ndarray) -> int:
+    """Numpy and zstd alone on one chunk-sized array (no codec bookkeeping)."""
+    planes = to_planes(old - np.uint16(1))
+    return len(compress(planes, 1))
+
+
+def at_threads(
+    threads: int,
+    device: str,
+    encode_input: tuple[dict, dict, list],
+    manifest: Any,
+    chunks: list,
+    state: dict[str, torch.Tensor],
+    arrays: list[np.ndarray],
+) -> dict[str, dict[str, float]]:
+    """The encode, the worker's prepare and the control, each on `threads` threads."""
+    dense, target, plans = encode_input
+    applier = DeviceDeltaApplier(state, manifest, current=None)
+
+    def encode() -> None:
+        _encode_bodies(dense, target, plans, EncodeOptions(threads=threads))
+
+    def prepare() -> None:
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(lambda c: applier.prepare(c, check_payload=False), chunks))
+
+    def control() -> None:
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(control_work, arrays))
+
+    return {"encode": measured(encode, device), "prepare": measured(prepare, device),
+            "control": measured(control, device)}  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    device = args.device
+    card = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    base, new = versions(device, 1e-5, 1)
+    dense, target, plans = encode_inputs(base, new)
+    manifest, chunks = gpu.encode_device(
+        base, new, {n: t.cpu().clone() for n, t in base.items()}, base_version=0, version=1,
+        options=EncodeOptions(threads=8),
+    )  # fmt: skip
+    state = {n: t.clone() for n, t in base.items()}
+    arrays = [np.random.default_rng(i).integers(0, 1 << 16, 1 << 20, dtype=np.uint16)
+              for i in range(len(plans))]  # fmt: skip
+    report: dict[str, Any] = {"card": card, "cpus": len(os.sched_getaffinity(0)),
+                              "chunks": len(chunks), "plans": len(plans)}  # fmt: skip
+    for threads in THREADS:
+        report[str(threads)] = at_threads(threads, device, (dense, target, plans), manifest, chunks,
+                                          state, arrays)  # fmt: skip
+        print(threads, json.dumps(report[str(threads)]), flush=True)
+    out = args.out or RESULTS / card.split()[-1].lower() / "codec_threads.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
