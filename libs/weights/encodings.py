@@ -223,8 +223,11 @@ def encode_delta(
 
     `positions` are the changed elements (relative to the range) and `old_vals`/`new_vals`
     their values. Sparse value streams are compared on a sample of up to 64 Ki changes,
-    then only the winner is compressed whole. `old` None: the base range is rebuilt from
-    `new` and the changed values when a dense form is tried (the GPU path keeps no base copy).
+    then only the winner is compressed whole (a piece of no more changes than the sample is
+    its own sample: the winner's streams are kept, not compressed again; at lr 1e-6 most of
+    byte-0.5b's pieces are, and the compares were half of the chunk encode). `old` None: the
+    base range is rebuilt from `new` and the changed values when a dense form is tried (the
+    GPU path keeps no base copy).
     """
     pos_raw = encode_positions(positions)
     pos_streams = [compress(s, level) for s in pos_raw]
@@ -233,13 +236,18 @@ def encode_delta(
         "sparse_xor": lambda o, n: [to_planes(o ^ n)],
     }
     sample = slice(0, SAMPLE_CHANGES)
-    best = min(
-        value_forms,
-        key=lambda e: sum(
-            len(compress(r, level)) for r in value_forms[e](old_vals[sample], new_vals[sample])
-        ),
-    )
-    candidates = [_sparse(best, pos_raw, pos_streams, value_forms[best](old_vals, new_vals), level)]  # type: ignore[arg-type]
+    measured = {}
+    for form, encode_values in value_forms.items():
+        raw = encode_values(old_vals[sample], new_vals[sample])
+        measured[form] = (raw, [compress(r, level) for r in raw])
+    best = min(measured, key=lambda e: sum(len(c) for c in measured[e][1]))
+    if positions.size <= SAMPLE_CHANGES:
+        raw, streams = measured[best]
+        sizes = [int(r.size) for r in pos_raw + raw]
+        winner = EncodedPiece(best, pos_streams + streams, sizes, int(positions.size))  # type: ignore[arg-type]
+    else:
+        winner = _sparse(best, pos_raw, pos_streams, value_forms[best](old_vals, new_vals), level)  # type: ignore[arg-type]
+    candidates = [winner]
     if positions.size > new.size * DENSE_TRY_FRACTION:
         if old is None:
             old = new.copy()
