@@ -39,7 +39,7 @@ class WeightBroadcasterSettings(ServiceSettings):
         description="Largest stored chunk in bytes (capped at the server's max payload)",
     )
     zstd_level: int = Field(
-        1, ge=1, le=19, description="zstd level of chunk payloads (1: smallest and fastest on weights)"
+        1, ge=1, le=19, description="zstd level of chunk payloads (1: smaller and faster than 3)"
     )
     encode_threads: int = Field(2, ge=1, description="Threads for scanning, hashing, encoding")
     diff_device: str | None = Field(
