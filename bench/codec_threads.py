@@ -36,11 +36,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 from handover_profile import synchronize, versions
 
 from libs.weights import gpu
-from libs.weights.chunking import TensorJob, plan_chunks
+from libs.weights.chunking import plan_chunks
 from libs.weights.encoder import EncodeOptions, _encode_bodies
 from libs.weights.encodings import compress, to_planes
 from libs.weights.gpu_apply import DeviceDeltaApplier
-from libs.weights.tensors import as_raw
 
 THREADS = (1, 2, 4, 8, 12, 16)
 RESULTS = Path(__file__).parent / "results"
@@ -65,17 +64,7 @@ def measured(run: Callable[[], Any], device: str) -> dict[str, float]:
 def encode_inputs(base: dict, new: dict) -> tuple[dict, dict, list]:
     """What encode_device hands `_encode_bodies`: dense bases, host targets and the plan."""
     mirror = {n: t.cpu().clone() for n, t in base.items()}
-    target, changes = gpu._host_targets(base, new, mirror)
-    dense = gpu._dense_deltas(base, new, target, changes)
-    copies = gpu._host_copies(new, [n for n in target if changes.get(n) != "whole"], dense, {})
-    target.update({name: as_raw(copy) for name, copy in copies.items()})
-    found = gpu.device_diff(base, new, [n for n in new if n not in changes])
-    jobs = []
-    for name, raw in target.items():
-        if name in found:
-            changes[name] = "delta" if found[name].positions.size else "same"
-        if changes[name] != "same":
-            jobs.append(TensorJob(name, raw.width, raw.numel, found.get(name), name in dense))
+    dense, target, _, _, jobs = gpu.device_jobs(base, new, mirror)
     return dense, target, plan_chunks(jobs, EncodeOptions().target())
 
 

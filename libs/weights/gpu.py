@@ -184,19 +184,7 @@ def encode_device(
     opts = options or EncodeOptions()
     if base_hash is None:
         base_hash = state_hash({n: as_raw(mirror[n]) for n in base}, opts.threads)
-    target, changes = _host_targets(base, new, mirror)
-    dense = _dense_deltas(base, new, target, changes)
-    copies = _host_copies(new, [n for n in target if changes.get(n) != "whole"], dense, spare)
-    target.update({name: as_raw(copy) for name, copy in copies.items()})
-    found = device_diff(base, new, [n for n in new if n not in changes])
-    jobs: list[TensorJob] = []
-    for name, raw in target.items():  # jobs in manifest order, as `encode` plans them
-        if name in found:
-            if name not in copies:  # no fresh host copy: patch the mirror
-                raw.units()[found[name].positions] = found[name].new
-            changes[name] = "delta" if found[name].positions.size else "same"
-        if changes[name] != "same":
-            jobs.append(TensorJob(name, raw.width, raw.numel, found.get(name), name in dense))
+    dense, target, changes, copies, jobs = device_jobs(base, new, mirror, spare)
     removed = [name for name in base if name not in new]
     for name in removed:
         mirror.pop(name, None)
@@ -205,6 +193,38 @@ def encode_device(
         spare.update({n: mirror[n] for n in copies if isinstance(mirror[n], torch.Tensor)})
     mirror.update(copies)  # the mirror now holds the target of every tensor
     return encoded
+
+
+def device_jobs(
+    base: Mapping[str, torch.Tensor],
+    new: Mapping[str, torch.Tensor],
+    mirror: MutableMapping[str, Any],
+    spare: MutableMapping[str, torch.Tensor] | None = None,
+) -> tuple[
+    dict[str, RawTensor],
+    dict[str, RawTensor],
+    dict[str, Change],
+    dict[str, torch.Tensor],
+    list[TensorJob],
+]:
+    """`encode_device`'s work before the entropy coder: the dense deltas' bases, the target
+    of every tensor on the host (fresh copies, or the mirror patched with the changes), each
+    tensor's change, the fresh copies, and the jobs in manifest order, as `encode` plans them.
+    The mirror is patched in place; `encode_device` adopts the copies into it afterwards."""
+    target, changes = _host_targets(base, new, mirror)
+    dense = _dense_deltas(base, new, target, changes)
+    copies = _host_copies(new, [n for n in target if changes.get(n) != "whole"], dense, spare)
+    target.update({name: as_raw(copy) for name, copy in copies.items()})
+    found = device_diff(base, new, [n for n in new if n not in changes])
+    jobs: list[TensorJob] = []
+    for name, raw in target.items():
+        if name in found:
+            if name not in copies:  # no fresh host copy: patch the mirror
+                raw.units()[found[name].positions] = found[name].new
+            changes[name] = "delta" if found[name].positions.size else "same"
+        if changes[name] != "same":
+            jobs.append(TensorJob(name, raw.width, raw.numel, found.get(name), name in dense))
+    return dense, target, changes, copies, jobs
 
 
 def _dense_deltas(
