@@ -24,6 +24,7 @@ more than 1/8 of the elements changed, below which the sparse forms always won i
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -231,23 +232,21 @@ def encode_delta(
     """
     pos_raw = encode_positions(positions)
     pos_streams = [compress(s, level) for s in pos_raw]
-    value_forms = {
+    value_forms: dict[Encoding, Callable[[np.ndarray, np.ndarray], list[np.ndarray]]] = {
         "sparse_add": lambda o, n: encode_add_values(o, n),
         "sparse_xor": lambda o, n: [to_planes(o ^ n)],
     }
     sample = slice(0, SAMPLE_CHANGES)
-    measured = {}
+    measured: dict[Encoding, tuple[list[np.ndarray], list[bytes]]] = {}
     for form, encode_values in value_forms.items():
         raw = encode_values(old_vals[sample], new_vals[sample])
         measured[form] = (raw, [compress(r, level) for r in raw])
     best = min(measured, key=lambda e: sum(len(c) for c in measured[e][1]))
-    if positions.size <= SAMPLE_CHANGES:
-        raw, streams = measured[best]
-        sizes = [int(r.size) for r in pos_raw + raw]
-        winner = EncodedPiece(best, pos_streams + streams, sizes, int(positions.size))  # type: ignore[arg-type]
-    else:
-        winner = _sparse(best, pos_raw, pos_streams, value_forms[best](old_vals, new_vals), level)  # type: ignore[arg-type]
-    candidates = [winner]
+    value_raw, value_streams = measured[best]
+    if positions.size > SAMPLE_CHANGES:  # the sample was a prefix: the whole range, once
+        value_raw = value_forms[best](old_vals, new_vals)
+        value_streams = [compress(r, level) for r in value_raw]
+    candidates = [_sparse(best, pos_raw, pos_streams, value_raw, value_streams)]
     if positions.size > new.size * DENSE_TRY_FRACTION:
         if old is None:
             old = new.copy()
@@ -262,11 +261,10 @@ def _sparse(
     pos_raw: list[np.ndarray],
     pos_streams: list[bytes],
     value_raw: list[np.ndarray],
-    level: int,
+    value_streams: list[bytes],
 ) -> EncodedPiece:
-    streams = pos_streams + [compress(r, level) for r in value_raw]
     sizes = [int(r.size) for r in pos_raw + value_raw]
-    return EncodedPiece(encoding, streams, sizes, int(pos_raw[0].size))
+    return EncodedPiece(encoding, pos_streams + value_streams, sizes, int(pos_raw[0].size))
 
 
 def piece_positions(
