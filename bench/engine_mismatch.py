@@ -9,6 +9,9 @@ difference can be told from the spread of the measure itself:
 - `hf`: the old engine (transformers' modules, a dynamic KV cache);
 - `paged`: the new engine as it runs (fused layer kernels, CUDA graphs);
 - `paged_eager`: the same kernels without CUDA graphs (must equal `paged`);
+- `paged_tile128`, `paged_flash_order`: the decode kernel with key tiles of 128, and with
+  FlashAttention-2's walk over them as well (`DECODE_TILE`, `DECODE_FLASH_ORDER` in
+  libs/engine/paged_attention.py; `paged` runs their defaults);
 - `paged_modules`: transformers' modules for norms, projections and RoPE, the paged decode
   attention kernel (which part of the gap is the fused kernels', which the attention's);
 - `trainer_eager`: the trainer's own forward with eager attention against its SDPA forward,
@@ -29,6 +32,7 @@ from typing import Any
 
 import torch
 
+from libs.engine import paged_attention
 from libs.engine.base import InferenceEngine, SamplingParams
 from libs.engine.hf import HFEngine
 from libs.engine.paged import PagedEngine
@@ -83,6 +87,8 @@ def main() -> None:
         "paged": paged,
         "paged_eager": paged_eager,
         "paged_modules": paged_modules,
+        "paged_tile128": _with_decode_kernel(model, tile=128, flash_order=False),
+        "paged_flash_order": _with_decode_kernel(model, tile=128, flash_order=True),
     }
     rows: dict[str, list[float]] = {name: [] for name in [*engines, "trainer_eager"]}
     for seed in range(args.seeds):
@@ -109,6 +115,16 @@ def main() -> None:
     out = args.out or RESULTS / card.split()[-1].lower() / "engine_mismatch.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"card": card, "seeds": args.seeds, "variants": summary}, indent=1))
+
+
+def _with_decode_kernel(model: Any, *, tile: int, flash_order: bool) -> PagedEngine:
+    """A paged engine whose captured decode graphs run the kernel with these settings."""
+    defaults = paged_attention.DECODE_TILE, paged_attention.DECODE_FLASH_ORDER
+    paged_attention.DECODE_TILE, paged_attention.DECODE_FLASH_ORDER = tile, flash_order
+    try:
+        return PagedEngine(model, TOKENIZER, 64, kv_cache_tokens=65536)
+    finally:
+        paged_attention.DECODE_TILE, paged_attention.DECODE_FLASH_ORDER = defaults
 
 
 def _eager_vs_sdpa(model: Any, drawn: list[tuple[list[int], list[int], list[float]]]) -> float:

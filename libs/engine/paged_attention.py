@@ -48,6 +48,23 @@ mean |sampled - trainer logprob| of qwen2-0.5b bf16 on an NVIDIA H200, 0.00983 n
 bf16 P against 0.0103 with tf32 P on the tests' prompts (0.00899 against 0.00944 on
 bench/engine_bench.py's; the hf engine 0.0082 there)."""
 
+DECODE_TILE = 128
+"""Context tokens the decode kernel takes per iteration: FlashAttention-2's key block for a
+head dim of 64, so P is rounded under the same running maxima as in the trainer's forward."""
+
+DECODE_FLASH_ORDER = True
+"""Whether the decode kernel walks its context as FlashAttention-2's forward does for the
+trainer (key blocks from the diagonal back to the first, the running max kept unscaled and
+the scale folded into exp2, the output multiplied by 1 / sum). P is rounded to bf16 under
+the running max of the tiles seen so far, so the tile boundaries and their order decide its
+rounding. Mean |sampled - trainer logprob|, qwen2-0.5b bf16, NVIDIA H200, 3 seeds of
+bench/engine_mismatch.py (2026-11-28, bench/results/h200/engine_mismatch_tiles.json): tiles
+of 64 walked forward 0.00935 (0.0089-0.0098), tiles of 128 forward 0.00869, in this walk
+0.00871 (0.0081-0.0095); the hf engine 0.00829, the trainer's own eager attention against
+its SDPA 0.00988. On those prompts (128 tokens in all) every context is one tile, so the
+walk's order is not what the two tile sizes' figures differ by; it matches the trainer's
+for longer contexts too."""
+
 
 @dataclass(frozen=True)
 class AttentionPlan:
@@ -148,6 +165,7 @@ if HAS_TRITON:
         SPLITS: tl.constexpr,
         IEEE: tl.constexpr,
         P_IN_INPUT_DTYPE: tl.constexpr,
+        FLASH_ORDER: tl.constexpr,
     ):
         row = tl.program_id(0)
         kv_head = tl.program_id(1)
@@ -168,7 +186,14 @@ if HAS_TRITON:
         running_max = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
         running_sum = tl.zeros([GROUP_PAD], dtype=tl.float32)
         acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
-        for start in range(begin, end, TILE):
+        scale_log2 = scale * 1.4426950408889634  # log2(e)
+        num_tiles = tl.cdiv(end - begin, TILE)
+        for tile in range(0, num_tiles):
+            # the last (diagonal) tile first, back to the first
+            if FLASH_ORDER:  # noqa: SIM108 (constexpr branches, as the kernel's others)
+                start = begin + (num_tiles - 1 - tile) * TILE
+            else:
+                start = begin + tile * TILE
             tokens = start + tl.arange(0, TILE)
             is_token = tokens < end
             pages = tl.load(
@@ -181,10 +206,16 @@ if HAS_TRITON:
                 scores = tl.dot(q, tl.trans(k), input_precision="ieee")
             else:
                 scores = tl.dot(q, tl.trans(k))
-            scores = tl.where(is_token[None, :], scores * scale, float("-inf"))
-            new_max = tl.maximum(running_max, tl.max(scores, axis=1))
-            probs = tl.exp(scores - new_max[:, None])
-            rescale = tl.exp(running_max - new_max)
+            if FLASH_ORDER:  # max of the raw scores, scale folded into exp2
+                scores = tl.where(is_token[None, :], scores, float("-inf"))
+                new_max = tl.maximum(running_max, tl.max(scores, axis=1))
+                probs = tl.exp2(scores * scale_log2 - (new_max * scale_log2)[:, None])
+                rescale = tl.exp2((running_max - new_max) * scale_log2)
+            else:
+                scores = tl.where(is_token[None, :], scores * scale, float("-inf"))
+                new_max = tl.maximum(running_max, tl.max(scores, axis=1))
+                probs = tl.exp(scores - new_max[:, None])
+                rescale = tl.exp(running_max - new_max)
             running_sum = running_sum * rescale + tl.sum(probs, axis=1)
             v = tl.load(v_ptr + kv_offsets, mask=is_token[:, None], other=0.0)
             if IEEE:
@@ -196,11 +227,16 @@ if HAS_TRITON:
                 acc = acc * rescale[:, None] + pv
             running_max = new_max
         if SPLITS == 1:
-            out = acc / running_sum[:, None]
+            if FLASH_ORDER:  # noqa: SIM108 (constexpr branches, as the kernel's others)
+                out = acc * (1.0 / running_sum)[:, None]
+            else:
+                out = acc / running_sum[:, None]
             tl.store(out_ptr + q_offsets, out.to(out_ptr.dtype.element_ty), mask=is_head[:, None])
         else:
             part = (row * num_heads + head_index) * SPLITS + split  # [GROUP_PAD]
             tl.store(out_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc, mask=is_head[:, None])
+            if FLASH_ORDER:  # the combine takes maxima of scaled scores
+                running_max = running_max * scale
             tl.store(stats_ptr + part * 2, running_max, mask=is_head)
             tl.store(stats_ptr + part * 2 + 1, running_sum, mask=is_head)
 
@@ -275,10 +311,11 @@ def decode_attention(
         GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,
-        TILE=64,
+        TILE=DECODE_TILE,
         SPLITS=splits,
         IEEE=q.dtype == torch.float32,
         P_IN_INPUT_DTYPE=DECODE_P_IN_INPUT_DTYPE,
+        FLASH_ORDER=DECODE_FLASH_ORDER,
     )
     if splits > 1:
         _combine_splits_kernel[(num_rows * num_heads,)](
