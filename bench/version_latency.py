@@ -19,6 +19,10 @@ version. Per version, in order:
     apply     the swap pause: decoded values written into the live weights
     total     optimizer step end -> swapped in the worker
 
+and two figures inside `decode`: decode_chunk_wall and decode_chunk_cpu, the wall and the
+CPU time of the chunks' decodes summed over chunks (the worker decodes on several threads;
+wall well above CPU says the decode threads waited, for the GIL or a lock).
+
     .venv/bin/python bench/version_latency.py RUN_DIR [--json OUT]
 
 Prints the median, p90 and max of each part over the versions found in every log, and
@@ -46,6 +50,8 @@ PARTS = (
     "gate_wait",
     "apply",
     "total",
+    "decode_chunk_wall",
+    "decode_chunk_cpu",
 )
 
 
@@ -130,6 +136,8 @@ def row(
         "gate_wait": gate_wait_s,
         "apply": float(swapped["pause_s"]),
         "total": t_swapped - step_end,
+        "decode_chunk_wall": float(swapped.get("decode_chunk_wall_s", 0.0)),
+        "decode_chunk_cpu": float(swapped.get("decode_chunk_cpu_s", 0.0)),
     }
 
 

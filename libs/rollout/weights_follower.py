@@ -223,7 +223,12 @@ class WeightsFollower:
                 self._set_unusable()
                 raise
         self._state = state
-        timings = {"decode_s": decoded_s - started_s, "gate_wait_s": gate_wait_s}
+        timings = {
+            "decode_s": decoded_s - started_s,
+            "decode_chunk_wall_s": update.chunk_wall_s,
+            "decode_chunk_cpu_s": update.chunk_cpu_s,
+            "gate_wait_s": gate_wait_s,
+        }
         self._swapped(update.version, update.kind, pause_s, timings)
         return pause_s
 

@@ -52,9 +52,8 @@ import asyncio
 import contextlib
 import time
 from collections.abc import MutableMapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import nats.errors
 import structlog
@@ -83,6 +82,9 @@ from proto import streams
 from proto.messages import WeightAnnouncement
 from proto.subjects import WEIGHTS_ANNOUNCE_ALL, weights_announce_subject
 from proto.validation import InvalidValue, check_announcement_plausible
+
+if TYPE_CHECKING:
+    from libs.weights.decode_process import DecodeProcess
 
 log = structlog.get_logger(__name__)
 
@@ -117,6 +119,11 @@ class PreparedUpdate:
     applier: DeltaApplier | None = field(default=None, repr=False)
     decoded: list[PreparedChunk] = field(default_factory=list, repr=False)
     decoded_for: int | None = field(default=None, repr=False)  # id() of the decoded state
+    # Seconds the chunks' decodes took, summed over chunks: wall time, and CPU time of the
+    # threads that ran them (wall well above CPU: the decode waited, for the GIL or a lock).
+    chunk_wall_s: float = 0.0
+    chunk_cpu_s: float = 0.0
+    decoded_in_child: bool = False  # prepared in the receiver's DecodeProcess
 
     @property
     def version(self) -> int:
@@ -149,8 +156,17 @@ class WeightReceiver:
         announce_stream: str = streams.WEIGHTS_ANNOUNCE.name,
         chunk_stream: str = streams.WEIGHT_CHUNKS.name,
         poll_timeout_s: float = 1.0,
+        decode_process: bool = False,
     ) -> None:
         self._bus = bus
+        # Deltas for a state the child can write (libs/weights/decode_process.py) are
+        # decoded there, off this process's GIL; snapshots (their ~1 GB of chunks would be
+        # copied through a pipe) and versions that add tensors here.
+        self._process: DecodeProcess | None = None
+        if decode_process:
+            from libs.weights.decode_process import DecodeProcess  # imports torch
+
+            self._process = DecodeProcess(threads, new_tensor_kind)
         self._current = current
         self._parallel = parallel
         self._max_in_flight_bytes = max_in_flight_bytes
@@ -364,33 +380,50 @@ class WeightReceiver:
     async def close(self) -> None:
         """Stop following (the ephemeral consumer expires on the server)."""
         await self._drop_subscription()
+        if self._process is not None:
+            await asyncio.to_thread(self._process.close)
 
     # ---- applying --------------------------------------------------------------------------
 
     def decode(self, update: PreparedUpdate, state: MutableMapping[str, Any]) -> None:
         """Decode `update` against `state` without writing to it (blocking; a live model may
         keep serving meanwhile). `apply` does this itself when it was not done."""
+        manifest = update.announcement.manifest
+        child = self._process
+        if child is not None and update.kind == "delta" and child.accepts(state, manifest):
+            base = self._checked_base(update)
+            timings = child.prepare(state, manifest, base, update.chunks)
+            update.applier, update.decoded, update.decoded_for = None, [], id(state)
+            update.chunk_wall_s, update.chunk_cpu_s = timings
+            update.decoded_in_child = True
+            return
         applier = _applier_type(state)(
             state, update.announcement.manifest, self._checked_base(update), self._kind,
             reuse_whole=True,
         )  # fmt: skip
-        decoded = self._map(lambda c: applier.prepare(c, check_payload=False), update.chunks)
-        update.applier, update.decoded, update.decoded_for = applier, decoded, id(state)
+        prepared = applier.prepare_all(update.chunks, self._threads)
+        update.applier, update.decoded, update.decoded_for = applier, prepared.chunks, id(state)
+        update.chunk_wall_s, update.chunk_cpu_s = prepared.wall_s, prepared.cpu_s
 
     def apply(self, update: PreparedUpdate, state: MutableMapping[str, Any]) -> float:
         """Write `update` into `state` in place; returns the pause in seconds (the time the
         state was being written). Blocking: run it under the engine's lock."""
-        if update.applier is None or update.decoded_for != id(state):
+        decoded = update.applier is not None or update.decoded_in_child
+        if not decoded or update.decoded_for != id(state):
             self.decode(update, state)
         else:
             self._checked_base(update)
-        applier = update.applier
-        assert applier is not None  # set by decode
         started = time.perf_counter()
         self._current = None  # mid-write the state is neither version
-        for prepared in update.decoded:
-            applier.commit(prepared)
-        held = applier.finish()
+        if update.decoded_in_child:
+            assert self._process is not None
+            held = self._process.commit(update.announcement.manifest)
+        else:
+            applier = update.applier
+            assert applier is not None  # set by decode
+            for prepared in update.decoded:
+                applier.commit(prepared)
+            held = applier.finish()
         pause_s = time.perf_counter() - started
         self.last_pause_s = pause_s
         APPLY_PAUSE_SECONDS.observe(pause_s)
@@ -421,12 +454,6 @@ class WeightReceiver:
                 f"the state holds {held if held is not None else 'nothing known'}"
             )
         return self._current
-
-    def _map(self, work: Any, chunks: list[Chunk]) -> list[PreparedChunk]:
-        if self._threads > 1 and len(chunks) > 1:
-            with ThreadPoolExecutor(self._threads) as pool:
-                return list(pool.map(work, chunks))
-        return [work(chunk) for chunk in chunks]
 
     async def catch_up(
         self, state: MutableMapping[str, Any], *, version: int, timeout_s: float = 60.0

@@ -248,6 +248,7 @@ class RolloutWorkerService(Service):
         options: dict[str, Any] = {
             "parallel": s.weights_fetch_parallel,
             "threads": s.weights_decode_threads,
+            "decode_process": s.weights_decode_process,
             "fetch_timeout_s": s.weights_fetch_timeout_s,
             "verify_full": s.weights_verify_full,
         }

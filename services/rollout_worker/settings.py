@@ -58,6 +58,14 @@ class RolloutWorkerSettings(ServiceSettings, RunnerSettings, AgentSettings):
         ge=1,
         description="Threads decoding a version's chunks (default: up to 8, one per core)",
     )
+    # Beside the paged engine on an H200 a delta's decode took 0.79 s in the worker's own
+    # process (its threads waiting for the GIL the event loop held: py-spy, 2026-11-28) and
+    # versions queued behind it; see libs/weights/decode_process.py.
+    weights_decode_process: bool = Field(
+        True,
+        description="Decode deltas for weights on a GPU in a process of its own (off the "
+        "worker's GIL); false: in the worker's threads",
+    )
     weights_fetch_timeout_s: float = Field(10.0, gt=0, description="Longest wait for one chunk")
     weights_verify_full: bool = Field(
         True, description="Rehash the whole model after each swap (inside the pause)"
