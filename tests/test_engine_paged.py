@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from concurrent.futures import Future
 
 import pytest
 import torch
@@ -230,18 +231,38 @@ def test_a_weight_write_waits_for_running_calls(engine: PagedEngine) -> None:
     local = make_paged()
     live = local.live_tensors()
     assert live is not None
-    done: list[list[Completion]] = []
-    runner = threading.Thread(
-        target=lambda: done.append(
-            local.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=150))
-        )
-    )
-    runner.start()
+    running = local.submit(PROMPTS, SamplingParams(temperature=0.0, max_tokens=150))
     wait_for(lambda: local.num_steps > 2)
     local.write_in_place(lambda: None, version=5)
-    assert done, "the write started before the running call finished"
-    runner.join()
-    assert all(c.policy_version == 0 for c in done[0])
+    assert running.done(), "the write started before the running call finished"
+    assert all(c.policy_version == 0 for c in running.result())
+
+
+def test_a_call_submitted_during_a_weight_write_runs_on_the_new_weights(
+    engine: PagedEngine,
+) -> None:
+    local = make_paged(seed=0)
+    live = local.live_tensors()
+    assert live is not None
+    new_state = build_policy(PolicyConfig(device="cpu", seed=1)).state_dict()
+    submitted: list[Future[list[Completion]]] = []
+
+    def write() -> None:
+        for name, tensor in new_state.items():
+            live[name].copy_(tensor)
+        # Submitting returns at once (no wait on the write); the call joins after it.
+        submitted.append(local.submit([PROMPTS[2]], GREEDY, num_samples=2))
+        assert not submitted[0].done()
+
+    local.write_in_place(write, version=3)
+    after = submitted[0].result(timeout=60)
+    assert all(c.policy_version == 3 for c in after)
+    expected = make_paged(seed=1).generate([PROMPTS[2]], GREEDY, num_samples=2)
+    assert tokens(after) == tokens(expected)
+    # A future the caller gave up on still ends (the engine resolves what it started).
+    given_up = local.submit([PROMPTS[0]], GREEDY)
+    assert not given_up.cancel()
+    assert len(given_up.result(timeout=60)) == 1
 
 
 def test_stops_and_lengths_are_reported(engine: PagedEngine) -> None:
@@ -308,9 +329,16 @@ def test_a_continuous_batcher_gives_the_gate_back_when_its_last_call_ends() -> N
         continuous_batching = True
         policy_version = 0
 
-        def generate(self, prompts, params, num_samples=1):  # type: ignore[no-untyped-def]
-            time.sleep(0.05 * len(prompts))
-            return [Completion(i, 0, [7], [0.0], [0.0], "stop", 0) for i in range(len(prompts))]
+        def submit(self, prompts, params, num_samples=1):  # type: ignore[no-untyped-def]
+            future: Future[list[Completion]] = Future()
+
+            def answer() -> None:
+                time.sleep(0.05 * len(prompts))
+                done = [Completion(i, 0, [7], [0.0], [0.0], "stop", 0) for i in range(len(prompts))]
+                future.set_result(done)
+
+            threading.Thread(target=answer).start()
+            return future
 
     async def scenario() -> None:
         batcher = GenerationBatcher(Sleeping())  # type: ignore[arg-type]

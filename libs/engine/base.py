@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Callable, Mapping
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Literal, TypeVar
 
@@ -113,6 +114,15 @@ class InferenceEngine(abc.ABC):
         self, prompts: list[list[int]], params: SamplingParams, num_samples: int = 1
     ) -> list[Completion]:
         """`num_samples` completions per prompt, ordered by (prompt_index, sample_index)."""
+
+    def submit(
+        self, prompts: list[list[int]], params: SamplingParams, num_samples: int = 1
+    ) -> Future[list[Completion]]:
+        """`generate` without waiting: the call's future, resolved from the engine's own
+        thread when its completions are done (engines with continuous batching, whose
+        callers hand each request over as it comes; an asyncio caller awaits
+        `asyncio.wrap_future(engine.submit(...))` and no thread waits per call)."""
+        raise NotImplementedError(f"{type(self).__name__} takes calls through generate only")
 
     @abc.abstractmethod
     def update_weights(self, state: Mapping[str, torch.Tensor], version: int) -> float:

@@ -3,6 +3,9 @@
 For GPUs (it also runs, eagerly, on CPU). Every `generate` call, from any thread, adds its
 sequences to one running batch: they join at the next step and leave when they finish, so
 one agent's next turn starts at once instead of waiting for another call's slowest row.
+`submit` does the same without waiting: it returns the call's future, which the driver
+thread resolves when the call's last sequence finishes (the rollout batcher awaits it, so no
+thread waits per request; a call submitted during a weight write joins after it).
 One driver thread runs the steps while there is work (see `libs.engine.scheduler`): admit,
 then one forward that decodes a token for every running row and computes the waiting
 prompts beside them as extra rows of the same graph (`libs.engine.model_runner`; a prompt
@@ -27,7 +30,7 @@ concurrent multi-turn calc episodes 15.9K tokens/s (hf 1.2K), and the GPU loop's
 pattern (arith, one request per sample) 1,255 episodes/s (hf 823). In the full GPU loop
 (bench/gpu_loop.sh) see that script's comment.
 
-Weights: `write_in_place` and `update_weights` wait until no `generate` call is running
+Weights: `write_in_place` and `update_weights` wait until no call is running
 (so every completion still comes from exactly one version), write into the model's own
 parameter storage (the captured graphs read it), refresh the runner's fused copies, and
 drop the prefix cache (its KV came from the old weights). The pause reported is that write
@@ -41,6 +44,7 @@ import random
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import Future
 
 import torch
 from transformers import PreTrainedModel
@@ -127,8 +131,9 @@ class PagedEngine(InferenceEngine):
         self._changed = threading.Condition(self._lock)
         self._step_lock = threading.Lock()  # one step, or one weight write, at a time
         self._write_lock = threading.Lock()  # one weight write at a time
-        self._num_running_calls = 0
+        self._num_running_calls = 0  # requests queued or running, not yet ended
         self._writing = False
+        self._deferred: list[Request] = []  # submitted during a weight write
         self._driver: threading.Thread | None = None
         # The driver's own CUDA stream, so the engine's back-to-back steps do not hold up
         # another thread's work on the default stream: the rollout-worker decodes the next
@@ -164,6 +169,11 @@ class PagedEngine(InferenceEngine):
     def generate(
         self, prompts: list[list[int]], params: SamplingParams, num_samples: int = 1
     ) -> list[Completion]:
+        return self.submit(prompts, params, num_samples).result()
+
+    def submit(
+        self, prompts: list[list[int]], params: SamplingParams, num_samples: int = 1
+    ) -> Future[list[Completion]]:
         check_request(
             prompts,
             params,
@@ -172,22 +182,34 @@ class PagedEngine(InferenceEngine):
             self._max_context,
             "model positions and KV cache size",
         )
+        request = self._request(prompts, params, num_samples)
         with self._lock:
-            while self._writing:
-                self._changed.wait()
-            request = self._request(prompts, params, num_samples)
-            self._num_running_calls += 1
-            self.scheduler.waiting.extend(request.sequences)
-            self._start_driver()
-        try:
-            request.done.wait()
-        finally:
-            with self._lock:
-                self._num_running_calls -= 1
-                self._changed.notify_all()
-        if request.error is not None:
-            raise request.error
-        return request.completions()
+            if self._writing:  # joins once the write is done, on the new weights
+                self._deferred.append(request)
+            else:
+                self._enqueue(request)
+        return request.future
+
+    def _enqueue(self, request: Request) -> None:
+        """Queue a request on the weights held now (called with `_lock` held)."""
+        request.version = self._version
+        self._num_running_calls += 1
+        self.scheduler.waiting.extend(request.sequences)
+        self._start_driver()
+
+    def _resolve_ended(self) -> None:
+        """Resolve the futures of the requests that ended, then count them out (so a weight
+        write that waits for running calls starts after their futures are resolved). Called
+        by the driver with no lock held: a future's callbacks run here."""
+        with self._lock:
+            ended, self.scheduler.ended = self.scheduler.ended, []
+        if not ended:
+            return
+        for request in ended:
+            request.resolve()
+        with self._lock:
+            self._num_running_calls -= len(ended)
+            self._changed.notify_all()
 
     def update_weights(self, state: Mapping[str, torch.Tensor], version: int) -> float:
         staged = stage_update(self._tensors, state)  # moved and cast before the pause
@@ -224,6 +246,9 @@ class PagedEngine(InferenceEngine):
             finally:
                 with self._lock:
                     self._writing = False
+                    deferred, self._deferred = self._deferred, []
+                    for request in deferred:
+                        self._enqueue(request)
                     self._changed.notify_all()
 
     def score(self, prompts: list[list[int]], continuations: list[list[int]]) -> ContinuationScores:
@@ -263,7 +288,7 @@ class PagedEngine(InferenceEngine):
         self, prompts: list[list[int]], params: SamplingParams, num_samples: int
     ) -> Request:
         """A request of `num_samples` sequences per prompt, each with its own seed."""
-        request = Request(params, num_samples, self._version)
+        request = Request(params, num_samples)
         for index in range(len(prompts) * num_samples):
             prompt = prompts[index // num_samples]
             seed = row_seed(params.seed, index, self._entropy.getrandbits(62))
@@ -295,6 +320,7 @@ class PagedEngine(InferenceEngine):
                     with self._lock:
                         self.scheduler.fail_all(exc)
                         self.runner.rows.clear()
+                self._resolve_ended()
 
     @contextlib.contextmanager
     def _on_engine_stream(self) -> Iterator[None]:

@@ -19,19 +19,27 @@ A sequence moves waiting -> prefilling -> decoding -> finished. At each step:
 Blocks for the whole of `max_tokens` are taken at admission, so a running sequence never
 waits for memory and nothing is ever preempted.
 
-Sequences hold their own results; a `Request` (one `generate` call) is done when all of its
-sequences are.
+Sequences hold their own results; a `Request` (one `generate` call) ends when all of its
+sequences are done, and goes to `ended` for the engine to resolve its future.
 """
 
 from __future__ import annotations
 
-import threading
 from collections import deque
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from libs.engine.base import Completion, FinishReason, SamplingParams
 from libs.engine.kv_cache import NO_PARENT, BlockPool
 from libs.engine.model_runner import PrefillChunk
+
+
+def _running_future() -> Future[list[Completion]]:
+    """A future already running: a caller's cancel cannot take it from the engine, which
+    resolves it when the request ends whatever the caller did meanwhile."""
+    future: Future[list[Completion]] = Future()
+    future.set_running_or_notify_cancel()
+    return future
 
 
 @dataclass(eq=False)
@@ -40,11 +48,19 @@ class Request:
 
     params: SamplingParams
     num_samples: int
-    version: int
+    version: int = -1
+    """The weights' version the request runs on (set when it joins the queue)."""
     sequences: list[Sequence] = field(default_factory=list)
     num_unfinished: int = 0
-    done: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
+    future: Future[list[Completion]] = field(default_factory=_running_future)
+
+    def resolve(self) -> None:
+        """Hand the outcome to the future (the request has ended)."""
+        if self.error is not None:
+            self.future.set_exception(self.error)
+        else:
+            self.future.set_result(self.completions())
 
     def completions(self) -> list[Completion]:
         """The finished sequences as completions, in (prompt, sample) order."""
@@ -111,6 +127,8 @@ class Scheduler:
         self.decoding: list[Sequence] = []
         """Running rows, in the order of the runner's `DecodeRows`."""
         self._steps_since_prefill = 0
+        self.ended: list[Request] = []
+        """Requests that ended (done or failed) and are not yet resolved."""
 
     def has_work(self) -> bool:
         """True while any sequence is not finished."""
@@ -189,7 +207,7 @@ class Scheduler:
         request = seq.request
         request.num_unfinished -= 1
         if request.num_unfinished == 0:
-            request.done.set()
+            self.ended.append(request)
 
     def fail_all(self, error: BaseException) -> None:
         """Fail every unfinished request with `error` and free everything they held."""
@@ -197,8 +215,9 @@ class Scheduler:
             if seq.blocks:
                 self.pool.release(seq.blocks)
                 seq.blocks = []
-            seq.request.error = error
-            seq.request.done.set()
+            if seq.request.error is None:
+                seq.request.error = error
+                self.ended.append(seq.request)
         self.waiting.clear()
         self.prefilling.clear()
         self.decoding.clear()

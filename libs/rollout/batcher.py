@@ -16,8 +16,9 @@ exact: a row's tokens never depend on how long it goes on afterwards.
 
 An engine with continuous batching (`engine.continuous_batching`, the `paged` engine) merges
 concurrent calls itself, at every decode step: then the batcher merges nothing and hands each
-request to the engine the moment it arrives, as its own call in a worker thread, so an agent's
-next turn joins the running batch at once instead of waiting for a whole call to end.
+request to the engine the moment it arrives (`engine.submit`, whose future the engine's own
+thread resolves: no thread waits per request), so an agent's next turn joins the running
+batch at once instead of waiting for a whole call to end.
 
 `gate` is held while calls run and `open` must be set for a call to start; the weights
 follower takes the gate to swap weights between calls and clears `open` while the weights
@@ -33,7 +34,6 @@ import asyncio
 import dataclasses
 import time
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Literal
 
@@ -55,11 +55,6 @@ BATCH_REQUESTS = Histogram(
     "Requests (episode turns, task groups, API calls) decoded together in one generate call",
     buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512),
 )
-
-
-# Threads for the calls of a continuous-batching engine: each waits while the engine's one
-# driver thread steps, so there are as many as concurrent requests (agent episodes).
-CONTINUOUS_CALL_THREADS = 512
 
 
 class SwapGate(asyncio.Lock):
@@ -166,22 +161,21 @@ class GenerationBatcher:
     async def _run_continuous(self) -> None:
         """Hand each request to the engine as it comes, under the gate (continuous mode)."""
         running: set[asyncio.Task[None]] = set()
-        with ThreadPoolExecutor(CONTINUOUS_CALL_THREADS, thread_name_prefix="generate") as pool:
-            try:
-                while True:
-                    while not self._pending:
-                        self._arrived.clear()
-                        await self._arrived.wait()
-                    await self._acquire_open_gate()
-                    try:
-                        await self._hand_over(running, pool)
-                    finally:
-                        self.gate.release()
-            finally:
-                for task in running:
-                    task.cancel()
+        try:
+            while True:
+                while not self._pending:
+                    self._arrived.clear()
+                    await self._arrived.wait()
+                await self._acquire_open_gate()
+                try:
+                    await self._hand_over(running)
+                finally:
+                    self.gate.release()
+        finally:
+            for task in running:
+                task.cancel()
 
-    async def _hand_over(self, running: set[asyncio.Task[None]], pool: ThreadPoolExecutor) -> None:
+    async def _hand_over(self, running: set[asyncio.Task[None]]) -> None:
         """Start every request as it arrives until someone wants the gate or nothing runs;
         then wait for the running calls (the gate is held).
 
@@ -197,7 +191,7 @@ class GenerationBatcher:
         while not self.gate.wanted.is_set():
             self._arrived.clear()
             for request in self._take_all():
-                task = asyncio.create_task(self._run_alone(request, pool))
+                task = asyncio.create_task(self._run_alone(request))
                 running.add(task)
                 task.add_done_callback(ended)
             if not running:
@@ -212,14 +206,12 @@ class GenerationBatcher:
         self._pending.clear()
         return taken
 
-    async def _run_alone(self, request: _Request, pool: ThreadPoolExecutor) -> None:
+    async def _run_alone(self, request: _Request) -> None:
         """One engine call for one request (continuous mode), resolving its future."""
-        loop = asyncio.get_running_loop()
         start = time.monotonic()
         try:
-            completions = await loop.run_in_executor(
-                pool, self.engine.generate, request.prompts, request.params, 1
-            )
+            call = self.engine.submit(request.prompts, request.params, 1)
+            completions = await asyncio.wrap_future(call)
         except asyncio.CancelledError:
             request.future.cancel()
             raise
