@@ -23,10 +23,6 @@ chain: adopt again); a request after close raises too.
 from __future__ import annotations
 
 import asyncio
-import ctypes
-import os
-import queue
-import signal
 import time
 import traceback
 from dataclasses import dataclass
@@ -35,8 +31,8 @@ from typing import Any, Literal
 
 import structlog
 import torch
-import torch.multiprocessing as mp
 
+from libs.child_process import ChildDied, ChildProcess, become_child
 from libs.weights.encoder import EncodeOptions
 from libs.weights.gpu import encode_device
 from libs.weights.handoff import write_staged_delta
@@ -44,10 +40,6 @@ from libs.weights.hashing import state_hash
 from libs.weights.tensors import raw_state
 
 log = structlog.get_logger(__name__)
-
-_PR_SET_PDEATHSIG = 1
-_POLL_S = 0.5  # how often a wait for the child checks it is alive
-_CLOSE_S = 10.0
 
 
 class DeltaEncoderError(RuntimeError):
@@ -84,22 +76,10 @@ class DeltaEncoder:
     """The parent's handle on the encoder process (started on the first request)."""
 
     def __init__(self, staging_dir: Path, options: EncodeOptions) -> None:
-        self._staging_dir = staging_dir
-        self._options = options
         self._closed = False
-        self._new_process()
-
-    def _new_process(self) -> None:
-        context = mp.get_context("spawn")  # CUDA cannot be forked
-        self._requests: Any = context.Queue()
-        self._replies: Any = context.Queue()
-        self._process = context.Process(
-            target=_serve,
-            args=(self._requests, self._replies, str(self._staging_dir), self._options,
-                  os.getpid()),
-            name="rlpipe-delta-encoder",
-            daemon=True,
-        )  # fmt: skip
+        self._process = ChildProcess(
+            _serve, (str(staging_dir), options), name="rlpipe-delta-encoder"
+        )
 
     async def adopt(self, state: dict[str, torch.Tensor], version: int) -> str:
         """Make `version` (already handed over whole) the base of the next delta; returns
@@ -119,48 +99,28 @@ class DeltaEncoder:
         if self._closed:
             return
         self._closed = True
-        if self._process.pid is None:
-            return
-        self._requests.put(None)
-        await asyncio.to_thread(self._process.join, _CLOSE_S)
-        if self._process.is_alive():
-            self._process.kill()
-            await asyncio.to_thread(self._process.join, _CLOSE_S)
+        await asyncio.to_thread(self._process.close)
 
     async def _call(self, request: _Request) -> str | EncodedDelta:
         if self._closed:
             raise DeltaEncoderError("the delta encoder is closed")
-        if self._process.pid is not None and not self._process.is_alive():
-            log.warning("the delta encoder process died; starting a new one",
-                        exit_code=self._process.exitcode)  # fmt: skip
-            self._new_process()
-        if self._process.pid is None:
-            self._process.start()
-        self._requests.put(request)
-        status, value, detail = await asyncio.to_thread(self._reply)
+        if self._process.replace_if_dead():
+            log.warning("the delta encoder process died; starting a new one")
+        try:
+            status, value, detail = await asyncio.to_thread(self._process.call, request)
+        except ChildDied as exc:
+            raise DeltaEncoderError(f"the delta encoder process died ({exc})") from None
         if status != "ok":
             raise DeltaEncoderError(f"the delta encoder failed: {value}\n{detail}")
-        return value
-
-    def _reply(self) -> tuple[str, Any, str]:
-        while True:
-            try:
-                return self._replies.get(timeout=_POLL_S)
-            except queue.Empty:
-                if not self._process.is_alive():
-                    raise DeltaEncoderError(
-                        f"the delta encoder process died (exit code {self._process.exitcode})"
-                    ) from None
+        result: str | EncodedDelta = value
+        return result
 
 
 def _serve(
     requests: Any, replies: Any, staging_dir: str, options: EncodeOptions, parent: int
 ) -> None:
     """The child: adopt and encode versions until told to stop (None) or the trainer dies."""
-    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != parent:  # the trainer died before prctl
-        os._exit(1)
-    torch.set_num_threads(1)  # the codec's own threads do the work
+    become_child(parent)
     chain: _Chain | None = None
     while (request := requests.get()) is not None:
         kind, version, state = request

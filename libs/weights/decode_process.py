@@ -27,27 +27,19 @@ DecodeProcessError, a CorruptDeltaError for the same reason; the next call start
 
 from __future__ import annotations
 
-import ctypes
-import os
-import queue
-import signal
 import threading
 import traceback
 from collections.abc import Mapping
 from typing import Any
 
 import torch
-import torch.multiprocessing as mp
 
+from libs.child_process import ChildDied, ChildProcess, become_child
 from libs.weights.applier import PreparedChunks
 from libs.weights.errors import CorruptDeltaError, WeightsError
 from libs.weights.format import Chunk, Manifest, VersionInfo
 from libs.weights.gpu_apply import DeviceDeltaApplier
 from libs.weights.tensors import _torch_dtypes
-
-_PR_SET_PDEATHSIG = 1
-_POLL_S = 0.5  # how often a wait for the child checks it is alive
-_CLOSE_S = 10.0
 
 
 class DecodeProcessError(CorruptDeltaError):
@@ -58,24 +50,12 @@ class DecodeProcess:
     """The parent's handle on the decode process (started on the first request)."""
 
     def __init__(self, threads: int = 1, new_tensor_kind: str = "auto") -> None:
-        self._threads = threads
-        self._kind = new_tensor_kind
         self._lock = threading.Lock()  # one request at a time
         self._sent: tuple[tuple[str, int], ...] | None = None  # the state the child holds
         self._closed = False
-        self._new_process()
-
-    def _new_process(self) -> None:
-        context = mp.get_context("spawn")  # CUDA cannot be forked
-        self._requests: Any = context.Queue()
-        self._replies: Any = context.Queue()
-        self._process = context.Process(
-            target=_serve,
-            args=(self._requests, self._replies, self._threads, self._kind, os.getpid()),
-            name="rlpipe-weight-decoder",
-            daemon=True,
+        self._process = ChildProcess(
+            _serve, (threads, new_tensor_kind), name="rlpipe-weight-decoder"
         )
-        self._sent = None
 
     def accepts(self, state: Mapping[str, Any], manifest: Manifest) -> bool:
         """True when the child can decode `manifest` into `state`: every tensor of the state
@@ -117,21 +97,14 @@ class DecodeProcess:
     def close(self) -> None:
         """Stop the process (it finishes the request it is on)."""
         with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            if self._process.pid is None:
-                return
-            self._requests.put(None)
-            self._process.join(_CLOSE_S)
-            if self._process.is_alive():
-                self._process.kill()
-                self._process.join(_CLOSE_S)
+            if not self._closed:
+                self._closed = True
+                self._process.close()
 
     def _replace_if_dead(self) -> bool:
-        """Swap a dead child for a new one (started on the next request); True if it did."""
-        if self._process.pid is not None and not self._process.is_alive():
-            self._new_process()
+        """Swap a dead child for a new one, which holds no state yet; True if it did."""
+        if self._process.replace_if_dead():
+            self._sent = None
             return True
         return False
 
@@ -140,20 +113,11 @@ class DecodeProcess:
             raise DecodeProcessError("the decode process is closed")
         if self._replace_if_dead() and request[0] == "commit":
             raise DecodeProcessError("the decode process died before the commit")
-        if self._process.pid is None:
-            self._process.start()
-        self._requests.put(request)
-        while True:
-            try:
-                status, value, detail = self._replies.get(timeout=_POLL_S)
-                break
-            except queue.Empty:
-                if not self._process.is_alive():
-                    code = self._process.exitcode
-                    self._new_process()
-                    raise DecodeProcessError(
-                        f"the decode process died (exit code {code})"
-                    ) from None
+        try:
+            status, value, detail = self._process.call(request)
+        except ChildDied as exc:
+            self._sent = None
+            raise DecodeProcessError(f"the decode process died ({exc})") from None
         if status == "ok":
             return value
         if isinstance(value, WeightsError):
@@ -164,10 +128,7 @@ class DecodeProcess:
 def _serve(requests: Any, replies: Any, threads: int, kind: str, parent: int) -> None:
     """The child: hold a state, prepare versions against it and commit them, until told to
     stop (None) or the parent dies."""
-    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != parent:  # the parent died before prctl
-        os._exit(1)
-    torch.set_num_threads(1)  # the codec's own threads do the work
+    become_child(parent)
     state: dict[str, torch.Tensor] = {}
     prepared: tuple[DeviceDeltaApplier, PreparedChunks] | None = None
     while (request := requests.get()) is not None:
