@@ -200,9 +200,9 @@ class PagedEngine(InferenceEngine):
     def _resolve_ended(self) -> None:
         """Resolve the futures of the requests that ended, then count them out (so a weight
         write that waits for running calls starts after their futures are resolved). Called
-        by the driver with no lock held: a future's callbacks run here."""
-        with self._lock:
-            ended, self.scheduler.ended = self.scheduler.ended, []
+        by the driver with no lock held: a future's callbacks run here. `scheduler.ended`
+        is the driver's alone (its steps and fail_all fill it), so no lock guards it."""
+        ended, self.scheduler.ended = self.scheduler.ended, []
         if not ended:
             return
         for request in ended:
