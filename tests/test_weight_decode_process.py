@@ -1,7 +1,9 @@
-"""Weight versions decoded in a process of its own (libs/weights/decode_process.py): the child
-writes the parent's tensors in place, bit-exact; refusals come back as the codec's errors; a
-dead child is replaced. On CPU tensors in shared memory (the same path as CUDA IPC handles;
-the `cuda` cases skip without a GPU), and through the receiver on a real nats-server."""
+"""Weight versions decoded in a process of its own (libs/weights/decode_process.py), against
+a host mirror: the parent's tensors are written in place, bit-exact; refusals come back as the
+codec's errors; a mirror that fell behind the state is refilled, one that is wrong is caught;
+a dead child is replaced. On CPU tensors in shared memory (the child writes them), in private
+memory and on a GPU (mirrored; the `cuda` cases skip without one), and through the receiver
+on a real nats-server."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import torch
 
 from libs.bus.connection import Bus
 from libs.bus.provision import provision
-from libs.weights import BaseMismatchError, CorruptDeltaError, VersionInfo
+from libs.weights import BaseMismatchError, CorruptDeltaError, VersionInfo, decode_process
 from libs.weights.decode_process import DecodeProcess, DecodeProcessError
 from libs.weights.encoder import EncodeOptions, encode
 from libs.weights.format import Chunk
@@ -31,7 +33,10 @@ from tests.test_weight_broadcaster import (
 )
 
 SMALL = EncodeOptions(max_chunk_bytes=16 << 10)  # many chunks and pieces
+# "shared": CPU tensors in shared memory, which the child writes itself; "cpu": private CPU
+# memory, mirrored and written by the parent as GPU tensors are.
 DEVICES = [
+    "shared",
     "cpu",
     pytest.param(
         "cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
@@ -40,9 +45,10 @@ DEVICES = [
 
 
 def live_state(values: dict[str, torch.Tensor], device: str) -> dict[str, torch.Tensor]:
-    """Copies the child can write: on the GPU, or in shared memory on the CPU."""
-    state = {name: tensor.clone().to(device) for name, tensor in values.items()}
-    return {name: t if t.is_cuda else t.share_memory_() for name, t in state.items()}
+    """Copies of `values` on `device` (see DEVICES)."""
+    if device == "shared":
+        return {name: tensor.clone().share_memory_() for name, tensor in values.items()}
+    return {name: tensor.clone().to(device) for name, tensor in values.items()}
 
 
 def host(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -86,10 +92,11 @@ def test_the_child_writes_the_parents_tensors_in_place_bit_exact(
     assert {name: tensor.data_ptr() for name, tensor in state.items()} == pointers
 
 
+@pytest.mark.parametrize("device", ["shared", "cpu"])
 def test_prepare_reads_only_and_refusals_come_back_as_the_codecs_errors(
-    decoder: DecodeProcess,
+    decoder: DecodeProcess, device: str
 ) -> None:
-    state = live_state(trainer_state(0), "cpu")
+    state = live_state(trainer_state(0), device)
     before = host({name: tensor.clone() for name, tensor in state.items()})
     new = next_version(host(state), 2)
     manifest, chunks = delta(state, new, 2)
@@ -111,8 +118,9 @@ def test_prepare_reads_only_and_refusals_come_back_as_the_codecs_errors(
     assert_bit_exact(host(state), before)
 
 
-def test_a_dead_child_is_reported_and_replaced(decoder: DecodeProcess) -> None:
-    state = live_state(trainer_state(0), "cpu")
+@pytest.mark.parametrize("device", ["shared", "cpu"])
+def test_a_dead_child_is_reported_and_replaced(decoder: DecodeProcess, device: str) -> None:
+    state = live_state(trainer_state(0), device)
     new = next_version(host(state), 2)
     manifest, chunks = delta(state, new, 2)
     decoder.prepare(state, manifest, base_info(state, 1), chunks)
@@ -139,18 +147,57 @@ def test_a_dead_child_is_reported_and_replaced(decoder: DecodeProcess) -> None:
     assert_bit_exact(host(state), newer)
 
 
-def test_versions_the_child_cannot_take_are_declined(decoder: DecodeProcess) -> None:
+def test_versions_the_child_cannot_take_are_declined(
+    decoder: DecodeProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
     values = trainer_state(0)
     new = next_version(values, 2)
     manifest, _ = delta(values, new, 2)
-    assert not decoder.accepts({n: t.clone() for n, t in values.items()}, manifest)  # not shared
-    shared = live_state(values, "cpu")
-    assert not decoder.accepts(dict(list(shared.items())[1:]), manifest)  # a tensor it lacks
-    reshaped = dict(shared)
+    state = live_state(values, "cpu")
+    assert not decoder.accepts(dict(list(state.items())[1:]), manifest)  # a tensor it lacks
+    reshaped = dict(state)
     first = next(iter(reshaped))
     reshaped[first] = reshaped[first].reshape(1, -1)
     assert not decoder.accepts(reshaped, manifest)
-    assert decoder.accepts(shared, manifest)
+    strided = dict(state)
+    strided[first] = torch.empty(state[first].shape[0], 2, dtype=state[first].dtype)[:, :1]
+    assert not decoder.accepts(strided, manifest)  # a view the codec cannot write in place
+    assert decoder.accepts(state, manifest)
+    # A mirror /dev/shm cannot hold: declined (the receiver decodes in its own threads)...
+    usage = decode_process.shutil.disk_usage(decode_process.SHM_PATH)
+    monkeypatch.setattr(decode_process.shutil, "disk_usage", lambda path: usage._replace(free=0))
+    assert not decoder.accepts(state, manifest)
+    # ...but tensors already in shared memory need none.
+    assert decoder.accepts(live_state(values, "shared"), manifest)
+
+
+@pytest.mark.parametrize("device", DEVICES[1:])
+def test_a_mirror_behind_the_state_is_refilled_and_a_wrong_one_is_caught(
+    decoder: DecodeProcess, device: str
+) -> None:
+    state = live_state(trainer_state(0), device)
+    v2 = next_version(host(state), 2)
+    manifest, chunks = delta(state, v2, 2)
+    decoder.prepare(state, manifest, base_info(state, 1), chunks)
+    decoder.commit(manifest)
+    # Version 3 written by someone else (the receiver applies snapshots itself).
+    v3 = next_version(v2, 3)
+    for name, tensor in state.items():
+        tensor.copy_(v3[name])
+    v4 = next_version(v3, 4)
+    manifest, chunks = delta(state, v4, 4)
+    decoder.prepare(state, manifest, base_info(state, 3), chunks)
+    assert decoder.commit(manifest) == VersionInfo(version=4, hash=manifest.target_hash)
+    assert_bit_exact(host(state), v4)
+    # A mirror that says it holds the base but differs from it: no chunk decodes against it.
+    assert decoder._mirror is not None
+    name = max(decoder._mirror.tensors, key=lambda n: decoder._mirror.tensors[n].numel())
+    decoder._mirror.tensors[name].view(torch.uint8).bitwise_xor_(1)
+    v5 = next_version(v4, 5)
+    manifest, chunks = delta(state, v5, 5)
+    with pytest.raises(CorruptDeltaError, match="output hash"):
+        decoder.prepare(state, manifest, base_info(state, 4), chunks)
+    assert_bit_exact(host(state), v4)
 
 
 async def test_the_receiver_decodes_deltas_in_the_child_bit_exact(bus: Bus, tmp_path: Path) -> None:

@@ -294,8 +294,8 @@ def test_a_chunk_of_many_pieces_crosses_in_one_copy_each_way_per_step(
     manifest, chunks = encode(host(base), host(new), base_version=1, version=2)
     assert len(chunks) == 1 and len(chunks[0].header.pieces) >= 10  # one chunk, many pieces
     uploads, downloads = [], []
-    upload, download = gpu_apply._upload, gpu_apply._download
-    monkeypatch.setattr(gpu_apply, "_upload", lambda a, d: uploads.append(len(a)) or upload(a, d))
+    upload, download = gpu_apply.upload, gpu_apply._download
+    monkeypatch.setattr(gpu_apply, "upload", lambda a, d: uploads.append(len(a)) or upload(a, d))
     monkeypatch.setattr(gpu_apply, "_download", lambda t: downloads.append(len(t)) or download(t))
     state = {name: tensor.clone() for name, tensor in base.items()}
     applier = DeviceDeltaApplier(state, manifest, reuse_whole=True)

@@ -129,7 +129,7 @@ class _Fetched:
         return self.range.read_all()
 
 
-def _upload(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
+def upload(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
     """Host arrays on the device, as uint8 tensors, in one copy (through pinned memory from
     a GPU); each starts 8-byte aligned so it can be viewed as any integer type."""
     if not arrays:
@@ -245,7 +245,7 @@ class DeviceDeltaApplier(DeltaApplier):
         device together: the positions go up in one copy, the values come down in one."""
         if not ranges:
             return []
-        on_device = _upload([p for p in positions if p is not None], self.device)
+        on_device = upload([p for p in positions if p is not None], self.device)
         staged = iter(on_device)
         device_positions = [
             None if p is None else next(staged).view(torch.int64) for p in positions
@@ -267,7 +267,7 @@ class DeviceDeltaApplier(DeltaApplier):
     def _prepared(self, index: int, writes: list[tuple[Any, Any]]) -> DevicePreparedChunk:
         """Stage the decoded writes on the device, every piece's values in one copy (the
         positions are there already)."""
-        values = _upload([written.values for _, written in writes], self.device)
+        values = upload([written.values for _, written in writes], self.device)
         staged: list[tuple[Any, Any]] = []
         for (fetched, written), bits in zip(writes, values, strict=True):
             target = fetched.range

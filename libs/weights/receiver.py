@@ -159,14 +159,14 @@ class WeightReceiver:
         decode_process: bool = False,
     ) -> None:
         self._bus = bus
-        # Deltas for a state the child can write (libs/weights/decode_process.py) are
-        # decoded there, off this process's GIL; snapshots (their ~1 GB of chunks would be
-        # copied through a pipe) and versions that add tensors here.
+        # Deltas are decoded in a process of its own (libs/weights/decode_process.py), off
+        # this process's GIL and off the GPU; snapshots (their ~1 GB of chunks would be
+        # copied through a pipe) and versions that add or remove tensors here.
         self._process: DecodeProcess | None = None
         if decode_process:
             from libs.weights.decode_process import DecodeProcess  # imports torch
 
-            self._process = DecodeProcess(threads, new_tensor_kind)
+            self._process = DecodeProcess(threads)
         self._current = current
         self._parallel = parallel
         self._max_in_flight_bytes = max_in_flight_bytes
@@ -392,6 +392,7 @@ class WeightReceiver:
         child = self._process
         if child is not None and update.kind == "delta" and child.accepts(state, manifest):
             base = self._checked_base(update)
+            assert base is not None  # a delta's base is a version held
             timings = child.prepare(state, manifest, base, update.chunks)
             update.applier, update.decoded, update.decoded_for = None, [], id(state)
             update.chunk_wall_s, update.chunk_cpu_s = timings

@@ -113,7 +113,9 @@ class RolloutWorkerService(Service):
             meter=ThroughputMeter(s.throughput_window_s),
         )
         weights_bus = await self._weights_bus(bus)
-        self.receiver = self._receiver(weights_bus)
+        # Deltas are decoded beside the engine in a process of its own where weights are on a GPU.
+        on_gpu = any(t.is_cuda for t in (self.engine.live_tensors() or {}).values())
+        self.receiver = self._receiver(weights_bus, decode_process=on_gpu)
         self.follower = WeightsFollower(
             self.engine, self.receiver, self.batcher, promoted_only=s.weights_promoted_only
         )
@@ -243,12 +245,12 @@ class RolloutWorkerService(Service):
         log.info("fetching weights from the regional relay", nats_url=redact_url(url))
         return self.regional_bus
 
-    def _receiver(self, weights_bus: Bus) -> WeightReceiver:
+    def _receiver(self, weights_bus: Bus, *, decode_process: bool) -> WeightReceiver:
         s = self.settings
         options: dict[str, Any] = {
             "parallel": s.weights_fetch_parallel,
             "threads": s.weights_decode_threads,
-            "decode_process": s.weights_decode_process,
+            "decode_process": s.weights_decode_process and decode_process,
             "fetch_timeout_s": s.weights_fetch_timeout_s,
             "verify_full": s.weights_verify_full,
         }

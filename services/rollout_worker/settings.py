@@ -63,8 +63,9 @@ class RolloutWorkerSettings(ServiceSettings, RunnerSettings, AgentSettings):
     # versions queued behind it; see libs/weights/decode_process.py.
     weights_decode_process: bool = Field(
         True,
-        description="Decode deltas for weights on a GPU in a process of its own (off the "
-        "worker's GIL); false: in the worker's threads",
+        description="Decode deltas for weights on a GPU in a process of its own, against a "
+        "host copy of the weights in /dev/shm (off the worker's GIL and off the GPU); false: "
+        "in the worker's threads (also where /dev/shm cannot hold the copy)",
     )
     weights_fetch_timeout_s: float = Field(10.0, gt=0, description="Longest wait for one chunk")
     weights_verify_full: bool = Field(
