@@ -70,9 +70,17 @@ class ChildProcess:
     def call(self, request: Any) -> tuple[str, Any, str]:
         """Send `request` (starting the child if needed) and wait for its answer; ChildDied
         if it dies first (it is replaced by a new one, started on the next call)."""
+        self.send(request)
+        return self.reply()
+
+    def send(self, request: Any) -> None:
+        """Send `request` (starting the child if needed); `reply` waits for its answer."""
         if self.process.pid is None:
             self.process.start()
         self._requests.put(request)
+
+    def reply(self) -> tuple[str, Any, str]:
+        """The answer to the oldest request sent and not answered yet; ChildDied as `call`."""
         while True:
             try:
                 answer: tuple[str, Any, str] = self._replies.get(timeout=POLL_S)

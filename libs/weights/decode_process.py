@@ -8,25 +8,30 @@ bench/results/h200/gpu_loop_paged_profile) the event loop held the GIL 40% of th
 the chunks' decodes took 4.8 s of wall time for 1.2 s of CPU summed over threads. A child
 that read the old values from the GPU itself (CUDA IPC) was freed of the GIL but ran in a
 third CUDA context beside the trainer's and the engine's, time-sliced with them: a version's
-decode still took 0.27 s (hf) to 0.39 s (paged) median for ~5 MB of delta, about the
-interval at which the trainer makes versions, so they queued (same day, H200,
-bench/results/h200/gpu_loop_decode_*). Here the child never touches the GPU: it decodes
-against a host copy of the weights (the mirror), in shared memory, that it keeps at the
-version the worker holds; the worker uploads what a version writes (positions and new bits,
-a few MB) in one copy before the pause and scatters it on the device in the pause.
+decode still took 0.27 s (hf) to 0.39 s (paged) median, about the interval at which the
+trainer makes versions, so they queued (same day, H200, bench/results/h200/gpu_loop_decode_*).
+
+Here the child never touches the GPU. It decodes against a host copy of the weights (the
+mirror, in shared memory) that it keeps at the version the worker holds, and leaves what a
+version writes (int32 positions and new bits: 200 MB for the 7% of byte-0.5b's elements an
+early step changes) in a staging buffer of shared memory, so only their places cross the
+pipe. The worker copies that buffer to the device in one copy before the pause and scatters
+it in the pause; the child writes the same values into its mirror meanwhile, and the next
+request waits for that.
 
     decoder = DecodeProcess(threads=8)
     timings = decoder.prepare(state, manifest, base, chunks)   # decoded there, nothing written
-    held = decoder.commit(manifest)   # the child writes its mirror, this process the state
+    held = decoder.commit(manifest)   # this process writes the state, the child its mirror
     decoder.close()
 
-The mirror costs one host copy of the mirrored tensors (the size of the weights; /dev/shm
-must hold it: `accepts` says no, and the receiver decodes in its own threads, when it
-cannot). It is filled from the state whenever it does not hold the base of the version to
-prepare (the first version, after a snapshot the receiver wrote itself, after a failure).
-Tensors already in shared memory on the CPU are their own mirror: the child writes them.
-Either way a decode against a wrong mirror cannot pass: every chunk's output hash covers
-the values it writes.
+The mirror costs one host copy of the mirrored tensors (the size of the weights) and the
+staging buffer what the largest version writes; /dev/shm must hold them (`accepts` says no
+when the mirror does not fit, and the receiver decodes in its own threads). The mirror is
+filled from the state whenever it does not hold the base of the version to prepare (the
+first version, after a snapshot the receiver wrote itself, after a failure). Tensors
+already in shared memory on the CPU are their own mirror: the child writes them, and
+`commit` waits for it. A decode against a wrong mirror cannot pass: every chunk's output
+hash covers the values it writes.
 
 Errors of the codec (CorruptDeltaError, BaseMismatchError, MissingChunkError) come back as
 themselves and leave the state as it was, except in `commit`, where a failure may leave it
@@ -41,6 +46,7 @@ import shutil
 import threading
 import traceback
 from collections.abc import Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,10 +56,10 @@ import torch
 
 from libs.child_process import ChildDied, ChildProcess, become_child
 from libs.weights.applier import DeltaApplier, PreparedChunks
-from libs.weights.errors import CorruptDeltaError, WeightsError
-from libs.weights.format import Chunk, Manifest, VersionInfo
+from libs.weights.encodings import Written
+from libs.weights.errors import CorruptDeltaError, MissingChunkError, WeightsError
+from libs.weights.format import Chunk, Manifest, PieceHeader, VersionInfo
 from libs.weights.gpu import INT_VIEWS, int_view
-from libs.weights.gpu_apply import upload
 from libs.weights.tensors import _torch_dtypes
 
 log = structlog.get_logger(__name__)
@@ -61,6 +67,7 @@ log = structlog.get_logger(__name__)
 SHM_PATH = "/dev/shm"
 # Room left in /dev/shm beside the mirror (other processes' queues and tensors).
 SHM_SPARE_BYTES = 64 << 20
+ALIGN_BYTES = 64  # of every array in the shared buffers (any element type views it)
 
 
 class DecodeProcessError(CorruptDeltaError):
@@ -68,15 +75,24 @@ class DecodeProcessError(CorruptDeltaError):
 
 
 @dataclass(frozen=True)
-class DecodedPiece:
-    """What one piece of a version writes into a mirrored tensor: elements [start, stop),
-    at `positions` relative to start (None: all of them), as unsigned integer bits."""
+class StagedPiece:
+    """Where the child left what one piece writes into a mirrored tensor, in the staging
+    buffer: elements [start, stop) of tensor `name`, at `count` int32 positions relative to
+    start from byte `positions_at` (-1: every element of the range, in order), new bits of
+    `width` bytes each from byte `values_at`."""
 
     name: str
     start: int
     stop: int
-    positions: np.ndarray | None
-    values: np.ndarray
+    positions_at: int
+    count: int
+    values_at: int
+    width: int
+
+    @property
+    def end(self) -> int:
+        """The staging byte after this piece's values."""
+        return self.values_at + self.count * self.width
 
 
 @dataclass(frozen=True)
@@ -104,8 +120,9 @@ class _Mirror:
     def __init__(self, state: Mapping[str, torch.Tensor]) -> None:
         self.key = _layout_key(state)
         self.names = [name for name, tensor in state.items() if _needs_mirror(tensor)]
+        self.direct = {name: t for name, t in state.items() if not _needs_mirror(t)}
         sizes = [state[name].numel() * state[name].element_size() for name in self.names]
-        offsets = np.cumsum([0, *(size + -size % 64 for size in sizes)])  # 64-byte aligned
+        offsets = np.cumsum([0, *(_aligned(size) for size in sizes)])
         self.buffer = torch.empty(int(offsets[-1]), dtype=torch.uint8).share_memory_()
         self.layout = [
             (name, int(offset), state[name].dtype, tuple(state[name].shape))
@@ -128,8 +145,10 @@ class DecodeProcess:
     def __init__(self, threads: int = 1) -> None:
         self._lock = threading.Lock()  # one request at a time
         self._mirror: _Mirror | None = None
+        self._staging: torch.Tensor | None = None  # the child's staging buffer, mapped here
         self._sent = False  # the child holds the mirror's tensors
         self._staged: _Staged | None = None
+        self._committing: VersionInfo | None = None  # a commit sent, its answer not read
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._refused_key: tuple[Any, ...] | None = None  # a state whose mirror would not fit
         self._closed = False
@@ -157,16 +176,21 @@ class DecodeProcess:
         chunks' decode seconds summed over chunks: wall, CPU (see PreparedChunks)."""
         with self._lock:
             self._staged = None
+            try:
+                self._settle()
+            except WeightsError as exc:  # the mirror is filled again below
+                log.warning("the weight decoder's mirror write failed", error=str(exc)[:300])
             self._sync_mirror(state, current)
-            wall_s, cpu_s, pieces = self._call(("prepare", manifest, current, chunks))
+            wall_s, cpu_s, pieces, staging = self._call(("prepare", manifest, current, chunks))
+            if staging is not None:
+                self._staging = staging
             writes = self._stage(state, pieces)
             self._staged = _Staged(manifest.version, manifest.target_hash, writes)
             return float(wall_s), float(cpu_s)
 
     def commit(self, manifest: Manifest) -> VersionInfo:
-        """Write the prepared version, which must be `manifest`'s, into the state (blocking):
-        the child into its mirror, then this process into the state's device tensors; the
-        version the state now holds."""
+        """Write the prepared version, which must be `manifest`'s, into the state (blocking),
+        while the child writes it into its mirror; the version the state now holds."""
         with self._lock:
             staged, self._staged = self._staged, None
             if staged is None:
@@ -178,10 +202,12 @@ class DecodeProcess:
             mirror = self._mirror
             assert mirror is not None  # prepared against it
             mirror.holds = None  # mid-write it holds neither version
-            held = self._call(("commit", manifest.version, manifest.target_hash))
-            assert isinstance(held, VersionInfo)
+            self._send(("commit", manifest.version, manifest.target_hash))
+            self._committing = VersionInfo(version=manifest.version, hash=manifest.target_hash)
             self._scatter(staged.writes)
-            mirror.holds = held
+            held = self._committing
+            if mirror.direct:  # tensors of the state itself: written once the child answers
+                self._settle()
             return held
 
     def close(self) -> None:
@@ -190,6 +216,16 @@ class DecodeProcess:
             if not self._closed:
                 self._closed = True
                 self._process.close()
+
+    def _settle(self) -> None:
+        """Read the answer to a commit sent: the mirror then holds its version."""
+        if self._committing is None:
+            return
+        held, self._committing = self._committing, None
+        answer = self._receive()
+        assert answer == held, f"the child committed {answer}, not {held}"
+        assert self._mirror is not None
+        self._mirror.holds = held
 
     def _mirror_fits(self, state: Mapping[str, torch.Tensor]) -> bool:
         """Whether the mirror of this state exists or fits in /dev/shm (logged once if not)."""
@@ -223,30 +259,28 @@ class DecodeProcess:
             self._sent = False
             mirror = self._mirror = _Mirror(state)
         if not self._sent:
-            direct = {name: t for name, t in state.items() if not _needs_mirror(t)}
-            self._call(("state", mirror.buffer, mirror.layout, direct))
+            self._call(("state", mirror.buffer, mirror.layout, mirror.direct))
             self._sent = True
         if mirror.holds != current:
             mirror.fill(state)
             mirror.holds = current
 
     def _stage(
-        self, state: Mapping[str, torch.Tensor], pieces: list[DecodedPiece]
+        self, state: Mapping[str, torch.Tensor], pieces: list[StagedPiece]
     ) -> list[_StagedWrite]:
-        """The pieces on their tensors' devices, one upload per device; waits for it."""
+        """The pieces on their tensors' devices: the staging buffer in one copy per device."""
+        if not pieces:
+            return []
+        assert self._staging is not None  # sent with the first pieces
         writes: list[_StagedWrite] = []
-        by_device: dict[torch.device, list[DecodedPiece]] = {}
-        for piece in pieces:
-            by_device.setdefault(state[piece.name].device, []).append(piece)
-        for device, group in by_device.items():
-            arrays = [a for p in group for a in (p.positions, p.values) if a is not None]
+        devices = {state[piece.name].device for piece in pieces}
+        for device in devices:
+            mine = [piece for piece in pieces if state[piece.name].device == device]
+            used = max(piece.end for piece in mine)
             with self._on_side_stream(device):
-                staged = iter(upload(arrays, device))
-                for piece in group:
-                    bits = int_view(state[piece.name])[piece.start : piece.stop]
-                    at = None if piece.positions is None else next(staged).view(torch.int32)
-                    values = next(staged).view(INT_VIEWS[piece.values.dtype.itemsize])
-                    writes.append(_StagedWrite(bits, at, values))
+                data = self._staging[:used].to(device, non_blocking=True)
+            for piece in mine:
+                writes.append(_staged_write(state[piece.name], piece, data))
         return writes
 
     def _scatter(self, writes: list[_StagedWrite]) -> None:
@@ -274,13 +308,20 @@ class DecodeProcess:
         stream.synchronize()
 
     def _call(self, request: tuple[Any, ...]) -> Any:
+        self._send(request)
+        return self._receive()
+
+    def _send(self, request: tuple[Any, ...]) -> None:
         if self._closed:
             raise DecodeProcessError("the decode process is closed")
         if self._process.replace_if_dead():
             self._sent = False
             raise DecodeProcessError(f"the decode process died before the {request[0]}")
+        self._process.send(request)
+
+    def _receive(self) -> Any:
         try:
-            status, value, detail = self._process.call(request)
+            status, value, detail = self._process.reply()
         except ChildDied as exc:
             self._sent = False
             raise DecodeProcessError(f"the decode process died ({exc})") from None
@@ -291,6 +332,17 @@ class DecodeProcess:
         raise DecodeProcessError(f"the decode process failed: {value}\n{detail}")
 
 
+def _staged_write(tensor: torch.Tensor, piece: StagedPiece, data: torch.Tensor) -> _StagedWrite:
+    """One piece's write, its positions and bits viewed in the staged copy `data`."""
+    bits = int_view(tensor)[piece.start : piece.stop]
+    positions = None
+    if piece.positions_at >= 0:
+        positions = data[piece.positions_at : piece.positions_at + 4 * piece.count]
+        positions = positions.view(torch.int32)
+    values = data[piece.values_at : piece.end].view(INT_VIEWS[piece.width])
+    return _StagedWrite(bits, positions, values)
+
+
 def _needs_mirror(tensor: torch.Tensor) -> bool:
     """A tensor the child cannot write itself: on a GPU, or in this process's own memory."""
     return tensor.is_cuda or not tensor.is_shared()
@@ -298,6 +350,10 @@ def _needs_mirror(tensor: torch.Tensor) -> bool:
 
 def _layout_key(state: Mapping[str, torch.Tensor]) -> tuple[Any, ...]:
     return tuple((name, t.data_ptr(), t.dtype, tuple(t.shape)) for name, t in state.items())
+
+
+def _aligned(size: int) -> int:
+    return size + -size % ALIGN_BYTES
 
 
 def _views(
@@ -315,28 +371,10 @@ def _serve(requests: Any, replies: Any, threads: int, parent: int) -> None:
     """The child: hold the mirror, prepare versions against it and commit them, until told
     to stop (None) or the parent dies. Never touches a GPU."""
     become_child(parent)
-    mirror: dict[str, torch.Tensor] = {}
-    mirrored: set[str] = set()  # the tensors whose writes the parent repeats on its device
-    prepared: tuple[DeltaApplier, PreparedChunks] | None = None
+    child = _Child(threads)
     while (request := requests.get()) is not None:
         try:
-            if request[0] == "state":
-                _, buffer, layout, direct = request
-                mirror = {**_views(buffer, layout), **direct}
-                mirrored = {name for name, _, _, _ in layout}
-                prepared = None
-                replies.put(("ok", None, ""))
-            elif request[0] == "prepare":
-                _, manifest, current, chunks = request
-                prepared = None
-                applier = DeltaApplier(mirror, manifest, current, reuse_whole=True)
-                decoded = applier.prepare_all(chunks, threads)
-                prepared = applier, decoded
-                pieces = _decoded_pieces(chunks, decoded, mirrored)
-                replies.put(("ok", (decoded.wall_s, decoded.cpu_s, pieces), ""))
-            else:
-                replies.put(("ok", _commit(prepared, *request[1:]), ""))
-                prepared = None
+            replies.put(("ok", child.handle(request), ""))
         except WeightsError as exc:
             replies.put(("error", exc, traceback.format_exc()))
         except Exception as exc:
@@ -344,38 +382,125 @@ def _serve(requests: Any, replies: Any, threads: int, parent: int) -> None:
         del request
 
 
-def _decoded_pieces(
-    chunks: list[Chunk], decoded: PreparedChunks, mirrored: set[str]
-) -> list[DecodedPiece]:
-    """What the prepared chunks write into mirrored tensors (prepare_all keeps the chunks'
-    order, and a prepared chunk's writes are its header's pieces in order); positions as
+class _Child:
+    """The decode process's side: the mirror, the staging buffer, the version prepared."""
+
+    def __init__(self, threads: int) -> None:
+        self.threads = threads
+        self.mirror: dict[str, torch.Tensor] = {}
+        self.mirrored: set[str] = set()  # the tensors whose writes the parent makes too
+        self.staging: torch.Tensor | None = None
+        self.prepared: tuple[DeltaApplier, PreparedChunks] | None = None
+
+    def handle(self, request: tuple[Any, ...]) -> Any:
+        kind, *args = request
+        if kind == "state":
+            return self.hold(*args)
+        if kind == "prepare":
+            return self.prepare(*args)
+        return self.commit(*args)
+
+    def hold(self, buffer: torch.Tensor, layout: list[Any], direct: dict[str, Any]) -> None:
+        self.mirror = {**_views(buffer, layout), **direct}
+        self.mirrored = {name for name, _, _, _ in layout}
+        self.prepared = None
+
+    def prepare(
+        self, manifest: Manifest, current: VersionInfo, chunks: list[Chunk]
+    ) -> tuple[float, float, list[StagedPiece], torch.Tensor | None]:
+        """Decode the version against the mirror and stage what it writes into mirrored
+        tensors; the decode's timings, the staged pieces and a new staging buffer if it
+        had to grow (None: the one sent before)."""
+        self.prepared = None
+        applier = DeltaApplier(self.mirror, manifest, current, reuse_whole=True)
+        decoded = applier.prepare_all(chunks, self.threads)
+        missing = {ref.index for ref in manifest.chunks} - {c.index for c in decoded.chunks}
+        if missing:
+            raise MissingChunkError(f"{len(missing)} chunk(s) not sent, first: {min(missing)}")
+        writes = [
+            (piece, written)
+            for chunk, prepared in zip(chunks, decoded.chunks, strict=True)
+            for piece, (_, written) in zip(chunk.header.pieces, prepared.writes, strict=True)
+            if piece.name in self.mirrored
+        ]
+        pieces, needed = _staging_layout(writes)
+        grown = self._reserve(needed)
+        self._copy_out(writes, pieces)
+        self.prepared = applier, decoded
+        return decoded.wall_s, decoded.cpu_s, pieces, grown
+
+    def _reserve(self, needed: int) -> torch.Tensor | None:
+        """A staging buffer of at least `needed` bytes: the one held, or a new one."""
+        if self.staging is not None and self.staging.numel() >= needed:
+            return None
+        size = max(needed + needed // 4, 1 << 20)
+        if self.staging is not None:
+            self.staging = None  # freed before the next is made
+        free = shutil.disk_usage(SHM_PATH).free
+        if free < size + SHM_SPARE_BYTES:
+            raise DecodeProcessError(
+                f"no room in {SHM_PATH} for {size / 1e6:.0f} MB of decoded writes "
+                f"({free / 1e6:.0f} MB free)"
+            )
+        self.staging = torch.empty(size, dtype=torch.uint8).share_memory_()
+        return self.staging
+
+    def _copy_out(
+        self, writes: list[tuple[PieceHeader, Written]], pieces: list[StagedPiece]
+    ) -> None:
+        """Write the pieces' positions (as int32) and bits into the staging buffer."""
+        assert self.staging is not None or not pieces
+        buffer = self.staging.numpy() if self.staging is not None else np.empty(0, np.uint8)
+
+        def copy(job: tuple[tuple[PieceHeader, Written], StagedPiece]) -> None:
+            (_, written), piece = job
+            if written.positions is not None:
+                at = buffer[piece.positions_at : piece.positions_at + 4 * piece.count]
+                np.copyto(at.view(np.int32), written.positions, casting="unsafe")
+            values = np.ascontiguousarray(written.values).reshape(-1).view(np.uint8)
+            buffer[piece.values_at : piece.end] = values
+
+        jobs = list(zip(writes, pieces, strict=True))
+        if self.threads > 1 and len(jobs) > 1:
+            with ThreadPoolExecutor(self.threads) as pool:
+                list(pool.map(copy, jobs))
+        else:
+            for job in jobs:
+                copy(job)
+
+    def commit(self, version: int, target_hash: str) -> VersionInfo:
+        """Write the prepared version into the mirror; the version it then holds."""
+        prepared, self.prepared = self.prepared, None
+        if prepared is None:
+            raise DecodeProcessError(f"version {version} to commit was not prepared")
+        applier, decoded = prepared
+        manifest = applier.manifest
+        if (manifest.version, manifest.target_hash) != (version, target_hash):
+            raise DecodeProcessError(f"version {version} to commit, {manifest.version} prepared")
+        if self.threads > 1 and len(decoded.chunks) > 1:
+            with ThreadPoolExecutor(self.threads) as pool:
+                list(pool.map(applier.commit, decoded.chunks))
+        else:
+            for chunk in decoded.chunks:
+                applier.commit(chunk)
+        return applier.finish()
+
+
+def _staging_layout(writes: list[tuple[PieceHeader, Written]]) -> tuple[list[StagedPiece], int]:
+    """Where each write goes in the staging buffer, and the bytes needed; positions as
     int32 (a piece is far under 2^31 elements)."""
-    pieces = []
-    for chunk, prepared in zip(chunks, decoded.chunks, strict=True):
-        for piece, (_, written) in zip(chunk.header.pieces, prepared.writes, strict=True):
-            if piece.name not in mirrored:
-                continue
-            positions = written.positions
-            if positions is not None:
-                positions = positions.astype(np.int32)
-            pieces.append(DecodedPiece(piece.name, piece.start, piece.stop, positions,
-                                       np.ascontiguousarray(written.values)))  # fmt: skip
-    return pieces
-
-
-def _commit(
-    prepared: tuple[DeltaApplier, PreparedChunks] | None, version: int, target_hash: str
-) -> VersionInfo:
-    """Write the prepared version into the mirror; the version it then holds."""
-    if prepared is None:
-        raise DecodeProcessError(f"version {version} to commit was not prepared")
-    applier, decoded = prepared
-    manifest = applier.manifest
-    if (manifest.version, manifest.target_hash) != (version, target_hash):
-        raise DecodeProcessError(f"version {version} to commit, {manifest.version} prepared")
-    for chunk in decoded.chunks:
-        applier.commit(chunk)
-    return applier.finish()
+    pieces, at = [], 0
+    for header, written in writes:
+        assert header.stop - header.start < 2**31, "a piece too long for int32 positions"
+        count, width = int(written.values.size), int(written.values.dtype.itemsize)
+        positions_at = -1
+        if written.positions is not None:
+            positions_at, at = at, at + _aligned(4 * count)
+        pieces.append(
+            StagedPiece(header.name, header.start, header.stop, positions_at, count, at, width)
+        )
+        at += _aligned(count * width)
+    return pieces, at
 
 
 def _fits(state: Mapping[str, Any], manifest: Manifest) -> bool:
