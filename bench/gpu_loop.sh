@@ -84,6 +84,13 @@ diff_device=${DIFF_DEVICE-$device}
 # steps, 1.76 s (decode 0.27 s), 12.6% dropped, busy 0.48, above 0.8 after 73 s; hf with
 # DECODE_PROCESS=false in the same session 205 steps, 1.24 s (decode 0.31 s), none dropped,
 # busy 0.41, above 0.8 after 73 s.
+# The child then decoded against a host mirror instead of the GPU (same day, H200, 180 s):
+# with the decoded writes sent back through its pipe (200 MB for an early 30 MB delta) it
+# was worse (hf 96 steps, 12.9 s, 44% dropped: bench/results/h200/gpu_loop_mirror_pipe_*);
+# through a shared staging buffer (bench/results/h200/gpu_loop_staging_*): hf 271 steps,
+# busy 0.56, 5.4% dropped, 2.15 s median (1.0 s after version 200), above 0.8 after 90 s;
+# LEARNING_RATE=1e-6 377 steps, busy 0.62, 0.8% dropped, 0.89 s; paged 279 steps, busy 0.45,
+# 29% dropped, 3.95 s (notify 2.4 s: its versions still queue).
 export RLPIPE_ROLLOUT_WORKER_ENGINE_TYPE=${ENGINE:-hf}
 # DECODE_PROCESS=false: the worker decodes versions in its own threads instead of a child
 # process (libs/weights/decode_process.py, the worker's default).

@@ -17,7 +17,10 @@ version writes (int32 positions and new bits: 200 MB for the 7% of byte-0.5b's e
 early step changes) in a staging buffer of shared memory, so only their places cross the
 pipe. The worker copies that buffer to the device in one copy before the pause and scatters
 it in the pause; the child writes the same values into its mirror meanwhile, and the next
-request waits for that.
+request waits for that. In the GPU loop (H200, 180 s, bench/results/h200/gpu_loop_staging_hf)
+a version's decode took 0.38 s median with 30 MB deltas early on and 0.22 s with the 7 MB
+ones later, the pause 14 ms; sending the writes back through the pipe instead took 1.1 s
+and a 0.28 s pause (the mirror's write was inside it), and the loop fell behind.
 
     decoder = DecodeProcess(threads=8)
     timings = decoder.prepare(state, manifest, base, chunks)   # decoded there, nothing written
