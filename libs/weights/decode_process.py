@@ -206,9 +206,9 @@ class DecodeProcess:
             assert mirror is not None  # prepared against it
             mirror.holds = None  # mid-write it holds neither version
             self._send(("commit", manifest.version, manifest.target_hash))
-            self._committing = VersionInfo(version=manifest.version, hash=manifest.target_hash)
+            held = VersionInfo(version=manifest.version, hash=manifest.target_hash)
+            self._committing = held  # the answer is read by the next request
             self._scatter(staged.writes)
-            held = self._committing
             if mirror.direct:  # tensors of the state itself: written once the child answers
                 self._settle()
             return held
