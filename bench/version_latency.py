@@ -25,8 +25,10 @@ wall well above CPU says the decode threads waited, for the GIL or a lock).
 
     .venv/bin/python bench/version_latency.py RUN_DIR [--json OUT]
 
-Prints the median, p90 and max of each part over the versions found in every log, and
-writes them (with the per-version rows) as JSON when --json is given.
+Prints the median, p90 and max of each part over the versions found in every log, and the
+median total of the versions made in each 30 s of the run (early versions of a run are the
+big deltas: Adam's first steps change more elements), and writes them (with the per-version
+rows) as JSON when --json is given.
 """
 
 from __future__ import annotations
@@ -102,7 +104,7 @@ def version_rows(run_dir: Path) -> list[dict[str, float]]:
     rows = []
     for version in sorted(set(ends) & set(staged) & set(announced) & set(fetched) & set(swapped)):
         lines = (staged[version], announced[version], fetched[version], swapped[version])
-        rows.append(row(version, ends[version], *lines))
+        rows.append({**row(version, ends[version], *lines), "step_end": ends[version]})
     return rows
 
 
@@ -154,7 +156,24 @@ def summarize(rows: list[dict[str, float]]) -> dict[str, Any]:
             "p90_s": round(p90, 4),
             "max_s": round(values[-1], 4),
         }
+    summary["total_median_by_30s"] = total_by_window(rows, WINDOW_S)
     return summary
+
+
+WINDOW_S = 30.0
+
+
+def total_by_window(rows: list[dict[str, float]], window_s: float) -> list[float | None]:
+    """Median total latency of the versions whose step ended in each `window_s` of the run
+    (from the first such step; None for a window without one)."""
+    first = min(r["step_end"] for r in rows)
+    windows: dict[int, list[float]] = {}
+    for r in rows:
+        windows.setdefault(int((r["step_end"] - first) // window_s), []).append(r["total"])
+    return [
+        round(statistics.median(windows[i]), 3) if i in windows else None
+        for i in range(max(windows) + 1)
+    ]
 
 
 def main() -> None:
@@ -169,6 +188,8 @@ def main() -> None:
         figures = summary[part]
         median, p90, most = figures["median_s"], figures["p90_s"], figures["max_s"]
         print(f"  {part:<10} {median:>8.3f} {p90:>8.3f} {most:>8.3f}")
+    if rows:
+        print(f"  total, median by {WINDOW_S:.0f} s of the run: {summary['total_median_by_30s']}")
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"summary": summary, "rows": rows}, indent=2) + "\n")
