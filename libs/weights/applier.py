@@ -37,6 +37,7 @@ from libs.weights.targets import CpuRange
 from libs.weights.tensors import RawTensor, State, as_raw, empty_raw, kind_of, like_kind, raw_state
 
 T = TypeVar("T")
+R = TypeVar("R")
 
 
 @dataclass(frozen=True)
@@ -219,11 +220,7 @@ class DeltaApplier:
             prepared = self.prepare(chunk, check_payload=False)
             return prepared, time.perf_counter() - wall_s, time.thread_time() - cpu_s
 
-        if threads > 1 and len(chunks) > 1:
-            with ThreadPoolExecutor(threads) as pool:
-                results = list(pool.map(timed, chunks))
-        else:
-            results = [timed(chunk) for chunk in chunks]
+        results = map_on_threads(timed, chunks, threads)
         return PreparedChunks(
             [prepared for prepared, _, _ in results],
             wall_s=sum(wall_s for _, wall_s, _ in results),
@@ -232,12 +229,11 @@ class DeltaApplier:
 
     def apply_all(self, chunks: Iterable[Chunk], threads: int = 1) -> None:
         """Apply many chunks, on `threads` threads."""
-        if threads > 1:
-            with ThreadPoolExecutor(threads) as pool:
-                list(pool.map(self.apply, chunks))
-        else:
-            for chunk in chunks:
-                self.apply(chunk)
+        map_on_threads(self.apply, list(chunks), threads)
+
+    def commit_all(self, prepared: list[PreparedChunk], threads: int = 1) -> None:
+        """`commit` every prepared chunk (they touch disjoint elements), on `threads` threads."""
+        map_on_threads(self.commit, prepared, threads)
 
     def finish(self, verify_full: bool = False, threads: int = 1) -> VersionInfo:
         """Check completeness, drop removed tensors, optionally rehash; returns the new version."""
@@ -255,6 +251,14 @@ class DeltaApplier:
                     "the applied state does not match the manifest's target hash"
                 )
         return VersionInfo(version=self.manifest.version, hash=self.manifest.target_hash)
+
+
+def map_on_threads(work: Callable[[T], R], items: list[T], threads: int) -> list[R]:
+    """`work` on every item, in order, on up to `threads` threads (in this one for one)."""
+    if threads > 1 and len(items) > 1:
+        with ThreadPoolExecutor(min(threads, len(items))) as pool:
+            return list(pool.map(work, items))
+    return [work(item) for item in items]
 
 
 def _decoding(index: int, name: str, work: Callable[..., T], *args: Any) -> T:

@@ -49,7 +49,6 @@ import shutil
 import threading
 import traceback
 from collections.abc import Iterator, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,7 +57,7 @@ import structlog
 import torch
 
 from libs.child_process import ChildDied, ChildProcess, become_child
-from libs.weights.applier import DeltaApplier, PreparedChunks
+from libs.weights.applier import DeltaApplier, PreparedChunks, map_on_threads
 from libs.weights.encodings import Written
 from libs.weights.errors import CorruptDeltaError, MissingChunkError, WeightsError
 from libs.weights.format import Chunk, Manifest, PieceHeader, VersionInfo
@@ -238,9 +237,8 @@ class DecodeProcess:
         if self._refused_key == key:
             return False
         needed = sum(t.numel() * t.element_size() for t in state.values() if _needs_mirror(t))
-        free = shutil.disk_usage(SHM_PATH).free if needed else 0
-        if self._mirror is not None:
-            free += self._mirror.buffer.numel()  # replaced, not added
+        replaced = self._mirror.buffer.numel() if self._mirror is not None else 0
+        free = _shm_free_bytes() + replaced if needed else 0
         if needed and free < needed + SHM_SPARE_BYTES:
             self._refused_key = key
             log.warning(
@@ -351,6 +349,11 @@ def _needs_mirror(tensor: torch.Tensor) -> bool:
     return tensor.is_cuda or not tensor.is_shared()
 
 
+def _shm_free_bytes() -> int:
+    """Bytes /dev/shm can still hold (a full one fails writes with SIGBUS, not an error)."""
+    return shutil.disk_usage(SHM_PATH).free
+
+
 def _layout_key(state: Mapping[str, torch.Tensor]) -> tuple[Any, ...]:
     return tuple((name, t.data_ptr(), t.dtype, tuple(t.shape)) for name, t in state.items())
 
@@ -439,7 +442,7 @@ class _Child:
         size = max(needed + needed // 4, 1 << 20)
         if self.staging is not None:
             self.staging = None  # freed before the next is made
-        free = shutil.disk_usage(SHM_PATH).free
+        free = _shm_free_bytes()
         if free < size + SHM_SPARE_BYTES:
             raise DecodeProcessError(
                 f"no room in {SHM_PATH} for {size / 1e6:.0f} MB of decoded writes "
@@ -463,13 +466,7 @@ class _Child:
             values = np.ascontiguousarray(written.values).reshape(-1).view(np.uint8)
             buffer[piece.values_at : piece.end] = values
 
-        jobs = list(zip(writes, pieces, strict=True))
-        if self.threads > 1 and len(jobs) > 1:
-            with ThreadPoolExecutor(self.threads) as pool:
-                list(pool.map(copy, jobs))
-        else:
-            for job in jobs:
-                copy(job)
+        map_on_threads(copy, list(zip(writes, pieces, strict=True)), self.threads)
 
     def commit(self, version: int, target_hash: str) -> VersionInfo:
         """Write the prepared version into the mirror; the version it then holds."""
@@ -480,12 +477,7 @@ class _Child:
         manifest = applier.manifest
         if (manifest.version, manifest.target_hash) != (version, target_hash):
             raise DecodeProcessError(f"version {version} to commit, {manifest.version} prepared")
-        if self.threads > 1 and len(decoded.chunks) > 1:
-            with ThreadPoolExecutor(self.threads) as pool:
-                list(pool.map(applier.commit, decoded.chunks))
-        else:
-            for chunk in decoded.chunks:
-                applier.commit(chunk)
+        applier.commit_all(decoded.chunks, self.threads)
         return applier.finish()
 
 
