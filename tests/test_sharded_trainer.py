@@ -33,6 +33,7 @@ from libs.trainer.config import TrainerConfig
 from libs.trainer.launch import trainer_command
 from libs.trainer.ranks import Setup, weights_fingerprint
 from libs.trainer.sharded import (
+    exit_rank,
     export_policy_folder,
     full_state_dict,
     leave_process_group,
@@ -159,6 +160,7 @@ def run_rank(rank: int, port: int, out: Path, resume: bool) -> None:
             name = "resumed.pt" if resume else "step2.pt"
             torch.save({"stats": stats, "weights": step2}, out / name)
         leave_process_group()
+        exit_rank()
     finally:
         if dist.is_initialized():  # a rank that failed: no barrier, the others may be gone
             dist.destroy_process_group()

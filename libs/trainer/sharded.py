@@ -33,9 +33,10 @@ written but untested.
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -72,11 +73,26 @@ def setup_process_group(device: torch.device) -> None:
 
 
 def leave_process_group() -> None:
-    """Leave the job's process group once every rank got here: a rank that tears its group
-    down while another still finishes its last collective can abort that one (a gloo rank
-    died with SIGABRT, "terminate called without an active exception", once in make test)."""
+    """Leave the job's process group once every rank got here (a rank that tears its group
+    down while another still finishes its last collective can abort that one). End the
+    process with `exit_rank` afterwards."""
     dist.barrier()
     dist.destroy_process_group()
+
+
+def exit_rank(code: int = 0) -> NoReturn:
+    """End a rank's process after `leave_process_group`, without the interpreter's teardown.
+
+    `destroy_process_group` drops Python's references only: C++ still holds the gloo group
+    (checked: a weak reference to it outlives the model and a gc), so its worker threads
+    outlive `main`. A worker that releases a tensor while the interpreter finalizes takes
+    the GIL, and a thread that takes it then is unwound, which aborts the process ("terminate
+    called without an active exception", SIGABRT: rank 1 of the 2-rank test, in make test
+    once before that barrier was added and once after; pytorch issue 190489). The rank's
+    files are closed by now; stdio is flushed here."""
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(code)
 
 
 def shard_policy(model: PreTrainedModel) -> PreTrainedModel:

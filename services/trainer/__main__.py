@@ -11,6 +11,7 @@ rank 0 is the service (bus, health, metrics) and the other ranks follow it
 from libs.service import run_service
 from libs.settings import settings_or_exit
 from libs.trainer.ranks import die_with_launcher, follow, this_rank, world_size
+from libs.trainer.sharded import exit_rank
 from services.trainer.service import TrainerService
 from services.trainer.settings import TrainerSettings
 
@@ -21,8 +22,10 @@ def main() -> None:
         die_with_launcher()
     if this_rank() > 0:
         follow(settings.policy, settings.log_level, settings.log_format)
-        return
-    run_service(TrainerService(settings), settings)
+    else:
+        run_service(TrainerService(settings), settings)
+    if world_size() > 1:
+        exit_rank()  # the process group outlives main (see exit_rank)
 
 
 if __name__ == "__main__":
