@@ -9,8 +9,11 @@ version. Per version, in order:
     stage     the copy to the host, the safetensors file written and announced to the
               broadcaster (a delta the trainer encodes: the delta file written and announced)
     queue     staged -> the broadcaster starts on it (the previous version still encoding)
-    encode    load the staged file, diff against the base, encode the chunks (a delta the
-              trainer encodes: its encode there, and the broadcaster's read of the file)
+    diff      find the elements that changed against the base (a delta the trainer encodes
+              on its GPU: the device diff, and the changes' copy to the host mirror)
+    encode    the rest of the encode: load the staged file, hash the target, encode the
+              chunks (a delta the trainer encodes: its encode and the file's write there,
+              and the broadcaster's read of the file)
     store     chunks onto the bus, announcement published
     notify    announced -> the worker starts fetching
     fetch     chunks fetched and verified
@@ -44,6 +47,7 @@ PARTS = (
     "hold",
     "stage",
     "queue",
+    "diff",
     "encode",
     "store",
     "notify",
@@ -125,12 +129,14 @@ def row(
     t_fetched, t_swapped = timestamp(fetched), timestamp(swapped)
     hold_s = float(staged.get("waited_s", 0.0))
     trainer_encode_s = float(staged.get("encode_s", 0.0))  # a delta encoded by the trainer
+    diff_s = float(staged.get("diff_s", 0.0)) + float(announced.get("diff_s", 0.0))
     return {
         "version": version,
         "hold": hold_s,
         "stage": t_staged - step_end - hold_s - trainer_encode_s,
         "queue": t_announced - t_staged - encode_s - store_s,
-        "encode": trainer_encode_s + encode_s,
+        "diff": diff_s,
+        "encode": trainer_encode_s + encode_s - diff_s,
         "store": store_s,
         "notify": t_fetched - fetch_s - t_announced,
         "fetch": fetch_s,

@@ -128,6 +128,7 @@ async def test_the_delta_encoder_process_reports_its_failures_and_death(tmp_path
     changed["w"][3] = -1.0
     delta = await encoder.encode(changed, 2)
     assert (delta.version, delta.base_version, delta.file_name) == (2, 1, "v2.delta")
+    assert 0 < delta.diff_s < delta.encode_s
     manifest, _ = read_delta_file(tmp_path / delta.file_name)
     assert manifest.target_hash == delta.target_hash == state_hash(raw_state(changed))
     encoder._process.kill()  # a crash: the next request says so instead of hanging

@@ -6,6 +6,8 @@ GPU. The reference is always the CPU codec: the device encoder must produce the 
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -19,6 +21,7 @@ from libs.weights import (
     gpu,
     gpu_apply,
 )
+from libs.weights.encoder import EncodeTimes
 from libs.weights.format import Chunk, encode_chunk, encode_manifest
 from libs.weights.gpu import device_changes, encode_device, on_device
 from libs.weights.gpu_apply import DeviceDeltaApplier
@@ -142,9 +145,16 @@ def mixed_states(device: str, seed: int = 0) -> tuple[dict, dict]:
 def test_device_encoder_is_byte_identical_to_the_cpu_encoder(device: str) -> None:
     base, new = mixed_states(device)
     mirror = host(base)
-    want = encode(host(base), host(new), base_version=4, version=5, options=SMALL)
-    got = encode_device(base, new, mirror, base_version=4, version=5, options=SMALL)
+    host_times, device_times = EncodeTimes(), EncodeTimes()
+    started = time.perf_counter()
+    want = encode(host(base), host(new), base_version=4, version=5, options=SMALL, times=host_times)
+    host_s = time.perf_counter() - started
+    got = encode_device(
+        base, new, mirror, base_version=4, version=5, options=SMALL, times=device_times
+    )
+    device_s = time.perf_counter() - started - host_s
     assert_same_delta(got, want)
+    assert 0 < host_times.diff_s < host_s and 0 < device_times.diff_s < device_s
     encodings = {p.encoding for c in got[1] for p in c.header.pieces}
     assert {"sparse_add", "raw"} <= encodings and encodings & {"sparse_xor", "dense_xor"}
     assert_same_bits(mirror, new)  # the mirror now holds the target: the next call's base

@@ -33,7 +33,7 @@ import structlog
 import torch
 
 from libs.child_process import ChildDied, ChildProcess, become_child
-from libs.weights.encoder import EncodeOptions
+from libs.weights.encoder import EncodeOptions, EncodeTimes
 from libs.weights.gpu import encode_device
 from libs.weights.handoff import write_staged_delta
 from libs.weights.hashing import state_hash
@@ -56,6 +56,7 @@ class EncodedDelta:
     file_name: str
     num_bytes: int
     encode_s: float  # the child's encode and write
+    diff_s: float  # of which: finding the changes, and their copy to the host
 
 
 @dataclass
@@ -158,10 +159,10 @@ def _encode(
     staging_dir: Path,
     options: EncodeOptions,
 ) -> tuple[EncodedDelta, _Chain]:
-    started = time.perf_counter()
+    started, times = time.perf_counter(), EncodeTimes()
     manifest, chunks = encode_device(
         chain.state, state, chain.mirror, base_version=chain.version, version=version,
-        options=options, base_hash=chain.hash, spare=chain.spare,
+        options=options, base_hash=chain.hash, spare=chain.spare, times=times,
     )  # fmt: skip
     path = write_staged_delta(staging_dir, manifest, chunks)
     delta = EncodedDelta(
@@ -171,5 +172,6 @@ def _encode(
         file_name=path.name,
         num_bytes=path.stat().st_size,
         encode_s=time.perf_counter() - started,
+        diff_s=times.diff_s,
     )
     return delta, _Chain(version, manifest.target_hash, state, chain.mirror, chain.spare)

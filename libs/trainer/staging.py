@@ -236,6 +236,7 @@ class WeightStager:
             lambda: announce_staged_delta(
                 self._publisher, self._staging_dir, delta.version, delta.base_version,
                 step=offer.step, offered_s=offer.offered_s, encode_s=encode_s,
+                diff_s=delta.diff_s,
             ),
             "staging weights",
         )  # fmt: skip

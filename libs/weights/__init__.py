@@ -9,7 +9,7 @@ States are ordered mappings name -> numpy array, CPU torch tensor or RawTensor.
 
 from libs.weights.applier import DeltaApplier, decode
 from libs.weights.container import pack_delta, read_delta_file, unpack_delta, write_delta_file
-from libs.weights.encoder import EncodeOptions, encode, encode_snapshot
+from libs.weights.encoder import EncodeOptions, EncodeTimes, encode, encode_snapshot
 from libs.weights.errors import (
     BaseMismatchError,
     CorruptDeltaError,
@@ -27,6 +27,7 @@ __all__ = [
     "CorruptDeltaError",
     "DeltaApplier",
     "EncodeOptions",
+    "EncodeTimes",
     "Manifest",
     "MissingChunkError",
     "PieceHeader",

@@ -56,7 +56,7 @@ from libs.bus.connection import Bus
 from libs.bus.consumer import Delivery, PermanentError
 from libs.bus.publisher import Publisher
 from libs.weights.applier import DeltaApplier
-from libs.weights.encoder import EncodeOptions, encode, encode_snapshot
+from libs.weights.encoder import EncodeOptions, EncodeTimes, encode, encode_snapshot
 from libs.weights.errors import WeightsError
 from libs.weights.format import Chunk, Manifest, VersionInfo
 from libs.weights.handoff import (
@@ -133,6 +133,7 @@ class DeviceBase:
         new: Mapping[str, RawTensor],
         version: int,
         options: EncodeOptions,
+        times: EncodeTimes | None = None,
     ) -> tuple[Manifest, list[Chunk]]:
         """The delta head -> `new`, the same chunks as `encode(base, new)` makes."""
         from libs.weights.gpu import device_changes
@@ -147,7 +148,7 @@ class DeviceBase:
 
         return encode(
             base, new, base_version=head.version, version=version, options=options,
-            base_hash=head.hash, scan=scan,
+            base_hash=head.hash, scan=scan, times=times,
         )  # fmt: skip
 
     def _upload(self, raw: RawTensor) -> torch.Tensor:
@@ -453,21 +454,21 @@ class WeightBroadcaster:
         new: Mapping[str, RawTensor],
         version: int,
     ) -> None:
-        started = time.perf_counter()
+        started, times = time.perf_counter(), EncodeTimes()
         if self._device_base is not None:
             manifest, chunks = await asyncio.to_thread(
-                self._device_base.encode, head, base, new, version, self.options
+                self._device_base.encode, head, base, new, version, self.options, times
             )
         else:
             manifest, chunks = await asyncio.to_thread(
                 encode, base, new, base_version=head.version, version=version,
-                options=self.options, base_hash=head.hash,
+                options=self.options, base_hash=head.hash, times=times,
             )  # fmt: skip
         encode_s = time.perf_counter() - started
         chain_length = head.chain_length + 1
         await self._store_and_announce(
             "delta", manifest, chunks, _state_bytes(new), encode_s, head.snapshot_version,
-            chain_length,
+            chain_length, diff_s=times.diff_s,
         )  # fmt: skip
         self._set_head(ChainHead(version, manifest.target_hash, head.snapshot_version,
                                  chain_length))  # fmt: skip
@@ -493,6 +494,7 @@ class WeightBroadcaster:
         encode_s: float,
         snapshot_version: int,
         chain_length: int,
+        diff_s: float = 0.0,
     ) -> None:
         max_payload = self._bus.nc.max_payload
         stored: StoredChunks = await store_chunks(self._publisher, manifest, chunks, max_payload)
@@ -535,6 +537,7 @@ class WeightBroadcaster:
             stored_mb=round(stored.num_bytes / 1e6, 3),
             ratio=round(model_bytes / max(stored.num_bytes, 1), 1),
             encode_s=round(encode_s, 3),
+            diff_s=round(diff_s, 3),  # part of encode_s
             store_s=round(stored.seconds, 3),
         )
 

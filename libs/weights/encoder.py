@@ -13,6 +13,7 @@ the manifest's target hash covers every byte of the target version (hashing.py).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -94,6 +95,15 @@ class EncodeOptions:
         return min(self.target_chunk_bytes or default, default)
 
 
+@dataclass
+class EncodeTimes:
+    """Where an encode's time went, filled in by `encode` and `encode_device` when given one:
+    the rest of the call (hashing the target, coding and assembling the chunks) is the
+    encode proper."""
+
+    diff_s: float = 0.0  # finding the changed elements (on a GPU: and their copy to the host)
+
+
 @dataclass(frozen=True)
 class _Body:
     """An encoded chunk before it gets its index."""
@@ -112,6 +122,7 @@ def encode(
     options: EncodeOptions | None = None,
     base_hash: str | None = None,
     scan: Scan | None = None,
+    times: EncodeTimes | None = None,
 ) -> tuple[Manifest, list[Chunk]]:
     """Delta of `new` against `base` as a manifest and chunks.
 
@@ -124,7 +135,10 @@ def encode(
     old_raw, new_raw = raw_state(base), raw_state(new)
     if base_hash is None:
         base_hash = state_hash(old_raw, opts.threads)
+    started = time.perf_counter()
     jobs, changes = _classify(old_raw, new_raw, opts.threads, scan)
+    if times is not None:
+        times.diff_s = time.perf_counter() - started
     removed = [name for name in old_raw if name not in new_raw]
     return _finish(old_raw, new_raw, jobs, changes, removed, base_version, base_hash, version, opts)
 

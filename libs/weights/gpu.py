@@ -18,6 +18,7 @@ the tests check it without a GPU.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, MutableMapping
 from typing import Any
 
@@ -25,7 +26,13 @@ import numpy as np
 import torch
 
 from libs.weights.chunking import TensorJob
-from libs.weights.encoder import DENSE_FRACTION, DENSITY_SAMPLE, EncodeOptions, _finish
+from libs.weights.encoder import (
+    DENSE_FRACTION,
+    DENSITY_SAMPLE,
+    EncodeOptions,
+    EncodeTimes,
+    _finish,
+)
 from libs.weights.format import Change, Chunk, Manifest
 from libs.weights.hashing import state_hash
 from libs.weights.scan import Changes
@@ -168,6 +175,7 @@ def encode_device(
     options: EncodeOptions | None = None,
     base_hash: str | None = None,
     spare: MutableMapping[str, torch.Tensor] | None = None,
+    times: EncodeTimes | None = None,
 ) -> tuple[Manifest, list[Chunk]]:
     """Delta of `new` against `base` (torch tensors on any device), as `encode` makes it.
 
@@ -184,7 +192,10 @@ def encode_device(
     opts = options or EncodeOptions()
     if base_hash is None:
         base_hash = state_hash({n: as_raw(mirror[n]) for n in base}, opts.threads)
+    started = time.perf_counter()
     dense, target, changes, copies, jobs = device_jobs(base, new, mirror, spare)
+    if times is not None:
+        times.diff_s = time.perf_counter() - started
     removed = [name for name in base if name not in new]
     for name in removed:
         mirror.pop(name, None)

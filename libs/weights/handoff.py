@@ -106,17 +106,20 @@ async def announce_staged_delta(
     step: int | None = None,
     offered_s: float | None = None,
     encode_s: float = 0.0,
+    diff_s: float = 0.0,
 ) -> WeightsStaged:
     """Tell the broadcaster about a delta file written by `write_staged_delta`. `encode_s`
-    is the time the encode and write took, for the version's latency (they happened before
-    this call)."""
+    is the time the encode and write took, `diff_s` the part of it spent finding the
+    changes, for the version's latency (they happened before this call)."""
     path = Path(staging_dir) / staged_file_name(version, "delta")
     message = WeightsStaged(
         version=version, file_name=path.name, num_bytes=path.stat().st_size, step=step,
         created_at=time.time(), kind="delta", base_version=base_version,
     )  # fmt: skip
     started_s = time.monotonic() - encode_s
-    return await _hand_over(publisher, message, started_s, offered_s, encode_s=encode_s)
+    return await _hand_over(
+        publisher, message, started_s, offered_s, encode_s=encode_s, diff_s=diff_s
+    )
 
 
 def _staged_path(staging_dir: str | Path, version: int, kind: StagedKind) -> Path:
@@ -131,17 +134,18 @@ async def _hand_over(
     started_s: float,
     offered_s: float | None,
     encode_s: float = 0.0,
+    diff_s: float = 0.0,
 ) -> WeightsStaged:
     """Publish the staged version's message and log the handover."""
     await publisher.publish(WEIGHTS_STAGED, message, msg_id=f"staged.{message.version}")
     # The first part of a version's latency (bench/version_latency.py reads this line:
-    # stage_s includes encode_s, the trainer's own encode of a delta).
+    # stage_s includes encode_s, the trainer's own encode of a delta, and that diff_s).
     stage_s = time.monotonic() - started_s
     waited_s = round(started_s - offered_s, 4) if offered_s is not None else 0.0
     log.info(
         "weights staged", version=message.version, kind=message.kind,
         mb=round(message.num_bytes / 1e6, 2), stage_s=round(stage_s, 4),
-        encode_s=round(encode_s, 4), waited_s=waited_s,
+        encode_s=round(encode_s, 4), diff_s=round(diff_s, 4), waited_s=waited_s,
     )  # fmt: skip
     return message
 
