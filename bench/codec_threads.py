@@ -11,9 +11,11 @@ version made as the trainer makes them (fp32 masters, lr 1e-5, published in bf16
   on as many threads, which says whether the host itself scales;
 
 each with the process's user and system CPU seconds and minor page faults, the median of
-three runs.
+three runs. `--lr` adds versions made at other learning rates (1e-6: a sparse delta, few
+chunks); `--threads` picks the thread counts (on a 2-core VM: --threads 1 2).
 
-    PYTHONPATH=. python3 bench/codec_threads.py [--device cuda] [--out F]
+    PYTHONPATH=. python3 bench/codec_threads.py [--device cuda] [--lr 1e-5 1e-6]
+        [--threads 1 2 4 8 12 16] [--out F]
 """
 
 from __future__ import annotations
@@ -102,14 +104,9 @@ def at_threads(
             "control": measured(control, device)}  # fmt: skip
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--out", type=Path, default=None)
-    args = parser.parse_args()
-    device = args.device
-    card = torch.cuda.get_device_name() if device == "cuda" else "cpu"
-    base, new = versions(device, 1e-5, 1)
+def at_learning_rate(device: str, lr: float, thread_counts: list[int]) -> dict[str, Any]:
+    """The figures of `at_threads` at each thread count, for a version made at `lr`."""
+    base, new = versions(device, lr, 1)
     dense, target, plans = encode_inputs(base, new)
     manifest, chunks = gpu.encode_device(
         base, new, {n: t.cpu().clone() for n, t in base.items()}, base_version=0, version=1,
@@ -118,12 +115,28 @@ def main() -> None:
     state = {n: t.clone() for n, t in base.items()}
     arrays = [np.random.default_rng(i).integers(0, 1 << 16, 1 << 20, dtype=np.uint16)
               for i in range(len(plans))]  # fmt: skip
-    report: dict[str, Any] = {"card": card, "cpus": len(os.sched_getaffinity(0)),
-                              "chunks": len(chunks), "plans": len(plans)}  # fmt: skip
-    for threads in THREADS:
+    report: dict[str, Any] = {"lr": lr, "chunks": len(chunks), "plans": len(plans)}
+    for threads in thread_counts:
         report[str(threads)] = at_threads(threads, device, (dense, target, plans), manifest, chunks,
                                           state, arrays)  # fmt: skip
-        print(threads, json.dumps(report[str(threads)]), flush=True)
+        print(f"lr {lr:g}", threads, json.dumps(report[str(threads)]), flush=True)
+    return report
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--lr", type=float, nargs="+", default=[1e-5])
+    parser.add_argument("--threads", type=int, nargs="+", default=list(THREADS))
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    device = args.device
+    card = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    report: dict[str, Any] = {"card": card, "cpus": len(os.sched_getaffinity(0))}
+    for lr in args.lr:
+        # The first learning rate's figures at the top level, as before --lr existed.
+        at_lr = report if lr == args.lr[0] else report.setdefault(f"lr {lr:g}", {})
+        at_lr.update(at_learning_rate(device, lr, args.threads))
     out = args.out or RESULTS / card.split()[-1].lower() / "codec_threads.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1))

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import msgspec
 import numpy as np
 import pytest
 import torch
+import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -24,6 +27,7 @@ from libs.weights import (
     pack_delta,
     unpack_delta,
 )
+from libs.weights.encodings import compress, decompress
 from libs.weights.format import Chunk, encode_chunk
 from libs.weights.tensors import DTYPE_WIDTHS
 
@@ -302,3 +306,22 @@ def test_numpy_states_round_trip_as_numpy() -> None:
     out = decode(base, manifest, chunks)
     assert isinstance(out["x"], np.ndarray)
     assert out["x"].tobytes() == new["x"].tobytes() and out["i"].tobytes() == new["i"].tobytes()
+
+
+def test_each_thread_compresses_with_its_own_kept_context_to_the_bytes_of_a_fresh_one() -> None:
+    rng = np.random.default_rng(5)
+    buffers = [rng.integers(0, 1 + 7 * i, size=1_000 * (i + 1), dtype=np.uint8) for i in range(6)]
+    jobs = [(buffer, level) for level in (1, 3) for buffer in buffers]
+    fresh = [zstandard.ZstdCompressor(level=level).compress(b.data) for b, level in jobs]
+
+    def compress_all(_: int) -> list[bytes]:  # each thread, three times over
+        return [compress(buffer, level) for _ in range(3) for buffer, level in jobs]
+
+    with ThreadPoolExecutor(4) as pool:
+        outputs = list(pool.map(compress_all, range(8)))
+    assert all(out == fresh * 3 for out in outputs)
+    for (buffer, _), stream in zip(jobs, fresh, strict=True):
+        assert np.array_equal(decompress(stream, buffer.size), buffer)
+    with pytest.raises(CorruptDeltaError, match="does not decompress"):
+        decompress(fresh[1][:-3], buffers[1].size)
+    assert np.array_equal(decompress(fresh[1], buffers[1].size), buffers[1])  # still usable

@@ -24,6 +24,7 @@ more than 1/8 of the elements changed, below which the sparse forms always won i
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -77,11 +78,35 @@ class Written:
 # ---- byte-level helpers -------------------------------------------------------------
 
 
+class _ThreadContexts(threading.local):
+    """This thread's zstd contexts, made once and used for every stream after (a context
+    serves one call at a time, hence one per thread; a one-shot call resets it, so the
+    bytes are those of a fresh one). A version of byte-0.5b is about 1,300 streams. Against
+    a new context per stream, on the 2-core VM (bench/codec_threads.py --device cpu, results
+    in bench/results/vm/codec_threads_context_per_*.json, 2026-11-28): a sparse delta's
+    (lr 1e-6) chunk encode 105 -> 91 ms on one thread and 102 -> 76 ms on two, its decode
+    on two 151 -> 140 ms; a demo-rate delta (lr 1e-5) within noise (encode 391 -> 407 ms on
+    one thread, 269 -> 251 ms on two)."""
+
+    def __init__(self) -> None:
+        self.compressors: dict[int, zstandard.ZstdCompressor] = {}
+        self.decompressor = zstandard.ZstdDecompressor()
+
+    def compressor(self, level: int) -> zstandard.ZstdCompressor:
+        found = self.compressors.get(level)
+        if found is None:
+            found = self.compressors[level] = zstandard.ZstdCompressor(level=level)
+        return found
+
+
+_CONTEXTS = _ThreadContexts()
+
+
 def compress(data: np.ndarray, level: int) -> bytes:
     """zstd-compress a uint8 buffer; empty stays empty."""
     if data.size == 0:
         return b""
-    return zstandard.ZstdCompressor(level=level).compress(data.data)
+    return _CONTEXTS.compressor(level).compress(data.data)
 
 
 def decompress(data: bytes, raw_size: int) -> np.ndarray:
@@ -89,7 +114,7 @@ def decompress(data: bytes, raw_size: int) -> np.ndarray:
     if raw_size == 0 and not data:
         return np.zeros(0, dtype=np.uint8)
     try:
-        out = zstandard.ZstdDecompressor().decompress(data, max_output_size=raw_size)
+        out = _CONTEXTS.decompressor.decompress(data, max_output_size=raw_size)
     except zstandard.ZstdError as exc:
         raise CorruptDeltaError(f"stream does not decompress: {exc}") from exc
     if len(out) != raw_size:
