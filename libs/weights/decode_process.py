@@ -123,8 +123,7 @@ class _Mirror:
         self.key = _layout_key(state)
         self.names = [name for name, tensor in state.items() if _needs_mirror(tensor)]
         self.direct = {name: t for name, t in state.items() if not _needs_mirror(t)}
-        sizes = [state[name].numel() * state[name].element_size() for name in self.names]
-        offsets = np.cumsum([0, *(_aligned(size) for size in sizes)])
+        offsets = np.cumsum([0, *(_aligned(state[name].nbytes) for name in self.names)])
         self.buffer = torch.empty(int(offsets[-1]), dtype=torch.uint8).share_memory_()
         self.layout = [
             (name, int(offset), state[name].dtype, tuple(state[name].shape))
@@ -236,7 +235,7 @@ class DecodeProcess:
             return True
         if self._refused_key == key:
             return False
-        needed = sum(t.numel() * t.element_size() for t in state.values() if _needs_mirror(t))
+        needed = sum(t.nbytes for t in state.values() if _needs_mirror(t))
         replaced = self._mirror.buffer.numel() if self._mirror is not None else 0
         free = _shm_free_bytes() + replaced if needed else 0
         if needed and free < needed + SHM_SPARE_BYTES:
@@ -368,7 +367,7 @@ def _views(
     """The mirrored tensors as views of the shared buffer."""
     views = {}
     for name, offset, dtype, shape in layout:
-        size = int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=dtype).element_size()
+        size = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
         views[name] = buffer[offset : offset + size].view(dtype).view(shape)
     return views
 
@@ -440,8 +439,7 @@ class _Child:
         if self.staging is not None and self.staging.numel() >= needed:
             return None
         size = max(needed + needed // 4, 1 << 20)
-        if self.staging is not None:
-            self.staging = None  # freed before the next is made
+        self.staging = None  # freed before the next is made
         free = _shm_free_bytes()
         if free < size + SHM_SPARE_BYTES:
             raise DecodeProcessError(
