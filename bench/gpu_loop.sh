@@ -129,7 +129,7 @@ if [ -n "${PROFILE_WORKER:-}" ]; then
     py-spy record --threads --nonblocking -r 100 -d "$PROFILE_WORKER" -f raw -o "$out/worker_threads.txt" -p "$pid" > /dev/null 2>&1
   ) &
 fi
-python3 -m services.cli demo --duration-s "$seconds" --run-dir "$run" ${DEMO_ARGS:-} > "$out/summary.json" || true
+python3 -m apps.cli demo --duration-s "$seconds" --run-dir "$run" ${DEMO_ARGS:-} > "$out/summary.json" || true
 cp "$run/trainer/steps.jsonl" "$out/steps.jsonl" || true
 # Version latency (optimizer step end -> swapped in the worker), part by part.
 python3 bench/version_latency.py "$run" --json "$out/version_latency.json" || true

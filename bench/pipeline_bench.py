@@ -9,7 +9,7 @@ Each scenario runs `rlpipe demo` twice through the launcher, each for the same b
          work at the same time.
 Scenarios:
 - arith:      the embedded default (two-token episodes, no stragglers);
-- heavy-tail: calc from its warm start (libs.launcher.warm_start), every tool call taking a
+- heavy-tail: calc from its warm start (apps.launcher.warm_start), every tool call taking a
               lognormal latency (median 1 s, sigma 1.2, capped at 20 s: libs.envs.latency),
               so episodes have the long, uneven durations of agent work.
 From each run's `trainer/steps.jsonl` it reports reward versus time, trained samples/s, the
@@ -30,8 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from libs.launcher.run import LaunchOptions, run_local
-from libs.launcher.warm_start import RL_LEARNING_RATE, default_cache_root
+from apps.launcher.run import LaunchOptions, run_local
+from apps.launcher.warm_start import RL_LEARNING_RATE, default_cache_root
 
 RESULTS = Path(__file__).parent / "results" / "pipeline.json"
 

@@ -47,7 +47,7 @@ def main() -> None:
         "RLPIPE_TRAINER_ONLINE_FRACTION": "0.05",
         "RLPIPE_TRAINER_ONLINE_STREAM_WAIT_S": "0",
     }
-    demo = [sys.executable, "-m", "services.cli", "demo", "--run-dir", str(args.run_dir)]
+    demo = [sys.executable, "-m", "apps.cli", "demo", "--run-dir", str(args.run_dir)]
     with stdout_path.open("wb") as out:
         process = subprocess.Popen(
             [*demo, "--duration-s", str(int(args.watch_s + 300))],

@@ -182,7 +182,7 @@ def run_chaos(
     started = time.monotonic()
     run_dir.mkdir(parents=True, exist_ok=True)
     out = open(run_dir / "demo.stdout", "wb")  # noqa: SIM115  # closed below
-    demo = [sys.executable, "-m", "services.cli", "demo", "--run-dir", str(run_dir)]
+    demo = [sys.executable, "-m", "apps.cli", "demo", "--run-dir", str(run_dir)]
     bounds = ["--max-trainer-steps", str(max_steps), "--duration-s", str(int(budget_s))]
     process = subprocess.Popen(
         [*demo, *bounds, *extra_args],

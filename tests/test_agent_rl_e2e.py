@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from libs.launcher.warm_start import RECIPES, default_cache_root, sft_stage, worker_harness_env
+from apps.launcher.warm_start import RECIPES, default_cache_root, sft_stage, worker_harness_env
 from libs.trainer.checkpoint import latest_checkpoint
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -49,7 +49,7 @@ def warm_start(
     )
     run_command(
         [
-            "services.cli",
+            "apps.cli",
             "sft",
             "--data",
             str(demos),
@@ -81,7 +81,7 @@ def demo(
     }
     stdout = run_command(
         [
-            "services.cli",
+            "apps.cli",
             "demo",
             "--env",
             env,
@@ -169,7 +169,7 @@ def rl_from_warm_start(
     when missing), then held-out figures of the warm start and of the last checkpoint."""
     stdout = run_command(
         [
-            "services.cli",
+            "apps.cli",
             "demo",
             "--env",
             env,

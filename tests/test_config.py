@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
+from apps.cli import main
 from libs.nats_server import free_port
 from libs.settings import SettingsError, load_settings, nested_fields
-from services.cli import main
 from services.trainer.settings import TrainerSettings
 
 
@@ -26,7 +26,7 @@ def rlpipe(
 ) -> subprocess.CompletedProcess[str]:
     clean = {k: v for k, v in os.environ.items() if not k.startswith("RLPIPE_")}
     return subprocess.run(
-        [sys.executable, "-m", "services.cli", *args],
+        [sys.executable, "-m", "apps.cli", *args],
         env={**clean, **(env or {})},
         capture_output=True,
         text=True,

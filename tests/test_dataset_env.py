@@ -188,7 +188,7 @@ REPO = Path(__file__).resolve().parent.parent
 def rlpipe(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("RLPIPE_")}
     return subprocess.run(
-        [sys.executable, "-m", "services.cli", *args],
+        [sys.executable, "-m", "apps.cli", *args],
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -280,7 +280,7 @@ def serve_checkpoint(folder: Path, nats: NatsServer, tmp_path: Path) -> int:
         "RLPIPE_ROLLOUT_WORKER_POLICY_PATH": str(folder),
     }
     process = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "run", "rollout-worker"],
+        [sys.executable, "-m", "apps.cli", "run", "rollout-worker"],
         cwd=REPO,
         env=env,
         stdout=subprocess.DEVNULL,

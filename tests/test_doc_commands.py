@@ -3,7 +3,7 @@
 The commands are read from README.md, deploy/nats/SECURITY.md, docs/*.md, and the comments of
 compose.yaml, the Dockerfile, the NATS configs and the Kubernetes manifests: inline code spans
 and lines of fenced code blocks that start with `rlpipe` (or `.venv/bin/rlpipe`, after any
-VAR=value prefixes). A concrete command must parse with the real parser (services/cli.py),
+VAR=value prefixes). A concrete command must parse with the real parser (apps/cli.py),
 as the shell would pass it. A name in prose (`rlpipe weights relay-prune`: command names
 only) must name real commands. A synopsis (placeholders in capitals, [optional] parts, a|b
 alternatives, `...`) must name real subcommands, and every --option it shows must belong to
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from services.cli import build_parser
+from apps.cli import build_parser
 from tests.compose_support import ROOT
 
 MARKDOWN = [

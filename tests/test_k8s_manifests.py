@@ -27,8 +27,8 @@ import pytest
 import yaml
 from kubernetes_validate.utils import latest_version
 
+from apps.cli import build_parser
 from libs.nats_server import find_nats_server
-from services.cli import build_parser
 from tests.compose_support import PASSWORDS, ROOT
 
 K8S = ROOT / "deploy" / "k8s"

@@ -22,10 +22,10 @@ from typing import Any
 import pytest
 from rich.console import Console
 
-from libs.launcher.health import HealthMonitor
-from libs.launcher.run import ALL_SERVICES, LaunchOptions, run_local
-from libs.launcher.status_view import Bound, LauncherLog, StatusView
-from libs.launcher.supervisor import Backoff, ChildSpec, ChildState, Supervisor
+from apps.launcher.health import HealthMonitor
+from apps.launcher.run import ALL_SERVICES, LaunchOptions, run_local
+from apps.launcher.status_view import Bound, LauncherLog, StatusView
+from apps.launcher.supervisor import Backoff, ChildSpec, ChildState, Supervisor
 from tests.conftest import wait_for
 from tests.marks import E2E
 
@@ -335,7 +335,7 @@ def test_service_command_that_cannot_start_fails_the_run(
 LAUNCH_WITH_FAKES = """
 import sys
 from pathlib import Path
-from libs.launcher.run import LaunchOptions, run_local
+from apps.launcher.run import LaunchOptions, run_local
 sys.exit(run_local(LaunchOptions(run_dir=Path(sys.argv[1]), commands={commands!r},
                                  stop_grace_s={grace_s})))
 """
@@ -457,7 +457,7 @@ def test_demo_runs_every_service_and_leaves_nothing_behind(run_dir: Path) -> Non
     # 30 s: the trainer answered healthy after 20 s on the 2-core VM at load 7 (torch and
     # transformers imports, the model built); a run that ends before that is rightly exit 3.
     result = subprocess.run(
-        [PY, "-m", "services.cli", "demo", "--duration-s", "30", "--run-dir", str(run_dir)],
+        [PY, "-m", "apps.cli", "demo", "--duration-s", "30", "--run-dir", str(run_dir)],
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,
@@ -476,7 +476,7 @@ def test_demo_runs_every_service_and_leaves_nothing_behind(run_dir: Path) -> Non
 @E2E
 def test_demo_stops_cleanly_on_ctrl_c_once_every_service_is_up(run_dir: Path) -> None:
     process = subprocess.Popen(
-        [PY, "-m", "services.cli", "demo", "--run-dir", str(run_dir)],
+        [PY, "-m", "apps.cli", "demo", "--run-dir", str(run_dir)],
         cwd=REPO_ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

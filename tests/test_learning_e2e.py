@@ -35,7 +35,7 @@ def test_demo_learns_the_builtin_task(tmp_path: Path) -> None:
         [
             sys.executable,
             "-m",
-            "services.cli",
+            "apps.cli",
             "demo",
             "--run-dir",
             str(run_dir),

@@ -61,7 +61,7 @@ def test_the_demo_trains_a_model_folder_with_its_own_tokenizer(
         "RLPIPE_ROLLOUT_WORKER_POLICY_TOKENIZER": str(model_folder),
         "RLPIPE_TRAINER_EVAL_EVERY_VERSIONS": str(EVAL_EVERY),
     }
-    command = [sys.executable, "-m", "services.cli", "demo"]
+    command = [sys.executable, "-m", "apps.cli", "demo"]
     command += ["--max-trainer-steps", str(DEMO_STEPS), "--run-dir", str(run_dir)]
     done = subprocess.run(
         command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600

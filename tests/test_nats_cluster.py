@@ -190,7 +190,7 @@ async def read_all(bus: Bus, stream: str) -> list[int]:
 
 MAX_STEPS = 24
 KILL_AT_STEP = 8
-DEMO = [sys.executable, "-m", "services.cli", "demo", "--max-trainer-steps", str(MAX_STEPS)]
+DEMO = [sys.executable, "-m", "apps.cli", "demo", "--max-trainer-steps", str(MAX_STEPS)]
 
 
 @pytest.mark.slow

@@ -223,7 +223,7 @@ async def test_the_ingester_command_runs_as_compose_runs_its_api_with_the_feedba
     }
     assert SERVICES_PASSWORD not in json.dumps(env)
     process = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "run", "feedback-ingester"],
+        [sys.executable, "-m", "apps.cli", "run", "feedback-ingester"],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -293,7 +293,7 @@ def test_provisioning_with_the_feedback_user_fails_naming_the_switch(
         "RLPIPE_LOG_FORMAT": "json",
     }
     result = subprocess.run(
-        [sys.executable, "-m", "services.cli", "run", "feedback-ingester"],
+        [sys.executable, "-m", "apps.cli", "run", "feedback-ingester"],
         env=env,
         capture_output=True,
         text=True,

@@ -1,4 +1,4 @@
-"""The launcher's NATS supervision (libs.launcher.nats_watch): a killed nats-server comes back
+"""The launcher's NATS supervision (apps.launcher.nats_watch): a killed nats-server comes back
 on its data folder with its streams, a client rides through; one that cannot come back ends
 the watch with one line naming the log."""
 
@@ -10,9 +10,9 @@ import signal
 import socket
 from pathlib import Path
 
+from apps.launcher.nats_watch import NatsWatch
+from apps.launcher.supervisor import Backoff
 from libs.bus.connection import connect_bus, ride_through
-from libs.launcher.nats_watch import NatsWatch
-from libs.launcher.supervisor import Backoff
 from libs.nats_server import NatsServer
 from tests.conftest import wait_for
 

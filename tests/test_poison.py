@@ -123,7 +123,7 @@ def test_every_poison_message_is_dead_lettered_and_training_goes_on(tmp_path: Pa
             [
                 sys.executable,
                 "-m",
-                "services.cli",
+                "apps.cli",
                 "demo",
                 "--run-dir",
                 str(run_dir),

@@ -1,4 +1,4 @@
-"""The Ray deployment (`rlpipe ray ...`, libs/ray_deploy): the scaling rule, the core's
+"""The Ray deployment (`rlpipe ray ...`, apps/ray_deploy): the scaling rule, the core's
 independence from Ray, and the demo's services run as Ray actors on a local multi-node Ray
 cluster (ray.cluster_utils.Cluster, CPU only).
 
@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from libs.ray_deploy.plan import ScalePolicy, build_plan, desired_workers, parse_assignments
+from apps.ray_deploy.plan import ScalePolicy, build_plan, desired_workers, parse_assignments
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -69,9 +69,9 @@ def test_the_core_never_imports_ray() -> None:
     """Every service, the CLI (with its `ray` verb registered) and the demo load without it."""
     code = (
         "import sys, importlib\n"
-        "import services.cli, libs.launcher.run, libs.ray_deploy.plan, libs.ray_deploy.cli\n"
-        "services.cli.build_parser()\n"
-        "for name in services.cli.SERVICES:\n"
+        "import apps.cli, apps.launcher.run, apps.ray_deploy.plan, apps.ray_deploy.cli\n"
+        "apps.cli.build_parser()\n"
+        "for name in apps.cli.SERVICES:\n"
         "    importlib.import_module('services.' + name.replace('-', '_') + '.service')\n"
         "print(sorted(m for m in sys.modules if m == 'ray' or m.startswith('ray.')))\n"
     )
@@ -114,7 +114,7 @@ def ray_cluster() -> Iterator[Any]:
 
 def rlpipe_ray(*args: str, timeout_s: float = 180) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "services.cli", "ray", *args],
+        [sys.executable, "-m", "apps.cli", "ray", *args],
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,
@@ -194,7 +194,7 @@ def wait_status(
     """Poll the controller's status until `condition(status)`; fail naming `what`."""
     import ray
 
-    from libs.ray_deploy.controller import find_controller
+    from apps.ray_deploy.controller import find_controller
 
     deadline = time.monotonic() + timeout_s
     status: dict[str, Any] = {}

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from apps.sandbox_cli import EXIT_LIMIT
 from libs.sandbox import (
     SandboxConfig,
     SandboxError,
@@ -23,7 +24,6 @@ from libs.sandbox import (
     SandboxLimits,
     build_sandbox_factory,
 )
-from libs.sandbox.cli import EXIT_LIMIT
 from libs.sandbox.limits import MIB
 
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap not installed")
@@ -275,7 +275,7 @@ def test_mount_path_must_be_absolute_and_not_a_system_folder() -> None:
 
 def test_cli_runs_one_command_and_reports_limits(seed: Path) -> None:
     (seed / "main.py").write_text("print(open('data.txt').read().strip()); raise SystemExit(7)")
-    cli = [sys.executable, "-m", "libs.sandbox.cli", "sandbox", "run", "--workdir", str(seed)]
+    cli = [sys.executable, "-m", "apps.sandbox_cli", "sandbox", "run", "--workdir", str(seed)]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     done = subprocess.run([*cli, "--", "python3", "main.py"], capture_output=True, env=env)
     assert (done.returncode, done.stdout) == (7, b"21\n")

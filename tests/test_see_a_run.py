@@ -62,7 +62,7 @@ def demo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DemoRun]:
         "LINES": "50",
         "RLPIPE_TRAINER_TRACKING_BACKENDS": "tensorboard,wandb,mlflow",
     }
-    args = ["-m", "services.cli", "demo", "--max-trainer-steps", str(STEPS)]
+    args = ["-m", "apps.cli", "demo", "--max-trainer-steps", str(STEPS)]
     child = pexpect.spawn(
         PY,
         [*args, "--run-dir", str(run_dir)],
@@ -242,7 +242,7 @@ def test_a_misspelt_tracker_is_refused_naming_the_choices() -> None:
 
 def rlpipe(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [PY, "-m", "services.cli", *args],
+        [PY, "-m", "apps.cli", *args],
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,

@@ -56,7 +56,7 @@ def reward_service(
         "RLPIPE_LOG_FORMAT": "json",
     }
     process = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "run", "reward"],
+        [sys.executable, "-m", "apps.cli", "run", "reward"],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

@@ -16,6 +16,12 @@ from unittest.mock import patch
 import pytest
 import torch
 
+from apps import sft_cli
+from apps.cli import build_parser
+from apps.launcher import warm_start
+from apps.launcher.episode_report import first_last_report
+from apps.launcher.run import add_demo_arguments, options_from_args
+from apps.sft_cli import LogFn
 from libs.chat.template import ChatTemplate, chat_template_for
 from libs.engine.base import Completion, SamplingParams
 from libs.envs import make_env
@@ -30,14 +36,9 @@ from libs.experts.demos import (
 )
 from libs.experts.recall import RecallEpisodeExpert, RecallExpert
 from libs.experts.record import record_episode
-from libs.launcher import warm_start
-from libs.launcher.episode_report import first_last_report
-from libs.launcher.run import add_demo_arguments, options_from_args
 from libs.policy import PolicyConfig, build_policy, load_policy
 from libs.rollout.agent import AgentRunner
 from libs.rollout.episode import RunnerSettings
-from libs.sft import cli as sft_cli
-from libs.sft.cli import LogFn
 from libs.sft.loss import MIN_SHARED_PREFIX_TOKENS, sft_loss, shared_prefix_length
 from libs.sft.train import SftConfig, SftStep, load_examples, train_sft
 from libs.sft.transcript import (
@@ -59,7 +60,6 @@ from libs.tokenizer import (
 )
 from proto import messages as m
 from proto.messages import Rollout
-from services.cli import build_parser
 
 TOKENIZER = ByteTokenizer()
 TEMPLATE = chat_template_for(TOKENIZER)

@@ -21,12 +21,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from transformers import PreTrainedModel
 
+from apps.launcher.run import add_demo_arguments, options_from_args
+from apps.ray_deploy.plan import build_plan
 from libs.bus.connection import Bus
 from libs.bus.provision import provision
-from libs.launcher.run import add_demo_arguments, options_from_args
 from libs.nats_server import NatsServer, free_port
 from libs.policy import PolicyConfig, build_policy, load_policy
-from libs.ray_deploy.plan import build_plan
 from libs.tokenizer import ByteTokenizer
 from libs.trainer.checkpoint import is_sharded, latest_checkpoint, load_optimizer_state
 from libs.trainer.config import TrainerConfig

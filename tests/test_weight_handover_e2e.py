@@ -36,7 +36,7 @@ def test_versions_reach_the_worker_as_deltas_the_trainer_encoded(tmp_path: Path)
     run_dir = tmp_path / "run"
     done = subprocess.run(
         [
-            sys.executable, "-m", "services.cli", "demo", "--run-dir", str(run_dir),
+            sys.executable, "-m", "apps.cli", "demo", "--run-dir", str(run_dir),
             "--max-trainer-steps", str(STEPS), "--duration-s", "240",
             "--set", "trainer.weight_handover=delta",
         ],

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 
+from apps.cli import main as cli_main
 from libs.bus.connection import Bus, connect_bus
 from libs.bus.provision import provision
 from libs.bus.publisher import Publisher
@@ -30,7 +31,6 @@ from libs.weights.receiver import WeightReceiver
 from libs.weights.relay import RegionalWeightReceiver, mirror_status, prune_region, setup_relay
 from libs.weights.tensors import raw_state
 from proto import streams
-from services.cli import main as cli_main
 from tests.conftest import state_trainer_policy, wait_for
 from tests.marks import E2E
 from tests.test_weight_broadcaster import assert_bit_exact, next_version

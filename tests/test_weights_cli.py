@@ -14,8 +14,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def weights(*args: str | Path) -> subprocess.CompletedProcess[str]:
-    """Run `python -m libs.weights.cli weights ...` and capture its output."""
-    command = [sys.executable, "-m", "libs.weights.cli", "weights", *map(str, args)]
+    """Run `python -m apps.weights_cli weights ...` and capture its output."""
+    command = [sys.executable, "-m", "apps.weights_cli", "weights", *map(str, args)]
     return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=60)
 
 

@@ -89,7 +89,7 @@ def broadcaster(nats_server: NatsServer, bus: Bus, tmp_path: Path) -> Iterator[s
     }
     log = open(tmp_path / "broadcaster.log", "wb")  # noqa: SIM115 - closed below
     process = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "run", "weight-broadcaster"],
+        [sys.executable, "-m", "apps.cli", "run", "weight-broadcaster"],
         env=env,
         stdout=log,
         stderr=subprocess.STDOUT,

@@ -25,8 +25,8 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
-from libs.launcher.health import HealthMonitor, HealthRecord
-from libs.launcher.supervisor import ChildState, Supervisor
+from apps.launcher.health import HealthMonitor, HealthRecord
+from apps.launcher.supervisor import ChildState, Supervisor
 
 STATUS_STYLES = {
     "ok": "green",
@@ -51,7 +51,7 @@ class LauncherLog:
                 structlog.processors.TimeStamper(fmt="iso", utc=True),
                 structlog.processors.JSONRenderer(),
             ],
-            # Its own level: the demo keeps library loggers to warnings (services/cli.py).
+            # Its own level: the demo keeps library loggers to warnings (apps/cli.py).
             wrapper_class=structlog.make_filtering_bound_logger(logging.INFO),
         ).bind(service="launcher")
 

@@ -4,8 +4,8 @@ Entry points: `run_local(LaunchOptions(...))`, or `add_demo_arguments` + `option
 for a command line; `Supervisor` runs and restarts child processes on its own.
 """
 
-from libs.launcher.run import LaunchOptions, add_demo_arguments, options_from_args, run_local
-from libs.launcher.supervisor import Backoff, ChildSpec, Supervisor
+from apps.launcher.run import LaunchOptions, add_demo_arguments, options_from_args, run_local
+from apps.launcher.supervisor import Backoff, ChildSpec, Supervisor
 
 __all__ = [
     "Backoff",

@@ -30,8 +30,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from apps.ray_deploy.plan import ServicePlan
 from libs.nats_server import free_port
-from libs.ray_deploy.plan import ServicePlan
 
 PR_SET_PDEATHSIG = 1
 

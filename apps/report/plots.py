@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from libs.report.figures import RunFigures
+from apps.report.figures import RunFigures
 from libs.trainer.metrics import StepRecord, mean_staleness
 
 if TYPE_CHECKING:

@@ -13,8 +13,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from libs.launcher.health import HealthMonitor, HealthRecord
-from libs.launcher.supervisor import ChildState, Supervisor, describe_exit
+from apps.launcher.health import HealthMonitor, HealthRecord
+from apps.launcher.supervisor import ChildState, Supervisor, describe_exit
 
 # Health fields that describe the answer itself, not the trainer's progress.
 HEALTH_META_FIELDS = ("service", "status", "detail")
@@ -90,8 +90,8 @@ def outcome_line(summary: dict[str, Any]) -> str:
 
 
 def training_lines(run_dir: Path) -> list[str]:
-    """The report's summary and plots (libs.report), or why there is none."""
-    from libs.report.command import report_lines
+    """The report's summary and plots (apps.report), or why there is none."""
+    from apps.report.command import report_lines
 
     try:
         return report_lines(run_dir)

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from apps.sft_cli import LogFn, run_with_progress
 from libs.chat.template import chat_template_for
 from libs.experts.demos import (
     EXPERTS,
@@ -38,7 +39,6 @@ from libs.experts.demos import (
     write_demonstrations,
 )
 from libs.policy import PolicyConfig
-from libs.sft.cli import LogFn, run_with_progress
 from libs.sft.tokenizer import ensure_transcript_tokenizer
 from libs.sft.train import SftConfig, finished_result
 from libs.tokenizer import load_tokenizer

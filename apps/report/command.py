@@ -11,8 +11,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from libs.report.figures import RunFigures, run_figures, summary_lines
-from libs.report.plots import MissingMatplotlibError, write_plots
+from apps.report.figures import RunFigures, run_figures, summary_lines
+from apps.report.plots import MissingMatplotlibError, write_plots
 
 EXIT_OK, EXIT_ERROR = 0, 2
 

@@ -64,13 +64,13 @@ def settings_classes() -> dict[str, Callable[[], type[ServiceSettings]]]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from libs.config_cli import add_config_parser, add_set_argument
-    from libs.launcher.run import add_demo_arguments
-    from libs.ray_deploy.cli import add_ray_parser
-    from libs.report.command import add_report_parser
-    from libs.sandbox.cli import add_sandbox_parser
-    from libs.sft.cli import add_sft_parser
-    from libs.weights.cli import add_weights_parser
+    from apps.config_cli import add_config_parser, add_set_argument
+    from apps.launcher.run import add_demo_arguments
+    from apps.ray_deploy.cli import add_ray_parser
+    from apps.report.command import add_report_parser
+    from apps.sandbox_cli import add_sandbox_parser
+    from apps.sft_cli import add_sft_parser
+    from apps.weights_cli import add_weights_parser
 
     parser = argparse.ArgumentParser(
         prog="rlpipe",
@@ -114,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
 def with_overrides(args: argparse.Namespace, services: Sequence[str] = ()) -> bool:
     """Check `--set` overrides and hand them to the services (RLPIPE_SET), then load the
     settings of `services` as they will start; False after printing what is wrong."""
-    from libs.config_cli import apply_overrides, check_services
+    from apps.config_cli import apply_overrides, check_services
 
     try:
         apply_overrides(args.overrides, settings_classes())
@@ -129,14 +129,14 @@ def with_overrides(args: argparse.Namespace, services: Sequence[str] = ()) -> bo
 def on_demo(args: argparse.Namespace) -> int:
     import structlog
 
-    from libs.launcher.run import options_from_args, run_local
+    from apps.launcher.run import options_from_args, run_local
 
     # Every service's settings are checked here: a typo or a bad value is one line, now.
     if not with_overrides(args, [s.strip() for s in args.services.split(",") if s.strip()]):
         return 2
 
     # Library log lines (provisioning) go to stderr, warnings and errors only: the launcher
-    # reports what happens itself (libs.launcher.status_view).
+    # reports what happens itself (apps.launcher.status_view).
     structlog.configure(
         logger_factory=structlog.PrintLoggerFactory(sys.stderr),
         wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING),
@@ -180,38 +180,38 @@ def on_schema(args: argparse.Namespace) -> int:
 
 
 def on_config(args: argparse.Namespace) -> int:
-    from libs.config_cli import run
+    from apps.config_cli import run
 
     return run(args, settings_classes())
 
 
 def on_weights(args: argparse.Namespace) -> int:
-    from libs.weights.cli import run
+    from apps.weights_cli import run
 
     return run(args)
 
 
 def on_ray(args: argparse.Namespace) -> int:
-    from libs.ray_deploy.cli import run
+    from apps.ray_deploy.cli import run
 
     return run(args)
 
 
 def on_sandbox(args: argparse.Namespace) -> int:
-    from libs.sandbox.cli import run
+    from apps.sandbox_cli import run
 
     return run(args)
 
 
 def on_report(args: argparse.Namespace) -> int:
-    from libs.report.command import run
+    from apps.report.command import run
 
     return run(args)
 
 
 def on_sft(args: argparse.Namespace) -> int:
+    from apps.sft_cli import run
     from libs.logs import configure_logging
-    from libs.sft.cli import run
 
     configure_logging("sft")
     return run(args)

@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from libs.launcher.supervisor import Backoff, describe_exit
+from apps.launcher.supervisor import Backoff, describe_exit
 from libs.nats_server import NatsServer
 
 POLL_S = 0.25

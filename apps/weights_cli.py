@@ -7,7 +7,7 @@
     rlpipe weights relay-setup --hub-domain HUB [--nats-url URL] [--max-bytes N] [--max-age-s S]
     rlpipe weights relay-prune [--nats-url URL] [--every-s S]   (regional server; relay.py)
 
-Standalone: `python -m libs.weights.cli weights diff ...`.
+Standalone: `python -m apps.weights_cli weights diff ...`.
 
 Exit codes:
     0  success (verify: the files hold the same tensors, bit for bit)
@@ -247,7 +247,7 @@ def _fail(message: str, code: int) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point: `python -m libs.weights.cli weights ...`."""
+    """Entry point: `python -m apps.weights_cli weights ...`."""
     parser = argparse.ArgumentParser(prog="rlpipe")
     add_weights_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)

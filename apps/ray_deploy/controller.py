@@ -37,8 +37,7 @@ from ray.util.placement_group import (
 )
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from libs.bus.connection import Bus, connect_bus
-from libs.ray_deploy.plan import (
+from apps.ray_deploy.plan import (
     TRAINER_GROUP,
     WORKER,
     DeploymentPlan,
@@ -46,7 +45,8 @@ from libs.ray_deploy.plan import (
     ServicePlan,
     desired_workers,
 )
-from libs.ray_deploy.service_actor import ServiceProcess
+from apps.ray_deploy.service_actor import ServiceProcess
+from libs.bus.connection import Bus, connect_bus
 from proto.streams import ROLLOUT_WORKER_TASKS
 
 log = structlog.get_logger(__name__)

@@ -4,7 +4,7 @@
 
 DIR is copied as the seed of a fresh working folder (DIR itself is never changed), the
 command runs there with the episode limits, its stdout and stderr are printed, and the
-folder is removed. Standalone: `python -m libs.sandbox.cli sandbox run --workdir DIR -- ...`.
+folder is removed. Standalone: `python -m apps.sandbox_cli sandbox run --workdir DIR -- ...`.
 
 Exit codes:
     the command's own exit code (128 + N when killed by signal N), when no limit was hit
@@ -120,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point: `python -m libs.sandbox.cli sandbox run ...`."""
+    """Entry point: `python -m apps.sandbox_cli sandbox run ...`."""
     parser = argparse.ArgumentParser(prog="rlpipe")
     add_sandbox_parser(parser.add_subparsers(dest="command", required=True))
     return run(parser.parse_args(argv))

@@ -12,7 +12,7 @@ Without `--address`, `up` starts a local Ray cluster (and, without `--nats-url`,
 nats-server in the run folder), stays in the foreground printing status, and takes
 everything down on Ctrl-C or at `--duration-s`. With `--address` the deployment is detached:
 it outlives the command, and `status`, `scale` and `down` reach it by name.
-Ray is an optional extra: nothing outside libs/ray_deploy imports it.
+Ray is an optional extra: nothing outside apps/ray_deploy imports it.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from libs.ray_deploy.plan import (
+from apps.ray_deploy.plan import (
     SERVICES,
     WORKER,
     DeploymentPlan,
@@ -120,7 +120,7 @@ def local_cpus(plan: DeploymentPlan) -> float:
 
 
 def on_up(args: argparse.Namespace) -> int:
-    from libs.ray_deploy.controller import deploy
+    from apps.ray_deploy.controller import deploy
 
     run_dir = (args.run_dir or Path("runs") / time.strftime("ray-%Y%m%dT%H%M%SZ")).resolve()
     nats = None
@@ -186,7 +186,7 @@ def _foreground(controller: Any, duration_s: float | None, nats: Any) -> int:
 def on_status(args: argparse.Namespace) -> int:
     import ray
 
-    from libs.ray_deploy.controller import find_controller
+    from apps.ray_deploy.controller import find_controller
 
     _connect(args.address or "auto")
     status = ray.get(find_controller().status.remote())
@@ -205,7 +205,7 @@ def on_status(args: argparse.Namespace) -> int:
 def on_scale(args: argparse.Namespace) -> int:
     import ray
 
-    from libs.ray_deploy.controller import find_controller
+    from apps.ray_deploy.controller import find_controller
 
     ScalePolicy(min_workers=args.min_workers, max_workers=args.max_workers)  # refuses bad bounds
     _connect(args.address or "auto")
@@ -217,7 +217,7 @@ def on_scale(args: argparse.Namespace) -> int:
 def on_down(args: argparse.Namespace) -> int:
     import ray
 
-    from libs.ray_deploy.controller import find_controller
+    from apps.ray_deploy.controller import find_controller
 
     _connect(args.address or "auto")
     controller = find_controller()

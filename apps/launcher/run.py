@@ -1,29 +1,29 @@
 """`rlpipe demo`: a NATS server, the bus, and every service on this machine, supervised.
 
-    python -m services.cli demo                     # until Ctrl-C
-    python -m services.cli demo --duration-s 60     # a bounded run for scripts
-    python -m services.cli demo --env calc          # tool use: warm start (SFT), then RL
-    python -m services.cli demo --dataset rows.jsonl   # your prompts and answers as tasks
-    python -m services.cli demo --nats-cluster 3    # the bus as a 3-node JetStream cluster
-    python -m services.cli demo --trainer-ranks 2   # the trainer sharded over 2 processes
+    python -m apps.cli demo                     # until Ctrl-C
+    python -m apps.cli demo --duration-s 60     # a bounded run for scripts
+    python -m apps.cli demo --env calc          # tool use: warm start (SFT), then RL
+    python -m apps.cli demo --dataset rows.jsonl   # your prompts and answers as tasks
+    python -m apps.cli demo --nats-cluster 3    # the bus as a 3-node JetStream cluster
+    python -m apps.cli demo --trainer-ranks 2   # the trainer sharded over 2 processes
 
 Everything lives in the run folder (`runs/<UTC timestamp>/` unless `--run-dir`):
 `nats/` (JetStream store; `nats/n1`, `nats/n2`, ... for a cluster, every stream and bucket
 then replicated on 3 nodes), `logs/<service>.log`, `pids.json` (every pid started, for
-leak checks), `summary.json` and `report/` (plots, libs.report). The run ends by printing
-a summary for a person (libs.launcher.summary); when stdout is not a terminal, the JSON
+leak checks), `summary.json` and `report/` (plots, apps.report). The run ends by printing
+a summary for a person (apps.launcher.summary); when stdout is not a terminal, the JSON
 summary is also its last line there (the human one goes to stderr). For a tool
 environment it holds task success, reward, tool-call validity and turns per episode of the
-first and last trainer steps (libs.launcher.episode_report).
+first and last trainer steps (apps.launcher.episode_report).
 
 On an environment with a scripted expert (calc, recall) the policy starts from its warm start
-(libs.launcher.warm_start: demonstrations -> SFT, built once and cached) unless
+(apps.launcher.warm_start: demonstrations -> SFT, built once and cached) unless
 `--no-warm-start`; `RLPIPE_TRAINER_POLICY_PATH` / `RLPIPE_ROLLOUT_WORKER_POLICY_PATH` set in
 the environment win over it.
 
 Exit codes: 0 after a bounded stop with every service seen healthy, or after Ctrl-C /
 SIGTERM; 2 when NATS did not start, or died and could not be restarted on its data folder
-(libs.launcher.nats_watch restarts it; the services ride through); 3 when a service never
+(apps.launcher.nats_watch restarts it; the services ride through); 3 when a service never
 became healthy; 4 when provisioning the bus failed; 130 when a second Ctrl-C forced everything down.
 """
 
@@ -43,12 +43,12 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from libs.launcher.episode_report import episode_report
-from libs.launcher.health import HealthMonitor
-from libs.launcher.nats_watch import NatsWatch
-from libs.launcher.status_view import Bound, LauncherLog, StatusView
-from libs.launcher.summary import build_summary, print_summary
-from libs.launcher.supervisor import Backoff, ChildSpec, Supervisor
+from apps.launcher.episode_report import episode_report
+from apps.launcher.health import HealthMonitor
+from apps.launcher.nats_watch import NatsWatch
+from apps.launcher.status_view import Bound, LauncherLog, StatusView
+from apps.launcher.summary import build_summary, print_summary
+from apps.launcher.supervisor import Backoff, ChildSpec, Supervisor
 from libs.nats_server import NatsCluster, NatsServer, free_port
 from libs.trainer.launch import trainer_command
 
@@ -249,7 +249,7 @@ def dataset_env(args: argparse.Namespace) -> dict[str, dict[str, str]]:
 def _has_warm_start(env: str) -> bool:
     # Imported here: the warm start pulls in torch and transformers (seconds of CPU), which
     # every `rlpipe <service>` would otherwise pay when its parser is built.
-    from libs.launcher import warm_start
+    from apps.launcher import warm_start
 
     return warm_start.has_warm_start(env)
 
@@ -260,7 +260,7 @@ def with_warm_start(options: LaunchOptions, log: LauncherLog) -> LaunchOptions:
     env = options.warm_start_env
     if env is None:
         return options
-    from libs.launcher import warm_start
+    from apps.launcher import warm_start
 
     root = options.warm_start_root or warm_start.default_cache_root()
     path = str(warm_start.ensure_warm_start(env, root, emit=log.info))
