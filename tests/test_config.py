@@ -185,3 +185,16 @@ def test_overrides_win_over_variables(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("RLPIPE_SET", json.dumps({"trainer": {"policy": {"seeed": 1}}}))
     with pytest.raises(SettingsError, match=r"policy\.seeed"):
         load_settings(TrainerSettings)
+
+
+def test_an_engine_that_is_not_built_is_refused_where_it_is_named(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = tmp_path / "rlpipe.toml"
+    config.write_text('[rollout_worker.engine]\ntype = "vllm"\n')
+    code, out, err = rlpipe_here(monkeypatch, capsys, "config", "check", RLPIPE_CONFIG=str(config))
+    assert code == 2, out
+    assert err.splitlines() == [
+        "error: rollout-worker.engine.type = 'vllm': Input should be 'hf' or 'paged' "
+        f"(TOML {config})"
+    ]

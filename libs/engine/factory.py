@@ -20,11 +20,8 @@ from libs.engine.hf import HFEngine
 from libs.engine.paged import PagedEngine
 from libs.policy import PolicyConfig, build_policy, check_vocabulary, load_policy_tokenizer
 
-EngineType = Literal["hf", "paged", "vllm", "openai"]
-NOT_BUILT_YET: dict[str, str] = {
-    "vllm": "the vllm engine (production GPUs) is not built yet; use type='hf'",
-    "openai": "the openai engine (an OpenAI-compatible server) is not built yet; use type='hf'",
-}
+# Only backends that are built: a config naming another is refused when it is read.
+EngineType = Literal["hf", "paged"]
 
 
 class EngineConfig(BaseModel):
@@ -34,7 +31,7 @@ class EngineConfig(BaseModel):
 
     type: EngineType = "hf"
     """Backend: "hf" (torch/transformers, in process); "paged" (continuous batching, paged KV
-    cache, CUDA graphs: libs.engine.paged; Llama/Qwen2 models); "vllm" and "openai" are planned."""
+    cache, CUDA graphs: libs.engine.paged; Llama/Qwen2 models)."""
     max_batch_rows: int = Field(64, ge=1)
     """Most sequences decoded together; larger requests run in chunks of this many rows."""
     initial_policy_version: int = Field(0, ge=0)
@@ -49,8 +46,6 @@ def build_engine(
     `model` is a model already built from `policy` (the trainer's live one, which its eval
     gate decodes with); without it the engine builds its own.
     """
-    if config.type in NOT_BUILT_YET:
-        raise NotImplementedError(NOT_BUILT_YET[config.type])
     tokenizer = load_policy_tokenizer(policy)
     model = build_policy(policy) if model is None else model
     check_vocabulary(model, tokenizer, policy)
