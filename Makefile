@@ -39,11 +39,11 @@ test: $(INSTALLED) system-tools
 test-slow: $(INSTALLED) system-tools
 	$(BIN)/python -m pytest -m slow $(PYTEST_ARGS)
 
+# Each benchmark overwrites its JSON in bench/results/<machine>/ (vm here unless BENCH_MACHINE).
 bench: $(INSTALLED)
-	@mkdir -p bench/results
 	$(BIN)/python bench/bus_bench.py
 	$(BIN)/python bench/weights_codec_bench.py
-	$(BIN)/python bench/weights_codec_bench.py --lr 5e-4 --out bench/results/weights_codec_dense.json
+	$(BIN)/python bench/weights_codec_bench.py --lr 5e-4 --out bench/results/$${BENCH_MACHINE:-vm}/weights_codec_dense.json
 	$(BIN)/python bench/weights_transport_bench.py
 	$(BIN)/python bench/weights_relay_bench.py
 	$(BIN)/python bench/sandbox_bench.py

@@ -9,7 +9,7 @@
 
     .venv/bin/python bench/agentic_bench.py [--steps 300] [--rollouts 2000]
 
-Writes bench/results/agentic.json and prints it.
+Writes bench/results/<machine>/agentic.json and prints it.
 """
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+from result_file import result_file
+
 from libs.bus.connection import connect_bus
 from libs.bus.provision import provision
 from libs.bus.publisher import Outgoing, Publisher
@@ -38,7 +40,7 @@ from proto import streams, subjects
 from services.reward.service import RewardService
 from services.reward.settings import RewardSettings
 
-RESULTS = Path(__file__).parent / "results" / "agentic.json"
+RESULTS = result_file("agentic")
 
 
 def summary_ms(samples_s: list[float]) -> dict[str, float]:

@@ -11,7 +11,7 @@ sleep on the loop wakes up (p50, p99): the loop's responsiveness.
 
     .venv/bin/python bench/batcher_bench.py [--episodes 500] [--seconds 20] [--out FILE]
 
-Writes bench/results/batcher.json. CPU only; part of `make bench`.
+Writes bench/results/<machine>/batcher.json. CPU only; part of `make bench`.
 """
 
 from __future__ import annotations
@@ -28,10 +28,10 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
+from result_file import result_file
+
 from libs.engine.base import Completion, SamplingParams
 from libs.rollout.batcher import GenerationBatcher
-
-RESULTS = Path(__file__).parent / "results"
 
 
 class SleepingEngine:
@@ -123,7 +123,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--episodes", type=int, default=500)
     parser.add_argument("--seconds", type=float, default=20.0)
-    parser.add_argument("--out", type=Path, default=RESULTS / "batcher.json")
+    parser.add_argument("--out", type=Path, default=result_file("batcher"))
     args = parser.parse_args()
     result = asyncio.run(measure(args.episodes, args.seconds))
     result["machine"] = f"{platform.machine()}, {platform.processor() or 'cpu'}"

@@ -15,7 +15,7 @@ throughputs are in MiB/s of body bytes. End-to-end = N / (publish time + consume
     .venv/bin/python bench/bus_bench.py [--count-1kb 20000] [--count-1mb 300] [--repeats 3]
     .venv/bin/python bench/bus_bench.py --profile 1KB   # cProfile the library case, no JSON
 
-Writes bench/results/bus.json and prints a table and the library/raw ratio line.
+Writes bench/results/<machine>/bus.json and prints a table and the library/raw ratio line.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ import nats.errors
 import structlog
 from nats.aio.client import Client
 from nats.js import JetStreamContext
+from result_file import result_file
 
 from libs.bus import wire
 from libs.bus.connection import connect_bus
@@ -52,7 +53,7 @@ from libs.nats_server import NatsServer
 from proto.messages import Task
 from proto.streams import ConsumerSpec, StreamSpec
 
-RESULTS = Path(__file__).parent / "results" / "bus.json"
+RESULTS = result_file("bus")
 MIB = 1024 * 1024
 PENDING_BYTES_LIMIT = 256 * MIB  # as PullConsumer sets it, so 1 MiB messages never trip it
 FETCH_TIMEOUT_S = 1.0

@@ -36,6 +36,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from handover_profile import synchronize, versions
+from result_file import result_file
 
 from libs.weights import gpu
 from libs.weights.chunking import plan_chunks
@@ -44,7 +45,6 @@ from libs.weights.encodings import compress, to_planes
 from libs.weights.gpu_apply import DeviceDeltaApplier
 
 THREADS = (1, 2, 4, 8, 12, 16)
-RESULTS = Path(__file__).parent / "results"
 
 
 def measured(run: Callable[[], Any], device: str) -> dict[str, float]:
@@ -137,7 +137,7 @@ def main() -> None:
         # The first learning rate's figures at the top level, as before --lr existed.
         at_lr = report if lr == args.lr[0] else report.setdefault(f"lr {lr:g}", {})
         at_lr.update(at_learning_rate(device, lr, args.threads))
-    out = args.out or RESULTS / card.split()[-1].lower() / "codec_threads.json"
+    out = args.out or result_file("codec_threads", card)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1))
 

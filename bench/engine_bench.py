@@ -15,11 +15,11 @@ inference:training is a ratio measured side by side:
 - greedy agreement of the two engines (tokens agreed before the first divergence, and the
   logit gap there) and the sampled logprobs' mismatch to the trainer.
 
-    PYTHONPATH=. python3 bench/engine_bench.py            # GPU: bench/results/<card>/engine.json
+    PYTHONPATH=. python3 bench/engine_bench.py            # bench/results/<card>/engine.json
     .venv/bin/python bench/engine_bench.py --dry-run      # tiny model on CPU, small shapes (CI)
 
 Not part of `make bench` (which runs on CPU): a GPU-only measurement; without CUDA and
-without --dry-run it exits with that message. Results of an H200: bench/results/h200/.
+without --dry-run it exits with that message. Results of an H200: bench/results/h200/engine.json.
 
 Sampling is temperature 1 (RL rollouts); prompts are random token ids, so rows rarely stop
 early and tokens/s counts the tokens actually generated.
@@ -41,14 +41,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from result_file import result_file
 
 from libs.engine.base import InferenceEngine, SamplingParams
 from libs.engine.factory import EngineConfig, build_engine
 from libs.engine.hf import HFEngine
 from libs.engine.paged import PagedEngine
 from libs.policy import PolicyConfig, build_policy, sequence_logprobs
-
-RESULTS = Path(__file__).parent / "results"
 
 
 @dataclass(frozen=True)
@@ -398,8 +397,7 @@ def run(dry_run: bool, out: Path | None) -> dict[str, Any]:
         }
         for name, result in report["cases"].items()
     }
-    card = str(report["card"]).split()[-1].lower()  # "NVIDIA H200" -> h200
-    target = out or RESULTS / (f"{card}/engine.json" if bench.cuda else "engine_dry_run.json")
+    target = out or result_file("engine", str(report["card"]) if bench.cuda else None)
     target.parent.mkdir(parents=True, exist_ok=True)
     target.write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report, indent=2))

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from result_file import result_file
 
 from libs.engine import paged_attention
 from libs.engine.base import InferenceEngine, SamplingParams
@@ -39,7 +40,6 @@ from libs.engine.paged import PagedEngine
 from libs.policy import PolicyConfig, build_policy, sequence_logprobs
 from libs.tokenizer import ByteTokenizer
 
-RESULTS = Path(__file__).parent / "results"
 TOKENIZER = ByteTokenizer()
 
 
@@ -112,7 +112,7 @@ def main() -> None:
     print(f"{'variant':<16}{'mean':>10}{'min':>10}{'max':>10}")
     for name, figures in summary.items():
         print(f"{name:<16}{figures['mean']:>10.5f}{figures['min']:>10.5f}{figures['max']:>10.5f}")
-    out = args.out or RESULTS / card.split()[-1].lower() / "engine_mismatch.json"
+    out = args.out or result_file("engine_mismatch", card)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"card": card, "seeds": args.seeds, "variants": summary}, indent=1))
 

@@ -13,7 +13,7 @@ On a 2-core machine the load generator, the ingester and nats-server share the c
 
     .venv/bin/python bench/feedback_bench.py [--duration-s 10] [--clients 64] [--batch 50]
 
-Writes bench/results/feedback.json and prints a summary.
+Writes bench/results/<machine>/feedback.json and prints a summary.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from typing import Any
 
 import httpx
 import msgspec
+from result_file import result_file
 
 from libs.bus import wire
 from libs.bus.connection import connect_bus
@@ -43,7 +44,7 @@ from libs.nats_server import NatsServer, free_port
 from proto import subjects
 from proto.messages import FeedbackEvent
 
-RESULTS = Path(__file__).parent / "results" / "feedback.json"
+RESULTS = result_file("feedback")
 KEY = "rlfb_bench-key-0123456789"
 
 

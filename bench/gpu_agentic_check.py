@@ -27,6 +27,7 @@ from typing import Any
 
 import httpx
 import torch
+from result_file import result_file
 
 from libs.bus.connection import connect_bus
 from libs.bus.provision import provision
@@ -203,8 +204,8 @@ def main() -> int:
     args = parser.parse_args()
     result = asyncio.run(main_async(args))
     text = json.dumps(result, indent=2)
-    if args.out is not None:
-        args.out.write_text(text + "\n")
+    out = args.out or result_file("gpu_agentic", result["device"])
+    out.write_text(text + "\n")
     print(text)
     return 0
 

@@ -1,7 +1,7 @@
 """How fast a policy learns the demo task, per trainer setting, in one process (no services).
 
     python bench/gpu_learning.py --preset byte-0.5b --device cuda --steps 150 \
-        --run lr=5e-4,master=policy --run lr=1e-4,master=fp32 --out bench/results/h200/learning.json
+        --run lr=5e-4,master=policy --run lr=1e-4,master=fp32
 
 Synchronous GRPO on the `arith` tasks the demo's feeder serves (difficulty 0, groups of 16,
 16 groups per step), with the project's own parts: the engine from the engine factory, the
@@ -30,6 +30,8 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from result_file import result_file
 
 from libs.engine.factory import EngineConfig, build_engine
 from libs.envs import make_env
@@ -166,9 +168,9 @@ def main() -> int:
         "summary": [summarize(r) for r in results],
         "runs": results,
     }
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(report, indent=1))
+    out = Path(args.out) if args.out else result_file("learning", card)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1))
     return 0
 
 

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from result_file import result_file
 
 from libs.policy import PolicyConfig, build_policy
 from libs.trainer.delta_encoder import DeltaEncoder
@@ -42,8 +43,6 @@ from libs.weights.encoder import EncodeOptions, _encode_bodies
 from libs.weights.gpu_apply import DeviceDeltaApplier
 from libs.weights.hashing import state_hash, tensor_digests
 from libs.weights.tensors import as_raw
-
-RESULTS = Path(__file__).parent / "results"
 
 
 def versions(device: str, lr: float, count: int) -> list[dict[str, torch.Tensor]]:
@@ -211,7 +210,7 @@ def main() -> None:
         print(f"{label}: encoder process {json.dumps({k: round(v, 4) for k, v in trip.items()})}")
         print(f"{label}: worker {json.dumps(decode)}", flush=True)
         del states
-    out = args.out or RESULTS / card.split()[-1].lower() / "handover_profile.json"
+    out = args.out or result_file("handover_profile", card)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1))
 

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from result_file import result_file
 
 from libs.chat.tool_calls import CALL_OPEN
 from libs.engine.base import Completion, InferenceEngine, SamplingParams
@@ -50,7 +51,6 @@ from libs.tokenizer import ByteTokenizer, Tokenizer
 from proto import messages as m
 from proto.messages import Rollout
 
-RESULTS = Path(__file__).parent / "results"
 TOKENIZER = ByteTokenizer()
 TOOL_RESULT_OPEN = "<tool_result id="
 
@@ -200,8 +200,7 @@ def run(dry_run: bool, out: Path | None, engines: list[str]) -> dict[str, Any]:
                     results["paged"][key] / max(results["hf"][key], 1e-9), 2
                 )
         report[scenario.name] = results
-    card = str(report["card"]).split()[-1].lower()
-    target = out or RESULTS / (f"{card}/harness.json" if cuda else "harness_dry_run.json")
+    target = out or result_file("harness", str(report["card"]) if cuda else None)
     target.parent.mkdir(parents=True, exist_ok=True)
     target.write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report, indent=2))

@@ -14,7 +14,7 @@ Scenarios:
               so episodes have the long, uneven durations of agent work.
 From each run's `trainer/steps.jsonl` it reports reward versus time, trained samples/s, the
 time to reach the scenario's reward thresholds, and the trainer's busy fraction; then the
-async/sync ratios. Results: bench/results/pipeline.json.
+async/sync ratios. Results: bench/results/<machine>/pipeline.json.
 """
 
 from __future__ import annotations
@@ -30,10 +30,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from result_file import result_file
+
 from apps.launcher.run import LaunchOptions, run_local
 from apps.launcher.warm_start import RL_LEARNING_RATE, default_cache_root
 
-RESULTS = Path(__file__).parent / "results" / "pipeline.json"
+RESULTS = result_file("pipeline")
 
 MODES: dict[str, dict[str, dict[str, str]]] = {
     "sync": {

@@ -7,7 +7,7 @@
 
     .venv/bin/python bench/sandbox_bench.py [--runs 200] [--concurrent 64]
 
-Writes bench/results/sandbox.json and prints a summary.
+Writes bench/results/<machine>/sandbox.json and prints a summary.
 """
 
 from __future__ import annotations
@@ -23,9 +23,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from result_file import result_file
+
 from libs.sandbox import SandboxConfig, SandboxFactory, build_sandbox_factory
 
-RESULTS = Path(__file__).parent / "results" / "sandbox.json"
+RESULTS = result_file("sandbox")
 PYTHON_COMMAND = ["python3", "-c", "print(sum(range(100_000)))"]
 HOLD_S = 2.0
 HOLD_COMMAND = ["python3", "-c", f"import time; time.sleep({HOLD_S}); print(4999950000)"]

@@ -17,9 +17,9 @@ and the result JSON's `goal` section says which figures it used and whether each
 
     .venv/bin/python bench/weights_codec_bench.py [--params 100000000] [--threads 2]
     .venv/bin/python bench/weights_codec_bench.py --lr 5e-4 \
-        --out bench/results/weights_codec_dense.json
+        --out bench/results/vm/weights_codec_dense.json
 
-Writes bench/results/weights_codec.json and prints a summary.
+Writes bench/results/<machine>/weights_codec.json and prints a summary.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 import zstandard
+from result_file import result_file
 
 from libs.weights import DeltaApplier, EncodeOptions, VersionInfo, decode, encode
 from libs.weights.encodings import from_planes, to_planes
@@ -44,7 +45,7 @@ from libs.weights.format import encode_chunk, encode_manifest
 from libs.weights.hashing import state_hash
 from libs.weights.tensors import raw_state
 
-RESULTS = Path(__file__).parent / "results" / "weights_codec.json"
+RESULTS = result_file("weights_codec")
 NUM_TENSORS = 8  # the parameters are split into this many equal tensors, like a model's layers
 # The step of issue #4's goal: 2.3% of the bf16 values change. The demo's rate (--lr 5e-4)
 # moves nearly every value: a dense delta (dense_add pieces).

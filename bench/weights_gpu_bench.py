@@ -17,7 +17,7 @@
 
     .venv/bin/python bench/weights_gpu_bench.py [--params 1000000000] [--out PATH]
 
-Writes bench/results/weights_gpu.json (or --out) and prints a table.
+Writes bench/results/<machine>/weights_gpu.json (or --out) and prints a table.
 """
 
 from __future__ import annotations
@@ -33,15 +33,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from result_file import result_file
 
 from libs.weights import DeltaApplier, EncodeOptions, VersionInfo, encode
 from libs.weights.format import Manifest, encode_chunk, encode_manifest
-from libs.weights.gpu import DeviceDeltaApplier, device_diff, encode_device, int_view
+from libs.weights.gpu import device_diff, encode_device, int_view
+from libs.weights.gpu_apply import DeviceDeltaApplier
 from libs.weights.hashing import state_hash
 from libs.weights.scan import changed_elements
 from libs.weights.tensors import as_raw, raw_state
 
-RESULTS = Path(__file__).parent / "results" / "weights_gpu.json"
 State = dict[str, torch.Tensor]
 
 
@@ -277,7 +278,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--no-cpu-apply", dest="cpu_apply", action="store_false")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     device = torch.device(args.device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (no GPU)"
@@ -290,8 +291,9 @@ def main() -> None:
         "state_1b": bench_state(args.params, args.tensors, device, args),
         "swap_05b": bench_swap(args.layers, device, args),
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    out = args.out or result_file("weights_gpu", name if device.type == "cuda" else None)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
     print_table(result)
 
 

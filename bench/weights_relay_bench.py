@@ -13,7 +13,7 @@ the hub) in a temporary folder, mirrors the weight streams into the region
 
     .venv/bin/python bench/weights_relay_bench.py [--mb 64 256] [--repeats 3]
 
-Writes bench/results/weights_relay.json and prints a table. Loopback shows the relay's
+Writes bench/results/<machine>/weights_relay.json and prints a table. Loopback shows the relay's
 overhead, not a WAN: across regions the link's bandwidth sets mirror_s.
 """
 
@@ -30,6 +30,8 @@ import time
 import urllib.request
 from pathlib import Path
 from typing import Any
+
+from result_file import result_file
 
 from libs.bus.connection import Bus, connect_bus
 from libs.bus.provision import provision
@@ -127,7 +129,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mb", type=int, nargs="+", default=[64, 256])
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--out", type=Path, default=Path("bench/results/weights_relay.json"))
+    parser.add_argument("--out", type=Path, default=result_file("weights_relay"))
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as folder:
         report = asyncio.run(run(args.mb, args.repeats, Path(folder)))

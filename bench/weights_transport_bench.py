@@ -12,7 +12,7 @@ stopped at the end.
 
     .venv/bin/python bench/weights_transport_bench.py [--mb 256] [--object-mb 64]
 
-Writes bench/results/weights_transport.json and prints a table. Each figure is the median
+Writes bench/results/<machine>/weights_transport.json and prints a table. Each figure is the median
 of --repeats runs; MB is 10^6 bytes of stored chunk bytes.
 """
 
@@ -32,6 +32,7 @@ from typing import Any
 
 import numpy as np
 from nats.js import api as js_api
+from result_file import result_file
 
 from libs.bus.connection import Bus, connect_bus
 from libs.bus.provision import ensure_stream
@@ -43,7 +44,7 @@ from libs.weights.tensors import RawTensor
 from libs.weights.transport import fetch_chunks, store_chunks
 from proto import streams
 
-RESULTS = Path(__file__).parent / "results" / "weights_transport.json"
+RESULTS = result_file("weights_transport")
 NUM_TENSORS = 8
 
 

@@ -1,0 +1,32 @@
+"""Where a benchmark writes its result: bench/results/<machine>/<benchmark>.json.
+
+One JSON per benchmark and machine, overwritten by the next run (its history is git's); run
+folders and logs go under runs/ or a temporary folder, never into the tree. The machine is
+$BENCH_MACHINE when set, else the CUDA card's model for a GPU benchmark (`NVIDIA H200` ->
+h200), else `vm`, the 2-core VM the CPU figures come from.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def machine(card: str | None = None) -> str:
+    """The results folder's name for this machine (`card`: the CUDA device's name, if used)."""
+    if name := os.environ.get("BENCH_MACHINE"):
+        return name
+    if not card or card.startswith("cpu"):
+        return "vm"
+    model = re.search(r"\b[A-Z]+\d+\b", card)  # "NVIDIA H100 80GB HBM3" -> H100
+    return (model.group(0) if model else card.split()[-1]).lower()
+
+
+def result_file(benchmark: str, card: str | None = None) -> Path:
+    """bench/results/<machine>/<benchmark>.json, its folder created."""
+    path = RESULTS / machine(card) / f"{benchmark}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return path
