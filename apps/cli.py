@@ -32,15 +32,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from libs.settings import ServiceSettings, SettingsError
-
-SERVICES = (
-    "trainer",
-    "rollout-worker",
-    "env-gateway",
-    "reward",
-    "weight-broadcaster",
-    "feedback-ingester",
-)
+from proto.services import SERVICES, service_module
 
 
 def settings_classes() -> dict[str, Callable[[], type[ServiceSettings]]]:
@@ -48,7 +40,7 @@ def settings_classes() -> dict[str, Callable[[], type[ServiceSettings]]]:
 
     def loader(service: str) -> Callable[[], type[ServiceSettings]]:
         def load() -> type[ServiceSettings]:
-            module = importlib.import_module(f"services.{service.replace('-', '_')}.settings")
+            module = importlib.import_module(f"{service_module(service)}.settings")
             found = [
                 value
                 for value in vars(module).values()
@@ -152,7 +144,7 @@ def on_demo(args: argparse.Namespace) -> int:
 def on_run(args: argparse.Namespace) -> int:
     if not with_overrides(args):
         return 2
-    module = importlib.import_module(f"services.{args.service.replace('-', '_')}.__main__")
+    module = importlib.import_module(f"{service_module(args.service)}.__main__")
     module.main()
     return 0
 

@@ -23,9 +23,10 @@ import pytest
 from rich.console import Console
 
 from apps.launcher.health import HealthMonitor
-from apps.launcher.run import ALL_SERVICES, LaunchOptions, run_local
+from apps.launcher.run import LaunchOptions, run_local
 from apps.launcher.status_view import Bound, LauncherLog, StatusView
 from apps.launcher.supervisor import Backoff, ChildSpec, ChildState, Supervisor
+from proto.services import SERVICES as ALL_SERVICES
 from tests.conftest import wait_for
 from tests.marks import E2E
 

@@ -51,15 +51,8 @@ from apps.launcher.summary import build_summary, print_summary
 from apps.launcher.supervisor import Backoff, ChildSpec, Supervisor
 from libs.nats_server import NatsCluster, NatsServer, free_port
 from libs.trainer.launch import trainer_command
+from proto.services import SERVICES
 
-ALL_SERVICES = (
-    "trainer",
-    "rollout-worker",
-    "env-gateway",
-    "reward",
-    "weight-broadcaster",
-    "feedback-ingester",
-)
 EXIT_OK, EXIT_NATS_FAILED, EXIT_UNHEALTHY, EXIT_PROVISION_FAILED = 0, 2, 3, 4
 EXIT_FORCED = 130
 # Services stopped (and waited for) before the others.
@@ -74,7 +67,7 @@ class LaunchOptions:
     run_dir: Path | None = None
     duration_s: float | None = None
     max_trainer_steps: int | None = None
-    services: Sequence[str] = ALL_SERVICES
+    services: Sequence[str] = SERVICES
     extra_env: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
     # Command per service instead of `python -m services.<pkg>` (a profiler, a stand-in).
     commands: Mapping[str, Sequence[str]] = field(default_factory=dict)
@@ -96,9 +89,9 @@ class LaunchOptions:
                 f"nats_cluster must be 1 or at least 3 (got {self.nats_cluster}): a cluster "
                 "of 2 loses its Raft quorum when either node dies"
             )
-        unknown = sorted(set(self.services) - set(ALL_SERVICES))
+        unknown = sorted(set(self.services) - set(SERVICES))
         if unknown:
-            raise ValueError(f"services: unknown {unknown}; choose from {', '.join(ALL_SERVICES)}")
+            raise ValueError(f"services: unknown {unknown}; choose from {', '.join(SERVICES)}")
         if self.duration_s is not None and self.duration_s <= 0:
             raise ValueError(
                 f"duration_s must be > 0 (got {self.duration_s}); omit it to run until Ctrl-C"
@@ -126,7 +119,7 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--services",
-        default=",".join(ALL_SERVICES),
+        default=",".join(SERVICES),
         help="comma-separated services to start (default: all six)",
     )
     parser.add_argument(

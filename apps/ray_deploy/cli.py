@@ -28,13 +28,13 @@ from pathlib import Path
 from typing import Any
 
 from apps.ray_deploy.plan import (
-    SERVICES,
     WORKER,
     DeploymentPlan,
     ScalePolicy,
     build_plan,
     parse_assignments,
 )
+from proto.services import SERVICES
 
 
 def add_ray_parser(commands: Any) -> None:

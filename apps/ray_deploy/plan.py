@@ -22,15 +22,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from libs.trainer.launch import trainer_command
+from proto.services import SERVICES, service_module
 
-SERVICES = (
-    "trainer",
-    "weight-broadcaster",
-    "reward",
-    "env-gateway",
-    "feedback-ingester",
-    "rollout-worker",
-)
 WORKER = "rollout-worker"
 # Placed together on one node: the broadcaster reads the trainer's staged weights from disk.
 TRAINER_GROUP = ("trainer", "weight-broadcaster")
@@ -52,7 +45,7 @@ class ServicePlan:
 
     @property
     def module(self) -> str:
-        return f"services.{self.name.replace('-', '_')}"
+        return service_module(self.name)
 
     @property
     def command(self) -> list[str]:
