@@ -2,7 +2,7 @@
 
 The trainer's encoder and the rollout-worker's decoder spread a version's chunks over a
 thread pool. On a 16-core GPU host the chunk encode on 12 threads took about as long as on
-one or two cores of a VM (bench/handover_profile.py, 2026-11-28): this times, for one
+one or two cores of a VM (bench/handover_profile.py): this times, for one
 version made as the trainer makes them (fp32 masters, lr 1e-5, published in bf16),
 
 - the chunk encode (`_encode_bodies`) on 1, 2, 4, 8, 12 and 16 threads;

@@ -175,7 +175,7 @@ def main() -> None:
     parser.add_argument("--no-process", action="store_true", help="skip the encoder process")
     parser.add_argument(
         "--no-spare", action="store_true",
-        help="no spare host buffers: every delta tensor patched in the mirror (before 2026-11-28)",
+        help="no spare host buffers: every delta tensor patched in the mirror",
     )  # fmt: skip
     args = parser.parse_args()
     if args.switch_interval_ms is not None:

@@ -12,9 +12,9 @@ result matches the modules' up to the order of a sum:
 - `silu_mul`: SiLU(gate) * up from the fused gate/up projection.
 
 Every launch passes `enable_fp_fusion=False`: Triton otherwise contracts a multiply and the
-add after it into one FMA across the bf16 rounding between them. Measured on an H200: RoPE
-then differed from transformers' in 14% of elements (1 ulp); without the contraction all
-three kernels are bitwise equal to transformers' ops.
+add after it into one FMA across the bf16 rounding between them, and RoPE then differs
+from transformers' by an ulp in many elements; without the contraction all three kernels are
+bitwise equal to transformers' ops.
 
 `FusedWeights` holds the concatenated qkv and gate/up weights the fused projections use.
 They are copies of the model's own parameters, so `refresh()` must run after every weight

@@ -20,15 +20,7 @@ earlier turns) between sequences (`libs.engine.kv_cache`).
 Or through the factory: `EngineConfig(type="paged")`; the rollout-worker takes it from
 RLPIPE_ROLLOUT_WORKER_ENGINE_TYPE=paged. Models: Llama and Qwen2 (others are refused).
 
-Measured on one NVIDIA H200 (qwen2-0.5b, bf16; bench/engine_bench.py, results in
-bench/results/h200/engine.json, 2026-11-28): 44.8K tokens/s at 64 rows and 101.6K at 256
-(hf, same run: 3.7K and 14.0K; the trainer's forward+backward 72.5K), 12.6K for 16 samples
-of a 1,024-token prompt, 1.1 ms per token for one row at a 1,400-token context, 64
-simulated multi-turn episodes 19.0K (hf 1.7K); sampled logprobs 0.0081 nats from the
-trainer's (hf 0.0082). Through the rollout harness (bench/harness_bench.py, byte-0.5b): 64
-concurrent multi-turn calc episodes 15.9K tokens/s (hf 1.2K), and the GPU loop's request
-pattern (arith, one request per sample) 1,255 episodes/s (hf 823). In the full GPU loop
-(bench/gpu_loop.sh) see that script's comment.
+Its throughput against `hf` (bench/engine_bench.py, bench/harness_bench.py): docs/benchmarks.md.
 
 Weights: `write_in_place` and `update_weights` wait until no call is running
 (so every completion still comes from exactly one version), write into the model's own

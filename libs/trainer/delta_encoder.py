@@ -1,7 +1,7 @@
 """The trainer's delta encoder, in a process of its own (libs/trainer/staging.py uses it).
 
 Encoding each version in a thread of the trainer doubled byte-0.5b's optimizer step on an
-H200 (0.21 -> 0.41 s, 2026-11-26, whatever the thread count): the step is launch-bound
+H200, whatever the thread count: the step is launch-bound
 Python, and the encode holds the GIL between its numpy and zstd calls. In a process of its
 own the encode shares only the cores. The trainer sends each offered copy of its weights
 (CUDA tensors travel as IPC handles: the child reads the trainer's memory, nothing is

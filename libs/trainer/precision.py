@@ -11,7 +11,7 @@ Why fp32 master weights: AdamW moves each weight by about the learning rate per 
 bf16 (8 significant bits) an update smaller than half a unit in the last place of the weight
 is rounded away, so a bf16-only trainer either learns nothing at small learning rates or
 needs rates large enough to wreck a random-init 0.5B model (byte-0.5b collapsed to reward
-0 at 5e-4, bench/results/h200/gpu_loop_hf). With fp32 masters small steps accumulate, and a
+0 at 5e-4). With fp32 masters small steps accumulate, and a
 published bf16 value changes only once its master has moved by half an ulp, so at small
 rates most values stay put and the delta the weight codec ships is sparse. On CPU the
 policy is fp32 already and both settings are the same.

