@@ -31,10 +31,8 @@ class ThroughputMeter:
     """Busy fraction and tokens/s over the last `window_s` seconds of wall time.
 
     Each call costs O(1) amortized: a continuous-batching engine records one call per request
-    (hundreds a second), and a meter that sorted the window's calls at every record (as this
-    one did) kept the rollout-worker's event loop busy with itself: with the paged engine in
-    the GPU loop on an H200 (2026-11-27) six of eight stack samples of the worker's main
-    thread were in it, and weight announcements waited 20 s to be read."""
+    (hundreds a second), and a meter that sorted the window's calls at every record keeps
+    the rollout-worker's event loop busy with itself, weight announcements waiting unread."""
 
     def __init__(self, window_s: float = 60.0) -> None:
         if window_s <= 0:

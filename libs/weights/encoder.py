@@ -57,8 +57,7 @@ HEADROOM_BYTES = 64 << 10  # room for the chunk header and estimate error below 
 # also tries the dense forms and compresses every candidate: on 32M bf16 values with 15%
 # (30%) changed, one core, that took 0.92 s (1.88 s) for a 16.7x (9.5x) ratio where
 # dense_add took 0.20 s (0.27 s) for 10.1x (7.4x). The few-step deltas of fp32-master
-# training fall in that range (byte-0.5b on an H200: 2-3 s of encode per version with the
-# threshold at 1/2, 2026-11-26), where time is what counts. Below 1/8 sparse wins on size
+# training fall in that range, where time is what counts. Below 1/8 sparse wins on size
 # (a 10% bf16 step: under 10 bits per change) and stays.
 DENSE_FRACTION = 1 / 8
 DENSITY_SAMPLE = 1 << 16  # elements compared to estimate a tensor's changed fraction
@@ -80,10 +79,7 @@ class EncodeOptions:
 
     max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES  # hard limit of one msgpack-encoded chunk
     target_chunk_bytes: int | None = None  # estimated fill; default max - 64 KiB
-    # zstd level. Level 1 beats 3 on both counts on byte-0.5b (2-core VM, 2026-11-28): a
-    # version's delta at lr 1e-5 encoded in 0.42 s (one thread) to 32.06 MB against 0.48 s
-    # to 32.29 MB (the gap bytes: 0.036 s against 0.093 s, and smaller), a snapshot in 1.7 s
-    # to 685 MB against 3.3 s to 706 MB: no match finder pays on these streams, Huffman does.
+    # zstd level 1: faster and smaller than 3 on weight streams (Huffman pays, match finding not).
     level: int = 1
     threads: int = 1  # threads for scanning, hashing and chunk encoding
 
