@@ -17,7 +17,6 @@ and `replace_if_dead` swaps it for a new one (started on the next call).
 
 from __future__ import annotations
 
-import ctypes
 import os
 import queue
 import signal
@@ -27,7 +26,8 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-_PR_SET_PDEATHSIG = 1
+from libs.process_lifetime import die_with_parent
+
 POLL_S = 0.5
 """How often a wait for the child's reply checks that it is alive."""
 CLOSE_S = 10.0
@@ -112,7 +112,5 @@ class ChildProcess:
 def become_child(parent: int) -> None:
     """First thing in a child: die with the parent (SIGKILL on its death), and leave the
     cores to the work's own threads rather than torch's."""
-    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != parent:  # the parent died before prctl
-        os._exit(1)
+    die_with_parent(signal.SIGKILL, parent)
     torch.set_num_threads(1)

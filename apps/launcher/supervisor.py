@@ -13,7 +13,7 @@ Output goes to `<log_dir>/<name>.log`, appended across restarts.
 from __future__ import annotations
 
 import asyncio
-import ctypes
+import functools
 import os
 import signal
 import time
@@ -21,6 +21,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from libs.process_lifetime import die_with_parent
 
 EventHandler = Callable[..., None]
 
@@ -230,7 +232,9 @@ class Supervisor:
                 stderr=asyncio.subprocess.STDOUT,
                 env={**os.environ, **child.spec.env},
                 start_new_session=True,
-                preexec_fn=_terminate_with_parent,
+                # SIGTERM when the launcher dies, however it dies (a SIGKILL, a full disk):
+                # no service outlives a launcher that cannot stop it.
+                preexec_fn=functools.partial(die_with_parent, signal.SIGTERM, os.getpid()),
             )
         child.pids.append(child.process.pid)
         child.state, child.detail = "running", ""
@@ -272,13 +276,3 @@ class Supervisor:
     def _event(self, event: str, **fields: Any) -> None:
         if self._on_event:
             self._on_event(event, **fields)
-
-
-_PR_SET_PDEATHSIG = 1
-
-
-def _terminate_with_parent() -> None:
-    """In the child, before exec: SIGTERM when the launcher dies, however it dies (a
-    SIGKILL, a full disk), so no service outlives a launcher that cannot stop it."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)

@@ -17,7 +17,7 @@ finishes its episodes for its drain time and hands back the rest).
 
 from __future__ import annotations
 
-import ctypes
+import functools
 import json
 import os
 import signal
@@ -32,14 +32,7 @@ from typing import Any
 
 from apps.ray_deploy.plan import ServicePlan
 from libs.nats_server import free_port
-
-PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:
-    """In the child before exec: SIGKILL when the actor's process dies (Linux)."""
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+from libs.process_lifetime import die_with_parent
 
 
 class ServiceProcess:
@@ -60,7 +53,7 @@ class ServiceProcess:
                 env=self._environment(),
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                preexec_fn=_die_with_parent,
+                preexec_fn=functools.partial(die_with_parent, signal.SIGKILL, os.getpid()),
             )
         threading.Thread(target=self._exit_with_service, daemon=True).start()
 

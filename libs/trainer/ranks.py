@@ -37,7 +37,6 @@ trainer's isolation): the job ends and resumes from its last checkpoint.
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import math
 import os
 import signal
@@ -55,6 +54,7 @@ from libs.bus.connection import Bus
 from libs.bus.publisher import Publisher
 from libs.logs import configure_logging
 from libs.policy import PolicyConfig, build_policy, resolve_device
+from libs.process_lifetime import die_with_parent
 from libs.rl import turn_trainable
 from libs.trainer.checkpoint import SHARDED_DIR, TrainerState, is_sharded
 from libs.trainer.config import TrainerConfig
@@ -76,7 +76,6 @@ from proto.messages import ScoredRollout
 
 log = structlog.get_logger(__name__)
 
-PR_SET_PDEATHSIG = 1
 # How long the other ranks wait for rank 0's next command: without limit, in effect.
 COMMAND_WAIT = timedelta(days=365)
 
@@ -103,10 +102,7 @@ def die_with_launcher() -> None:
     """Linux: SIGKILL this rank when the torchrun agent that started it dies, however it dies
     (a Ray actor's or the demo launcher's SIGKILL reaches the agent only), so no rank of a
     dead job is left waiting for the others."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() == 1:  # the agent died before prctl
-        os._exit(1)
+    die_with_parent(signal.SIGKILL)
 
 
 def refuse_unsupported(config: TrainerConfig) -> None:
