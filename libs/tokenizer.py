@@ -11,7 +11,6 @@ makes (the warm start's demonstrations), for a model folder that carries its own
 
 from __future__ import annotations
 
-import contextlib
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -162,23 +161,6 @@ def load_tokenizer(spec: str) -> Tokenizer:
     return HFTokenizer(AutoTokenizer.from_pretrained(spec, local_files_only=True))
 
 
-def save_tokenizer(tokenizer: Tokenizer, folder: str | Path) -> None:
-    """Write `tokenizer`'s files and chat template into `folder` (beside a model saved
-    there), so the folder loads with its own tokenizer, in rlpipe and in transformers."""
-    from libs.chat.template import chat_template_for  # deferred: the template imports us
-
-    hf = byte_tokenizer_as_hf() if isinstance(tokenizer, ByteTokenizer) else None
-    if isinstance(tokenizer, HFTokenizer):
-        hf = tokenizer.hf
-    if hf is None:
-        raise ValueError(f"cannot save tokenizer {type(tokenizer).__name__}")
-    if not getattr(hf, "chat_template", None):
-        # A tokenizer none of our templates fits (no ChatML tokens) is saved without one.
-        with contextlib.suppress(ValueError):
-            hf.chat_template = chat_template_for(tokenizer).jinja or None
-    hf.save_pretrained(folder)
-
-
 def byte_vocabulary() -> dict[str, int]:
     """The byte tokenizer's vocabulary as HF byte-level tokens: GPT-2's printable character
     for each byte (`Ġ` for a space) -> the byte's value, then the specials."""
@@ -215,7 +197,8 @@ def byte_tokenizer_as_hf() -> Any:
 
 
 def holds_byte_tokenizer(folder: Path) -> bool:
-    """True when `folder`'s tokenizer.json is the byte tokenizer `save_tokenizer` writes."""
+    """True when `folder`'s tokenizer.json is the byte tokenizer that
+    `libs.chat.template.save_tokenizer` writes."""
     try:
         saved = json.loads((folder / "tokenizer.json").read_text())
     except (OSError, ValueError):

@@ -22,7 +22,7 @@ from apps.launcher import warm_start
 from apps.launcher.episode_report import first_last_report
 from apps.launcher.run import add_demo_arguments, options_from_args
 from apps.sft_cli import LogFn
-from libs.chat.template import ChatTemplate, chat_template_for
+from libs.chat.template import ChatTemplate, chat_template_for, save_tokenizer
 from libs.engine.base import Completion, SamplingParams
 from libs.envs import make_env
 from libs.envs.latency import ToolLatency, parse_tool_latency, with_tool_latency
@@ -55,7 +55,6 @@ from libs.tokenizer import (
     ByteTokenizer,
     HFTokenizer,
     load_tokenizer,
-    save_tokenizer,
     train_chat_tokenizer,
 )
 from proto import messages as m

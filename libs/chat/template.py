@@ -17,15 +17,20 @@ Three templates:
 Tool results are rendered as a user message whose content holds `<tool_result>` blocks
 (`render_tool_results`), the way Qwen-style templates do: no extra role token is needed.
 The tools offered are listed in the system message (`libs.chat.tool_calls.describe_tools`).
+
+`save_tokenizer(tokenizer, folder)` writes a tokenizer's files into a model folder with its
+template as a transformers chat template, so the folder loads with both anywhere.
 """
 
 from __future__ import annotations
 
 import abc
+import contextlib
 from collections.abc import Sequence
+from pathlib import Path
 
 from libs.chat.tool_calls import describe_tools
-from libs.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+from libs.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, byte_tokenizer_as_hf
 from proto.messages import ChatMessage, ToolResult, ToolSpec
 
 
@@ -189,6 +194,21 @@ def chat_template_for(tokenizer: Tokenizer) -> ChatTemplate:
     if isinstance(tokenizer, HFTokenizer):
         return ChatMLTemplate(tokenizer)
     raise ValueError(f"no chat template for tokenizer {type(tokenizer).__name__}")
+
+
+def save_tokenizer(tokenizer: Tokenizer, folder: str | Path) -> None:
+    """Write `tokenizer`'s files and chat template into `folder` (beside a model saved
+    there), so the folder loads with its own tokenizer, in rlpipe and in transformers."""
+    hf = byte_tokenizer_as_hf() if isinstance(tokenizer, ByteTokenizer) else None
+    if isinstance(tokenizer, HFTokenizer):
+        hf = tokenizer.hf
+    if hf is None:
+        raise ValueError(f"cannot save tokenizer {type(tokenizer).__name__}")
+    if not getattr(hf, "chat_template", None):
+        # A tokenizer none of our templates fits (no ChatML tokens) is saved without one.
+        with contextlib.suppress(ValueError):
+            hf.chat_template = chat_template_for(tokenizer).jinja or None
+    hf.save_pretrained(folder)
 
 
 def with_tools(messages: Sequence[ChatMessage], tools: Sequence[ToolSpec]) -> list[ChatMessage]:

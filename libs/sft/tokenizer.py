@@ -13,8 +13,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from libs.chat.template import save_tokenizer
 from libs.sft.transcript import iter_transcripts, transcript_texts
-from libs.tokenizer import save_tokenizer, train_chat_tokenizer
+from libs.tokenizer import train_chat_tokenizer
 
 
 def ensure_transcript_tokenizer(data: Path, folder: Path, vocab_size: int) -> Path:

@@ -29,11 +29,11 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-from libs.chat.template import chat_template_for
+from libs.chat.template import chat_template_for, save_tokenizer
 from libs.policy import PolicyConfig, build_policy, load_policy_tokenizer, save_policy
 from libs.sft.loss import Example, sft_loss
 from libs.sft.transcript import read_transcripts, render_transcript, without_system_message
-from libs.tokenizer import HFTokenizer, Tokenizer, save_tokenizer
+from libs.tokenizer import HFTokenizer, Tokenizer
 
 CHECKPOINT_DIR = "checkpoint"
 RESULT_FILE = "sft.json"

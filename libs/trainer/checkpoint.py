@@ -34,9 +34,10 @@ import msgspec
 import torch
 from transformers import PreTrainedModel
 
+from libs.chat.template import save_tokenizer
 from libs.policy import save_policy
 from libs.rl.online import OnlineBaselines
-from libs.tokenizer import Tokenizer, save_tokenizer
+from libs.tokenizer import Tokenizer
 from libs.trainer.cursor import ConsumedCursor
 from libs.trainer.host_memory import HostCopy
 from libs.trainer.lineage import Lineage
