@@ -36,8 +36,8 @@ export RLPIPE_TRAINER_POLICY_DEVICE=$device RLPIPE_ROLLOUT_WORKER_POLICY_DEVICE=
 export RLPIPE_ROLLOUT_WORKER_MAX_BATCH_TASKS=${MAX_BATCH_TASKS:-16}
 # How far the feeder runs ahead of the trainer (env-gateway defaults: 32 tasks queued, one
 # batch ahead): the tasks in flight over the pipeline's round trip bound samples/s.
-[ -n "${QUEUE_DEPTH:-}" ] && export RLPIPE_ENV_GATEWAY_QUEUE_DEPTH_TASKS=$QUEUE_DEPTH
-[ -n "${MAX_AHEAD:-}" ] && export RLPIPE_ENV_GATEWAY_MAX_AHEAD_VERSIONS=$MAX_AHEAD
+[ -n "${QUEUE_DEPTH:-}" ] && export RLPIPE_ENV_GATEWAY_FEEDER_QUEUE_DEPTH_TASKS=$QUEUE_DEPTH
+[ -n "${MAX_AHEAD:-}" ] && export RLPIPE_ENV_GATEWAY_FEEDER_MAX_AHEAD_VERSIONS=$MAX_AHEAD
 # A 0.5B checkpoint (fp32 weights + AdamW state, ~6 GB) takes seconds the trainer waits for:
 # the default every 4 steps made 11 of them in a 150 s run on an H200. One at the end.
 export RLPIPE_TRAINER_CHECKPOINT_EVERY_STEPS=${CHECKPOINT_EVERY:-100000}

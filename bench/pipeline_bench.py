@@ -69,7 +69,6 @@ SCENARIOS: dict[str, Scenario] = {
                 "RLPIPE_ENV_GATEWAY_ENV": "calc",
                 # Groups of 8 (the warm start's RL setting) when started from it; 4 otherwise.
                 "RLPIPE_ENV_GATEWAY_GROUP_SIZE": "4",
-                "RLPIPE_ENV_GATEWAY_BATCH_GROUPS": "2",
                 "RLPIPE_ENV_GATEWAY_TOOL_LATENCY": HEAVY_TAIL_LATENCY,
             },
             "trainer": {

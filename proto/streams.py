@@ -207,6 +207,8 @@ STATE = KeyValueSpec(
 POLICY_VERSION_KEY = "policy_version"
 # Groups the trainer has taken from the scored stream, trained or dropped as stale.
 GROUPS_TAKEN_KEY = "trainer_groups_taken"
+# The trainer's groups per optimizer step: the feeder's batch (sync) and its unit of run-ahead.
+BATCH_GROUPS_KEY = "trainer_batch_groups"
 # The trainer's staleness bound (updates a sample's weights may lag the trainer's): the feeder
 # tags async tasks so no worker generates them with weights already past it.
 MAX_STALENESS_KEY = "trainer_max_staleness"

@@ -37,6 +37,7 @@ from libs.envs import base as envs_base
 from libs.envs.base import Environment, Episode, Opening, StepResult
 from libs.envs.calc import CalcTasks
 from libs.envs.coding import CodingTasks
+from libs.envs.feeder import FeederConfig
 from libs.policy import PolicyConfig
 from libs.reward.calc import calc_rubric
 from libs.reward.coding import coding_rubric
@@ -93,7 +94,7 @@ class Pipeline:
 
     async def start_all(self, **worker_settings: object) -> None:
         run_dir = self.run_dir
-        await self.start(EnvGatewayService(EnvGatewaySettings(feeder_mode="off")))
+        await self.start(EnvGatewayService(EnvGatewaySettings(feeder=FeederConfig(mode="off"))))
         await self.start(
             WeightBroadcasterService(WeightBroadcasterSettings(run_dir=run_dir, encode_threads=1))
         )

@@ -222,7 +222,6 @@ def test_the_demo_trains_on_a_dataset_to_the_exact_step_and_leaves_a_checkpoint(
         "trainer.checkpoint_every_steps=1",
         "trainer.checkpoint_keep=1",
         "env-gateway.group_size=4",
-        "env-gateway.batch_groups=2",
         "env-gateway.dataset_max_tokens=3",
     ]
     result = rlpipe(

@@ -17,6 +17,7 @@ from libs.envs import base as envs_base
 from libs.envs.arithmetic import ArithmeticTasks
 from libs.envs.base import Environment, Episode, Opening, StepResult
 from libs.envs.client import EnvClient, EnvError
+from libs.envs.feeder import FeederConfig
 from proto import messages as m
 from proto import streams
 from proto.messages import Task, ToolCall
@@ -63,15 +64,19 @@ def tool_task(task_id: str) -> Task:
 async def start_gateway(
     bus: Bus, monkeypatch: pytest.MonkeyPatch
 ) -> AsyncIterator[Callable[..., object]]:
-    """Starts gateways in-process (settings as keyword arguments); stops them all after."""
+    """Starts gateways in-process (settings as keyword arguments, the feeder's as a dict);
+    stops them all after."""
     monkeypatch.setitem(envs_base._REGISTRY, ToolEnv.name, ToolEnv)
     await provision(bus.js)
     running: list[tuple[EnvGatewayService, asyncio.Task[None]]] = []
 
-    async def start(**overrides: object) -> EnvGatewayService:
-        fields: dict[str, object] = {"feeder_mode": "off", "feeder_poll_interval_s": 0.05}
-        fields.update(overrides)
-        service = EnvGatewayService(EnvGatewaySettings(**fields))  # type: ignore[arg-type]
+    async def start(
+        feeder: dict[str, object] | None = None, **overrides: object
+    ) -> EnvGatewayService:
+        config = FeederConfig.model_validate(
+            {"mode": "off", "poll_interval_s": 0.05, **(feeder or {})}
+        )
+        service = EnvGatewayService(EnvGatewaySettings(feeder=config, **overrides))  # type: ignore[arg-type]
         await service.start(bus)
         running.append((service, asyncio.create_task(service.run())))
         return service
@@ -188,7 +193,11 @@ async def drain_tasks(bus: Bus, count: int) -> list[Task]:
 
 
 async def test_async_feeder_keeps_the_queue_at_depth(bus: Bus, start_gateway: Callable) -> None:
-    gateway: EnvGatewayService = await start_gateway(feeder_mode="async", queue_depth_tasks=5)
+    kv = await bus.js.key_value(streams.STATE.bucket)
+    await kv.put(streams.BATCH_GROUPS_KEY, b"16")  # a trainer's batch: far more than the depth
+    gateway: EnvGatewayService = await start_gateway(
+        feeder={"mode": "async", "queue_depth_tasks": 5}
+    )
     assert gateway.feeder is not None
 
     async def queue_is(pending: int, acking: int) -> bool:
@@ -217,8 +226,11 @@ async def test_async_feeder_keeps_the_queue_at_depth(bus: Bus, start_gateway: Ca
 async def test_sync_feeder_publishes_one_tagged_batch_per_version(
     bus: Bus, start_gateway: Callable
 ) -> None:
-    gateway: EnvGatewayService = await start_gateway(feeder_mode="sync", batch_groups=3)
     kv = await bus.js.key_value(streams.STATE.bucket)
+    gateway: EnvGatewayService = await start_gateway(feeder={"mode": "sync"})
+    # Before the trainer wrote its batch size, the feeder has no batch to publish.
+    assert gateway.feeder is not None and await gateway.feeder.feed_once() == 0
+    await kv.put(streams.BATCH_GROUPS_KEY, b"3")  # the trainer's batch_groups
 
     async def published(n: int) -> bool:
         return gateway.feeder is not None and gateway.feeder.num_published == n
@@ -237,7 +249,7 @@ async def test_sync_feeder_publishes_one_tagged_batch_per_version(
 
     # A restarted gateway resumes where the last one stopped: no repeat, no extra batch.
     await gateway.stop()
-    again: EnvGatewayService = await start_gateway(feeder_mode="sync", batch_groups=3)
+    again: EnvGatewayService = await start_gateway(feeder={"mode": "sync"})
     assert again.feeder is not None
     assert (again.feeder.state.next_index, again.feeder.state.fed_version) == (9, 3)
     assert await again.feeder.feed_once() == 0
@@ -251,11 +263,12 @@ async def test_sync_feeder_publishes_one_tagged_batch_per_version(
 async def test_async_feeder_stays_a_bounded_number_of_batches_ahead_of_the_trainer(
     bus: Bus, start_gateway: Callable
 ) -> None:
+    kv = await bus.js.key_value(streams.STATE.bucket)
+    await kv.put(streams.BATCH_GROUPS_KEY, b"2")  # the trainer's batch_groups
     gateway: EnvGatewayService = await start_gateway(
-        feeder_mode="async", queue_depth_tasks=100, batch_groups=2, max_ahead_versions=1
+        feeder={"mode": "async", "queue_depth_tasks": 100, "max_ahead_versions": 1}
     )
     assert gateway.feeder is not None
-    kv = await bus.js.key_value(streams.STATE.bucket)
     # The trainer's batch in progress plus one batch ahead: 2 * 2 tasks, however deep the queue.
     await wait_for(lambda: gateway.feeder is not None and gateway.feeder.num_published == 4)
     assert await gateway.feeder.feed_once() == 0
@@ -269,7 +282,7 @@ async def test_async_feeder_tags_tasks_with_the_oldest_version_the_trainer_can_s
 ) -> None:
     # Before the trainer wrote its bound, tasks ask for no version.
     gateway: EnvGatewayService = await start_gateway(
-        feeder_mode="async", queue_depth_tasks=2, max_ahead_versions=None
+        feeder={"mode": "async", "queue_depth_tasks": 2, "max_ahead_versions": None}
     )
     kv = await bus.js.key_value(streams.STATE.bucket)
     await wait_for(lambda: gateway.feeder is not None and gateway.feeder.num_published == 2)

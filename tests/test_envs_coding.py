@@ -20,6 +20,7 @@ from libs.envs.coding import CodingConfig, CodingEnv, CodingEpisode, CodingTasks
 from libs.envs.coding.grading import copy_final_files, grade_files, restore_protected
 from libs.envs.coding.tasks import TASKS_DIR, CodingTask
 from libs.envs.coding.tools import TOOLS, SandboxTools
+from libs.envs.feeder import FeederConfig
 from libs.sandbox import SandboxConfig, SandboxLimits, build_sandbox_factory
 from libs.sandbox.limits import MIB
 from proto import messages as m
@@ -216,7 +217,9 @@ async def test_fake_output_does_not_fool_grading(cheat: str, tmp_path: Path) -> 
 async def gateway(bus: Bus, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[EnvGatewayService]:
     monkeypatch.setitem(envs_base._REGISTRY, "coding", lambda: CodingEnv(CONFIG))
     await provision(bus.js)
-    service = EnvGatewayService(EnvGatewaySettings(feeder_mode="off", step_timeout_s=20.0))
+    service = EnvGatewayService(
+        EnvGatewaySettings(feeder=FeederConfig(mode="off"), step_timeout_s=20.0)
+    )
     await service.start(bus)
     running = asyncio.create_task(service.run())
     yield service

@@ -12,6 +12,7 @@ from libs.bus.provision import provision
 from libs.envs import make_env
 from libs.envs.calc import CalcEnv, CalcTasks, parse_answer
 from libs.envs.client import EnvClient
+from libs.envs.feeder import FeederConfig
 from proto import messages as m
 from proto.messages import Task, ToolCall
 from services.env_gateway.service import EnvGatewayService
@@ -102,7 +103,7 @@ async def test_a_task_without_an_integer_answer_is_refused() -> None:
 
 async def test_a_calc_episode_through_env_gateway(bus: Bus) -> None:
     await provision(bus.js)
-    service = EnvGatewayService(EnvGatewaySettings(feeder_mode="off"))
+    service = EnvGatewayService(EnvGatewaySettings(feeder=FeederConfig(mode="off")))
     await service.start(bus)
     running = asyncio.create_task(service.run())
     try:

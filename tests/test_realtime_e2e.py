@@ -30,6 +30,7 @@ from libs.bus.provision import provision
 from libs.chat.template import chat_template_for
 from libs.engine.factory import EngineConfig, build_engine
 from libs.envs.client import EnvClient
+from libs.envs.feeder import FeederConfig
 from libs.nats_server import free_port
 from libs.policy import PolicyConfig, build_policy, sequence_logprobs
 from libs.rollout.agent import AgentSettings
@@ -113,7 +114,7 @@ async def pipeline(bus: Bus, tmp_path: Path) -> AsyncIterator[Pipeline]:
     serve_url = f"http://127.0.0.1:{serve_port}"
     async with AsyncExitStack() as stack:
         # env-gateway serves arith: the gate's held-out episodes run through it.
-        gateway = EnvGatewayService(EnvGatewaySettings(feeder_mode="off"))
+        gateway = EnvGatewayService(EnvGatewaySettings(feeder=FeederConfig(mode="off")))
         for service in (gateway, worker, broadcaster, ingester):
             await run_service(stack, service, bus)
         # No version promoted yet: the replica is up but has nothing to serve.

@@ -18,6 +18,7 @@ from libs.bus.provision import provision
 from libs.bus.publisher import Publisher
 from libs.engine.hf import HFEngine
 from libs.envs.arithmetic import ArithmeticTasks
+from libs.envs.feeder import FeederConfig
 from libs.policy import PolicyConfig, build_policy
 from libs.service import Service
 from libs.tokenizer import ByteTokenizer
@@ -66,7 +67,7 @@ class Cluster:
 
     async def start_all(self, **worker_settings: Any) -> RolloutWorkerService:
         await state_trainer_policy(self.bus.js)  # this harness stands in for the trainer
-        await self.start(EnvGatewayService(EnvGatewaySettings(feeder_mode="off")))
+        await self.start(EnvGatewayService(EnvGatewaySettings(feeder=FeederConfig(mode="off"))))
         settings = WeightBroadcasterSettings(staging_dir=self.staging_dir, encode_threads=1)
         await self.start(WeightBroadcasterService(settings))
         self.worker = RolloutWorkerService(

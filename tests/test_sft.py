@@ -3,7 +3,6 @@ experts demonstrate through the real environments, training is resumable."""
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
@@ -20,7 +19,6 @@ from apps import sft_cli
 from apps.cli import build_parser
 from apps.launcher import warm_start
 from apps.launcher.episode_report import first_last_report
-from apps.launcher.run import add_demo_arguments, options_from_args
 from apps.sft_cli import LogFn
 from libs.chat.template import ChatTemplate, chat_template_for, save_tokenizer
 from libs.engine.base import Completion, SamplingParams
@@ -453,17 +451,3 @@ def test_rlpipe_sft_trains_a_tokenizer_of_its_own_when_asked(
     tokenizer = load_tokenizer(str(out))
     assert isinstance(tokenizer, HFTokenizer) and tokenizer.vocab_size <= 400
     assert load_policy(out).config.vocab_size == tokenizer.vocab_size
-
-
-def test_a_tool_demo_feeds_at_most_the_trainers_batches_ahead(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    # The feeder's bound on running ahead is counted in batches of batch_groups tasks: at its
-    # default (16) against the trainer's 2, calc's samples were trained 4+ versions stale.
-    monkeypatch.delenv("RLPIPE_TRAINER_BATCH_GROUPS", raising=False)
-    monkeypatch.delenv("RLPIPE_ENV_GATEWAY_BATCH_GROUPS", raising=False)
-    parser = argparse.ArgumentParser()
-    add_demo_arguments(parser)
-    options = options_from_args(parser.parse_args(["--env", "calc", "--no-warm-start"]))
-    feeder = options.extra_env["env-gateway"]["RLPIPE_ENV_GATEWAY_BATCH_GROUPS"]
-    assert feeder == options.extra_env["trainer"]["RLPIPE_TRAINER_BATCH_GROUPS"] == "2"

@@ -196,12 +196,6 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
         extra_env["trainer"] = {
             name: os.environ.get(name, value) for name, value in trainer.items()
         }
-        # The feeder's bound on running ahead is counted in trainer batches: left at its
-        # default of 16 groups against the trainer's 2, it let calc's samples wait 4+ versions
-        # (trained at the staleness bound of 4, the rest dropped).
-        batch_groups = extra_env["trainer"]["RLPIPE_TRAINER_BATCH_GROUPS"]
-        name = "RLPIPE_ENV_GATEWAY_BATCH_GROUPS"
-        extra_env["env-gateway"][name] = os.environ.get(name, batch_groups)
     warm = bool(args.env) and not args.no_warm_start and _has_warm_start(args.env)
     commands = {}
     if args.trainer_ranks != 1:

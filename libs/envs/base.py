@@ -129,7 +129,7 @@ class Environment(abc.ABC):
         """Tasks this environment generates itself, for the feeder."""
         raise NotImplementedError(
             f"environment {self.name!r} generates no tasks; publish its tasks to the bus yourself "
-            "and run env-gateway with feeder_mode=off"
+            "and run env-gateway with feeder.mode=off"
         )
 
 

@@ -5,7 +5,8 @@ Two modes:
   consumer proto.streams.ROLLOUT_WORKER_TASKS) at `queue_depth_tasks`, but never more than
   `max_ahead_versions` batches ahead of the trainer: at most
   groups taken by the trainer + (1 + max_ahead_versions) * batch_groups tasks published
-  since the trainer's count began (KV key `trainer_groups_taken`). That bounds staleness
+  since the trainer's count began (KV keys `trainer_groups_taken` and `trainer_batch_groups`:
+  the trainer's own batch size, so the two cannot disagree). That bounds staleness
   where it is made: a worker far ahead of the trainer would only produce samples the trainer
   drops (AReaL's rollout controller works the same way). Dropped groups count as taken, so
   drops free room instead of stalling the loop. Each task is tagged
@@ -17,10 +18,15 @@ Two modes:
   crash lost), so after a resume the tag may ask for newer weights than needed, never older;
 - `sync`: the synchronous baseline: each time the trainer's policy version (KV bucket
   proto.streams.STATE, key `policy_version`, an ASCII decimal integer) advances to v, publish
-  exactly `batch_groups` tasks tagged `min_policy_version=v`.
+  exactly the trainer's `batch_groups` tasks tagged `min_policy_version=v`.
+Before the trainer has written its batch size neither bounded mode publishes: the bound is
+the trainer's, not a guess of it.
 Each task's msg id is its task_id, and how far the feeder got is stored in the same bucket
 (key `task_feeder.<env>`) after each publish, so a restarted feeder neither repeats nor skips.
-Run one feeder per environment (other gateway replicas: feeder_mode=off).
+Run one feeder per environment (other gateway replicas: feeder.mode=off).
+
+    feeder = TaskFeeder(js, Publisher(js), source, env="arith", config=FeederConfig())
+    await feeder.start(); await feeder.run()
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from nats.js import JetStreamContext
 from nats.js.errors import KeyDeletedError, KeyNotFoundError
 from nats.js.kv import KeyValue
 from prometheus_client import Counter, Gauge
+from pydantic import BaseModel, ConfigDict, Field
 
 from libs.bus.publisher import Outgoing, Publisher
 from libs.envs.base import TaskSource
@@ -50,6 +57,30 @@ MAX_FAILED_ROUNDS = 50
 
 TASKS_PUBLISHED = Counter("rlpipe_feeder_tasks_published_total", "Tasks published", ["env"])
 QUEUE_DEPTH = Gauge("rlpipe_feeder_queue_depth_tasks", "Tasks pending or in progress", ["env"])
+
+
+class FeederConfig(BaseModel):
+    """How the feeder paces tasks (env-gateway's `feeder` settings)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    mode: FeederMode = Field(
+        "async",
+        description="async: keep the queue at queue_depth_tasks; sync: the trainer's "
+        "batch_groups tasks per new policy version; off: serve episodes only",
+    )
+    queue_depth_tasks: int = Field(
+        32, ge=1, description="Tasks kept pending or in progress (async mode)"
+    )
+    max_ahead_versions: int | None = Field(
+        1,
+        ge=0,
+        description="async: trainer batches the feeder may run ahead of the trainer (bounds "
+        "staleness); unset for no bound",
+    )
+    poll_interval_s: float = Field(
+        0.2, gt=0, description="How often the feeder checks queue depth or policy version"
+    )
 
 
 class FeederState(msgspec.Struct, kw_only=True):
@@ -99,22 +130,14 @@ class TaskFeeder:
         source: TaskSource,
         *,
         env: str,
-        mode: FeederMode,
-        queue_depth_tasks: int = 32,
-        batch_groups: int = 8,
-        max_ahead_versions: int | None = None,
-        poll_interval_s: float = 0.2,
+        config: FeederConfig,
     ) -> None:
         self._js = js
         self._publisher = publisher
         self._source = source
         self.env = env
-        self.mode = mode
-        self.queue_depth_tasks = queue_depth_tasks
-        self.batch_groups = batch_groups
-        self.max_ahead_versions = max_ahead_versions
+        self.config = config
         self._start: tuple[int, int] | None = None  # (groups taken, tasks published) at start
-        self.poll_interval_s = poll_interval_s
         self.state = FeederState()
         self.num_published = 0
         self._kv: KeyValue | None = None
@@ -128,13 +151,15 @@ class TaskFeeder:
             self.state = msgspec.json.decode(entry.value or b"{}", type=FeederState)
         except (KeyNotFoundError, KeyDeletedError):
             self.state = FeederState()
-        log.info("feeder ready", env=self.env, mode=self.mode, next_index=self.state.next_index)
+        log.info(
+            "feeder ready", env=self.env, mode=self.config.mode, next_index=self.state.next_index
+        )
 
     async def run(self) -> None:
-        """Feed every `poll_interval_s` until `stop`; raise after `MAX_FAILED_ROUNDS` failed
+        """Feed every `config.poll_interval_s` until `stop`; raise after `MAX_FAILED_ROUNDS` failed
         rounds in a row (a bus that stays unreachable), taking the service down loudly."""
         failures = 0
-        while self.mode != "off" and not self._stopping.is_set():
+        while self.config.mode != "off" and not self._stopping.is_set():
             try:
                 await self.feed_once()
                 failures = 0
@@ -144,16 +169,16 @@ class TaskFeeder:
                 if failures >= MAX_FAILED_ROUNDS:
                     raise
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._stopping.wait(), timeout=self.poll_interval_s)
+                await asyncio.wait_for(self._stopping.wait(), timeout=self.config.poll_interval_s)
 
     def stop(self) -> None:
         self._stopping.set()
 
     async def feed_once(self) -> int:
         """One round of the mode's rule; returns the number of tasks published."""
-        if self.mode == "async":
+        if self.config.mode == "async":
             return await self._top_up()
-        if self.mode == "sync":
+        if self.config.mode == "sync":
             return await self._feed_new_version()
         return 0
 
@@ -166,10 +191,12 @@ class TaskFeeder:
         return depth
 
     async def _top_up(self) -> int:
-        missing = min(self.queue_depth_tasks - await self.queue_depth(), await self._room_ahead())
-        if missing <= 0:
+        room = min(
+            self.config.queue_depth_tasks - await self.queue_depth(), await self._room_ahead()
+        )
+        if room <= 0:
             return 0
-        return await self._publish(missing, min_policy_version=await self._oldest_useful())
+        return await self._publish(room, min_policy_version=await self._oldest_useful())
 
     async def _oldest_useful(self) -> int:
         """The oldest policy version whose samples the trainer can still train on now."""
@@ -181,22 +208,32 @@ class TaskFeeder:
 
     async def _room_ahead(self) -> int:
         """Tasks that may still be published before the trainer's next version."""
-        if self.max_ahead_versions is None:
-            return self.queue_depth_tasks
+        ahead = self.config.max_ahead_versions
+        if ahead is None:
+            return self.config.queue_depth_tasks
+        batch_groups = await self._trainer_batch_groups()
+        if batch_groups is None:
+            return 0
         assert self._kv is not None, "call start() first"
         taken = await read_counter(self._kv, streams.GROUPS_TAKEN_KEY)
         if self._start is None:
             self._start = (taken, self.num_published)
         taken_since_start = max(0, taken - self._start[0])
-        allowed = taken_since_start + (1 + self.max_ahead_versions) * self.batch_groups
+        allowed = taken_since_start + (1 + ahead) * batch_groups
         return allowed - (self.num_published - self._start[1])
+
+    async def _trainer_batch_groups(self) -> int | None:
+        """The trainer's groups per step; None before the trainer has written it."""
+        assert self._kv is not None, "call start() first"
+        return await read_optional_counter(self._kv, streams.BATCH_GROUPS_KEY)
 
     async def _feed_new_version(self) -> int:
         assert self._kv is not None, "call start() first"
         version = await read_policy_version(self._kv)
-        if version <= self.state.fed_version:
+        batch_groups = await self._trainer_batch_groups()
+        if version <= self.state.fed_version or batch_groups is None:
             return 0
-        count = await self._publish(self.batch_groups, min_policy_version=version, fed=version)
+        count = await self._publish(batch_groups, min_policy_version=version, fed=version)
         log.info("fed a sync batch", env=self.env, version=version, tasks=count)
         return count
 

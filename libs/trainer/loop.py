@@ -655,6 +655,7 @@ class Trainer:
             await kv.put(streams.POLICY_VERSION_KEY, str(self.state.version).encode())
             await kv.put(streams.GROUPS_TAKEN_KEY, str(self.state.groups_taken).encode())
             await kv.put(streams.MAX_STALENESS_KEY, str(self._max_staleness).encode())
+            await kv.put(streams.BATCH_GROUPS_KEY, str(self.config.batch_groups).encode())
 
         await ride_through(write, "trainer progress")
 

@@ -39,7 +39,7 @@ class EnvGatewayService(Service):
             raise ValueError(f"env {s.env!r} is not registered; known: {', '.join(sorted(envs))}")
         limits = ServerLimits(s.episode_timeout_s, s.step_timeout_s, s.max_open_episodes)
         self.server = EnvServer(bus.nc, envs, limits)
-        if s.feeder_mode != "off":
+        if s.feeder.mode != "off":
             source = envs[s.env].task_source(
                 difficulty=s.difficulty, group_size=s.group_size, seed=s.seed
             )
@@ -48,16 +48,12 @@ class EnvGatewayService(Service):
                 Publisher(bus.js),
                 source,
                 env=s.env,
-                mode=s.feeder_mode,
-                queue_depth_tasks=s.queue_depth_tasks,
-                batch_groups=s.batch_groups,
-                max_ahead_versions=s.max_ahead_versions,
-                poll_interval_s=s.feeder_poll_interval_s,
+                config=s.feeder,
             )
             await self.feeder.start()
         await self.server.start()
         self.status = "ok"
-        self.detail = f"serving {', '.join(sorted(envs))}; feeder {s.feeder_mode}"
+        self.detail = f"serving {', '.join(sorted(envs))}; feeder {s.feeder.mode}"
 
     async def run(self) -> None:
         assert self.server is not None, "start() first"
@@ -76,6 +72,6 @@ class EnvGatewayService(Service):
             **super().health(),
             "episodes_open": len(self.server.episodes) if self.server else 0,
             "tasks_published": self.feeder.num_published if self.feeder else 0,
-            "feeder_mode": self.settings.feeder_mode,
+            "feeder_mode": self.settings.feeder.mode,
             "next_task_index": self.feeder.state.next_index if self.feeder else 0,
         }

@@ -1,51 +1,34 @@
 """Settings of the env-gateway service, from RLPIPE_ENV_GATEWAY_* variables."""
 
 from pathlib import Path
-from typing import ClassVar, Literal, Self
+from typing import ClassVar, Self
 
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from libs.envs.dataset import ENV_NAME as DATASET_ENV
 from libs.envs.dataset import DatasetConfig, check_match, load_rows
+from libs.envs.feeder import FeederConfig
 from libs.envs.latency import parse_tool_latency
-from libs.settings import ServiceSettings, env_prefix
+from libs.settings import NESTED_SETTINGS, ServiceSettings, env_prefix
 
 
 class EnvGatewaySettings(ServiceSettings):
     """Configuration of the env-gateway service."""
 
     SERVICE: ClassVar[str] = "env-gateway"
-    model_config = SettingsConfigDict(env_prefix=env_prefix("env-gateway"), extra="ignore")
+    model_config = SettingsConfigDict(env_prefix=env_prefix("env-gateway"), **NESTED_SETTINGS)
 
     http_port: int = Field(9103, ge=0, le=65535, description="Port of /healthz and /metrics")
     env: str = Field("arith", description="Environment whose tasks the feeder publishes")
     difficulty: int = Field(0, ge=0, description="Task difficulty (arith: digits per operand)")
     group_size: int = Field(16, ge=1, description="Rollouts per task (the GRPO group)")
-    feeder_mode: Literal["async", "sync", "off"] = Field(
-        "async",
-        description="async: keep the queue at queue_depth_tasks; sync: batch_groups tasks per "
-        "new policy version; off: serve episodes only",
-    )
-    queue_depth_tasks: int = Field(
-        32, ge=1, description="Tasks kept pending or in progress (async mode)"
-    )
-    batch_groups: int = Field(
-        16,
-        ge=1,
-        description="Tasks per trainer batch: per version in sync mode, the unit of "
-        "max_ahead_versions in async mode (match the trainer's batch_groups)",
-    )
-    max_ahead_versions: int | None = Field(
-        1,
-        ge=0,
-        description="async: batches the feeder may run ahead of the trainer (bounds "
-        "staleness); unset for no bound",
+    feeder: FeederConfig = Field(
+        default_factory=FeederConfig,
+        description="How tasks are fed (RLPIPE_ENV_GATEWAY_FEEDER_MODE, _QUEUE_DEPTH_TASKS, "
+        "...); the batch size is the trainer's own, read from its state",
     )
     seed: int = Field(0, description="Seed of task generation")
-    feeder_poll_interval_s: float = Field(
-        0.2, gt=0, description="How often the feeder checks queue depth or policy version"
-    )
     episode_timeout_s: float = Field(600.0, gt=0, description="Deadline of an episode")
     step_timeout_s: float = Field(30.0, gt=0, description="Longest a reset or step may run")
     max_open_episodes: int = Field(10_000, ge=1, description="Episodes one gateway holds at most")
