@@ -432,10 +432,7 @@ class LocalRun:
             try:
                 await self._watch(view)
             finally:
-                if self._never_healthy():
-                    # A last look before they stop: a short run (a step bound reached within
-                    # seconds) may end between two polls of a service that is healthy.
-                    await monitor.poll_once(self._live_pids())
+                await self._with_view(view, self._await_late_services())
                 # The worker first: its in-flight episodes finish while env-gateway answers.
                 stopping = supervisor.stop(
                     self.options.stop_grace_s, first=STOP_FIRST, finishing=self._finishing()
@@ -444,6 +441,17 @@ class LocalRun:
                 health_task.cancel()
                 for task in nats_tasks:  # before NATS itself is stopped
                     task.cancel()
+
+    async def _await_late_services(self) -> None:
+        """A run ending at its bound gives the services no check saw healthy yet the rest of
+        `healthy_timeout_s` to answer: on a loaded machine a short run's bound can come before
+        a slow service's first answer, and that service is starting, not broken (exit 3)."""
+        assert self.monitor is not None
+        await self.monitor.poll_once(self._live_pids())  # a bound can come between two polls
+        while self.stop_reason in ("duration", "max_trainer_steps") and not self.forced:
+            if not self._never_healthy() or self._stuck_service(self._run_time_s()):
+                return
+            await asyncio.sleep(TICK_S)
 
     def _nats_watch(self, server: NatsServer) -> NatsWatch:
         """Restarts NATS on its data folder if it dies; a run it cannot keep up fails (2)."""
@@ -615,7 +623,7 @@ class LocalRun:
             self.monitor,
             exit_code=exit_code,
             stop_reason=self.stop_reason,
-            duration_s=round(time.monotonic() - self._started_at, 1),
+            duration_s=round(self._run_time_s(), 1),
             nats_url=self.nats.url if self.nats else None,
         )
         summary.update(self.episode_figures)
@@ -625,6 +633,9 @@ class LocalRun:
         (self.run_dir / "summary.json").write_text(json.dumps(summary) + "\n")
         print_summary(summary, self.run_dir)
         return exit_code
+
+    def _run_time_s(self) -> float:
+        return time.monotonic() - self._started_at
 
     def _write_pids(self) -> None:
         pids: dict[str, Any] = {
