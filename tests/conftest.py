@@ -50,9 +50,10 @@ async def bus(nats_server: NatsServer) -> AsyncIterator[Bus]:
 
 
 async def wait_for(
-    condition: Callable[[], bool | Awaitable[bool]], timeout_s: float = 10.0, what: str = ""
+    condition: Callable[[], bool | Awaitable[bool]], timeout_s: float = 60.0, what: str = ""
 ) -> None:
-    """Poll `condition` until true; fail the test with `what` after `timeout_s`."""
+    """Poll `condition` until true; fail the test with `what` after `timeout_s` (a deadline
+    against a hung test only: generous, for a loaded machine)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         result = condition()

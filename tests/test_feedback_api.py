@@ -40,7 +40,9 @@ FEEDBACK = streams.FEEDBACK_EVENTS.name
 async def test_an_accepted_event_is_durable_in_the_stream_before_the_202(bus: Bus) -> None:
     async with running_ingester(bus) as ingester:
         posted = event_json("ev-1", signal="edited", value=0.4)
+        before = time.time()
         response = await ingester.client.post("/v1/feedback", json=posted, headers=auth())
+        after = time.time()
         assert response.status_code == 202, response.text
         body = response.json()
         assert body["event_id"] == "ev-1" and body["stream_seq"] >= 1
@@ -49,7 +51,7 @@ async def test_an_accepted_event_is_durable_in_the_stream_before_the_202(bus: Bu
         assert raw.headers and raw.headers[wire.MSG_ID_HEADER] == "ev-1"
         stored = wire.decode(FeedbackEvent, raw.data or b"", raw.headers)
         assert (stored.signal, stored.value, stored.user_hash) == ("edited", 0.4, "u-5f2c")
-        assert abs(stored.received_at - time.time()) < 10, "the ingester stamps received_at"
+        assert before <= stored.received_at <= after, "the ingester stamps received_at"
 
 
 async def test_a_repeated_event_gets_the_same_answer_and_is_stored_once(bus: Bus) -> None:

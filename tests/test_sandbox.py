@@ -10,7 +10,6 @@ import shutil
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,6 +24,7 @@ from libs.sandbox import (
     build_sandbox_factory,
 )
 from libs.sandbox.limits import MIB
+from tests.conftest import wait_for
 
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap not installed")
 
@@ -34,7 +34,7 @@ LIMITS = SandboxLimits(
     memory_bytes=256 * MIB,
     max_processes=32,
     file_size_bytes=1 * MIB,
-    wall_s=10.0,
+    wall_s=120.0,  # a deadline against a hung command only: generous for a loaded machine
     output_bytes=64 * 1024,
 )
 
@@ -117,10 +117,9 @@ async def test_working_folders_are_private_and_removed(factory: SandboxFactory, 
 
 async def test_no_process_outlives_its_command(factory: SandboxFactory) -> None:
     async with factory.open() as sandbox:
-        started = time.monotonic()
         result = await sandbox.run(["sh", "-c", "sleep 987651 & echo started"])
-        assert result.ok and result.stdout == b"started\n"
-        assert time.monotonic() - started < 5, "a background child must not hold the run open"
+        # Held open by the background child, the run would end at the wall limit instead.
+        assert result.ok and not result.timed_out and result.stdout == b"started\n"
         assert host_pids_with("987651") == []
         hung = await sandbox.run(["sh", "-c", "sleep 987652 & sleep 987653"], timeout_s=0.5)
         assert hung.timed_out and hung.limit_hit == "wall"
@@ -130,16 +129,11 @@ async def test_no_process_outlives_its_command(factory: SandboxFactory) -> None:
 async def test_cancelled_run_kills_its_sandbox(factory: SandboxFactory) -> None:
     async with factory.open() as sandbox:
         run = asyncio.create_task(sandbox.run(["sh", "-c", "sleep 987650; sleep 987650"]))
-        deadline = time.monotonic() + 5
-        while not host_pids_with("987650") and time.monotonic() < deadline:
-            await asyncio.sleep(0.01)
-        assert host_pids_with("987650"), "the command never started"
+        await wait_for(lambda: bool(host_pids_with("987650")), 60, "the command to start")
         run.cancel()
         with pytest.raises(asyncio.CancelledError):
             await run
-        while host_pids_with("987650") and time.monotonic() < deadline:
-            await asyncio.sleep(0.01)
-        assert host_pids_with("987650") == []
+        await wait_for(lambda: not host_pids_with("987650"), 60, "the sandbox's processes gone")
 
 
 async def test_network_is_unreachable(factory: SandboxFactory, listening_port: int) -> None:
@@ -208,12 +202,10 @@ async def test_fork_bomb_hits_process_limit(factory: SandboxFactory) -> None:
     async with factory.open() as sandbox:
         bounded = await sandbox.run(["python3", "-c", flat])
         assert bounded.limit_hit == "processes" and bounded.exit_code == 1
-        assert bounded.wall_s < 5
-        started = time.monotonic()
-        bomb = await sandbox.run(["python3", "-c", recursive], timeout_s=1.5)
+        assert not bounded.timed_out, "the sleeping children must not hold the run open"
+        bomb = await sandbox.run(["python3", "-c", recursive], timeout_s=60)
         # The first process to be refused a fork exits; its sandbox takes the rest along.
-        assert bomb.limit_hit == "processes"
-        assert time.monotonic() - started < 1.5 + 3
+        assert bomb.limit_hit == "processes" and not bomb.timed_out
         assert (await sandbox.run(["true"])).ok, "the host must still start sandboxes"
     assert host_pids_with("987654") == []
 
@@ -225,14 +217,14 @@ async def test_memory_bomb_hits_memory_limit(factory: SandboxFactory) -> None:
     assert result.limit_hit == "memory" and not result.timed_out
 
 
-async def test_infinite_loop_hits_cpu_or_wall_limit() -> None:
+async def test_infinite_loop_hits_cpu_limit_and_idle_command_hits_wall_limit() -> None:
     fast = build_sandbox_factory(SandboxConfig(limits=LIMITS.model_copy(update={"cpu_s": 1})))
     async with fast.open() as sandbox:
         spin = await sandbox.run(["python3", "-c", "while True: pass"])
         assert spin.limit_hit == "cpu" and spin.killed_by_signal is not None
-        assert not spin.timed_out and spin.wall_s < 5
-        idle = await sandbox.run(["sleep", "60"], timeout_s=0.5)
-        assert idle.limit_hit == "wall" and idle.timed_out and idle.wall_s < 3
+        assert not spin.timed_out, "the CPU limit ends it, whatever the machine's load"
+        idle = await sandbox.run(["sleep", "600"], timeout_s=0.5)
+        assert idle.limit_hit == "wall" and idle.timed_out and idle.killed_by_signal is not None
 
 
 async def test_huge_file_hits_file_size_limit(factory: SandboxFactory) -> None:
