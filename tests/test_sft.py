@@ -296,9 +296,11 @@ async def test_slow_tools_delay_the_step_not_the_answer() -> None:
     started = loop.time()
     await episode.step("", [m.ToolCall(call_id="c-0", name="add", arguments={"a": 1, "b": 2})])
     assert loop.time() - started >= 0.2
-    started = loop.time()
-    result = await episode.step("3")
-    assert result.done and loop.time() - started < 0.1
+    # Tools an hour slow: an answer that waited for their latency would never come back.
+    slow = with_tool_latency(make_env("calc"), parse_tool_latency("constant:seconds=3600"))
+    episode, _ = await slow.reset(task)
+    result = await asyncio.wait_for(episode.step("3"), timeout=60)
+    assert result.done
 
 
 def test_the_demo_report_compares_the_first_and_last_steps() -> None:
