@@ -9,12 +9,17 @@
 Every failure raises `EnvError` with a `kind` (proto.messages.ENV_ERROR_*): an error reply
 from the gateway, no reply in time (`timeout`), or nobody serving the env (`unknown_env`).
 After an EnvError the episode is over: the gateway has forgotten it.
+
+Requests travel through an `EnvTransport` (one method: encoded request in, encoded reply
+out): `NatsTransport` over the bus, which `EnvClient(nc)` uses, or `LocalTransport`
+(libs/envs/local_client.py) to the gateway's own handler in this process.
 """
 
 from __future__ import annotations
 
 import uuid
-from typing import TypeVar
+from collections.abc import Mapping
+from typing import Protocol, TypeVar
 
 import nats.errors
 from nats.aio.client import Client
@@ -35,11 +40,43 @@ class EnvError(Exception):
         self.episode_id = episode_id
 
 
-class EnvClient:
-    """Talks to env-gateway on connection `nc`; remembers which gateway holds each episode."""
+class NobodyServes(Exception):
+    """No server answers the subject a request was sent to."""
+
+
+class EnvTransport(Protocol):
+    """Carries one encoded env request to whoever serves `subject` and returns the reply's
+    bytes and headers; NobodyServes when nobody serves it, TimeoutError after `timeout_s`."""
+
+    async def request(
+        self, subject: str, payload: bytes, headers: Mapping[str, str], timeout_s: float
+    ) -> tuple[bytes, Mapping[str, str]]: ...
+
+
+class NatsTransport:
+    """Env requests over the bus: NATS request/reply on connection `nc`."""
 
     def __init__(self, nc: Client) -> None:
         self._nc = nc
+
+    async def request(
+        self, subject: str, payload: bytes, headers: Mapping[str, str], timeout_s: float
+    ) -> tuple[bytes, Mapping[str, str]]:
+        try:
+            msg = await self._nc.request(subject, payload, timeout=timeout_s, headers=dict(headers))
+        except nats.errors.NoRespondersError:
+            raise NobodyServes(subject) from None
+        except nats.errors.TimeoutError:
+            raise TimeoutError(subject) from None
+        return msg.data, msg.headers or {}
+
+
+class EnvClient:
+    """Talks to env-gateway through `transport` (a NATS connection: over the bus);
+    remembers which gateway holds each episode."""
+
+    def __init__(self, transport: Client | EnvTransport) -> None:
+        self._transport = NatsTransport(transport) if isinstance(transport, Client) else transport
         # episode id -> (step subject, close subject) of the gateway instance holding it.
         self._routes: dict[str, tuple[str, str]] = {}
 
@@ -104,22 +141,22 @@ class EnvClient:
     ) -> R:
         headers = {wire.SCHEMA_HEADER: request.schema_id()}
         try:
-            msg = await self._nc.request(
-                subject, wire.encode(request), timeout=timeout_s, headers=headers
+            data, reply_headers = await self._transport.request(
+                subject, wire.encode(request), headers, timeout_s
             )
-        except nats.errors.NoRespondersError:
+        except NobodyServes:
             raise EnvError(
                 m.ENV_ERROR_UNKNOWN_ENV,
                 f"nobody answers {subject}: is env-gateway running and serving this env "
                 "(or did the gateway holding this episode stop)?",
                 episode_id,
             ) from None
-        except nats.errors.TimeoutError:
+        except TimeoutError:
             raise EnvError(
                 m.ENV_ERROR_TIMEOUT, f"no reply on {subject} within {timeout_s} s", episode_id
             ) from None
         try:
-            reply = wire.decode(reply_type, msg.data, dict(msg.headers or {}))
+            reply = wire.decode(reply_type, data, reply_headers)
         except wire.InvalidMessage as exc:
             raise EnvError(m.ENV_ERROR_BAD_REQUEST, f"unreadable reply: {exc}", episode_id) from exc
         if reply.error:

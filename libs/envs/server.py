@@ -6,6 +6,10 @@ every reset reply, so an episode's steps reach the instance that holds it). Ever
 handled in its own task; every failure becomes an error reply with a kind
 (proto.messages.ENV_ERROR_*) that ends the episode, never a crashed service. Episodes have a
 deadline and are closed when it passes.
+
+`EnvHandler` is the request handling itself (the episode table, encoded request in, reply
+out) with no transport; `EnvServer` serves it on the bus, `LocalTransport`
+(libs/envs/local_client.py) in this process.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import structlog
 from nats.aio.client import Client
@@ -64,71 +69,36 @@ class ServerLimits:
     max_open_episodes: int = 10_000
 
 
-class EnvServer:
-    """Serves `envs` (name -> environment) on connection `nc` until `stop`."""
+class EnvHandler:
+    """Answers env requests for `envs` (name -> environment): opens, steps and closes their
+    episodes, with deadlines and limits; no transport of its own."""
 
     def __init__(
         self,
-        nc: Client,
         envs: Mapping[str, Environment],
         limits: ServerLimits | None = None,
         *,
         instance_id: str | None = None,
     ) -> None:
-        self._nc = nc
         self._envs = dict(envs)
         self.limits = limits or ServerLimits()
         self.instance_id = instance_id or uuid.uuid4().hex[:12]
         self.episodes: dict[str, OpenEpisode] = {}
-        self._subs: list[Subscription] = []
-        self._handlers: set[asyncio.Task[None]] = set()
-        self._stopping = asyncio.Event()
 
     def own_subject(self, env: str, op: str) -> str:
         """This instance's subject for `op` on `env`, e.g. `rl.env.arith.step-1a2b3c`."""
         return env_op_subject(env, f"{op}-{self.instance_id}")
 
-    async def start(self) -> None:
-        """Subscribe to every env's reset, step and close subjects."""
+    def routes(self) -> dict[str, tuple[str, str, bool]]:
+        """subject -> (env, op, shared): each env's reset, step and close subjects, shared by
+        every instance, and this instance's own step and close subjects."""
+        routes = {}
         for env in self._envs:
             for op in ("reset", "step", "close"):
-                shared = env_op_subject(env, op)
-                self._subs.append(
-                    await self._nc.subscribe(shared, ENV_QUEUE_GROUP, cb=self._callback(env, op))
-                )
+                routes[env_op_subject(env, op)] = (env, op, True)
             for op in ("step", "close"):
-                own = self.own_subject(env, op)
-                self._subs.append(await self._nc.subscribe(own, cb=self._callback(env, op)))
-        log.info("serving environments", envs=sorted(self._envs), instance=self.instance_id)
-
-    def _callback(self, env: str, op: str) -> Callable[[Msg], Awaitable[None]]:
-        async def on_request(msg: Msg) -> None:
-            # One task per request: a slow step must not hold up other episodes.
-            task = asyncio.create_task(self._answer(env, op, msg))
-            self._handlers.add(task)
-            task.add_done_callback(self._handlers.discard)
-
-        return on_request
-
-    async def run(self) -> None:
-        """Close expired episodes until `stop`."""
-        interval_s = min(1.0, self.limits.episode_timeout_s / 4)
-        while not self._stopping.is_set():
-            await self.close_expired()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._stopping.wait(), timeout=interval_s)
-
-    async def stop(self, grace_s: float = 5.0) -> None:
-        """Stop answering, let running requests finish for `grace_s`, close every episode."""
-        self._stopping.set()
-        for sub in self._subs:
-            with contextlib.suppress(Exception):
-                await sub.unsubscribe()
-        self._subs.clear()
-        if self._handlers:
-            await asyncio.wait(list(self._handlers), timeout=grace_s)
-        for episode_id in list(self.episodes):
-            await self._forget(episode_id)
+                routes[self.own_subject(env, op)] = (env, op, False)
+        return routes
 
     async def close_expired(self, now: float | None = None) -> int:
         """Close episodes whose deadline passed; returns how many."""
@@ -139,8 +109,15 @@ class EnvServer:
             await self._forget(episode_id)
         return len(expired)
 
-    async def _answer(self, env: str, op: str, msg: Msg) -> None:
-        handlers = {"reset": self.on_reset, "step": self.on_step, "close": self.on_close}
+    async def answer(
+        self, env: str, op: str, data: bytes, headers: Mapping[str, str] | None
+    ) -> m.Message:
+        """The reply to one encoded request; every failure is an error reply, never a raise."""
+        handlers: dict[str, Callable[[str, Any], Awaitable[m.Message]]] = {
+            "reset": self.on_reset,
+            "step": self.on_step,
+            "close": self.on_close,
+        }
         request_types: dict[str, type[m.Message]] = {
             "reset": m.EnvResetRequest,
             "step": m.EnvStepRequest,
@@ -148,8 +125,8 @@ class EnvServer:
         }
         reply: m.Message
         try:
-            request = wire.decode(request_types[op], msg.data, dict(msg.headers or {}))
-            reply = await handlers[op](env, request)  # type: ignore[operator]
+            request = wire.decode(request_types[op], data, headers)
+            reply = await handlers[op](env, request)
             outcome = getattr(reply, "error", "") or "ok"
         except wire.InvalidMessage as exc:
             reply, outcome = _error_reply(op, "", m.ENV_ERROR_BAD_REQUEST, str(exc)), "bad_request"
@@ -157,11 +134,7 @@ class EnvServer:
             log.exception("env request failed", env=env, op=op)
             reply, outcome = _error_reply(op, "", m.ENV_ERROR_ENV_CRASHED, repr(exc)), "crashed"
         REQUESTS.labels(env, op, outcome).inc()
-        if msg.reply:
-            with contextlib.suppress(Exception):  # the caller may be gone; nothing to do then
-                await self._nc.publish(
-                    msg.reply, wire.encode(reply), headers={wire.SCHEMA_HEADER: reply.schema_id()}
-                )
+        return reply
 
     async def on_reset(self, env: str, request: m.EnvResetRequest) -> m.EnvResetReply:
         """Open an episode (or repeat the opening of one already open under that id)."""
@@ -279,6 +252,69 @@ class EnvServer:
             await asyncio.wait_for(open_episode.episode.close(), timeout=self.limits.step_timeout_s)
         except Exception as exc:  # a failing close must not keep the episode or stop the server
             log.warning("episode close failed", episode_id=episode_id, error=repr(exc))
+
+
+class EnvServer(EnvHandler):
+    """Serves `envs` (name -> environment) on connection `nc` until `stop`."""
+
+    def __init__(
+        self,
+        nc: Client,
+        envs: Mapping[str, Environment],
+        limits: ServerLimits | None = None,
+        *,
+        instance_id: str | None = None,
+    ) -> None:
+        super().__init__(envs, limits, instance_id=instance_id)
+        self._nc = nc
+        self._subs: list[Subscription] = []
+        self._handlers: set[asyncio.Task[None]] = set()
+        self._stopping = asyncio.Event()
+
+    async def start(self) -> None:
+        """Subscribe to every env's reset, step and close subjects (the shared ones in the
+        queue group, so one instance answers each request)."""
+        for subject, (env, op, shared) in self.routes().items():
+            group = ENV_QUEUE_GROUP if shared else ""
+            self._subs.append(await self._nc.subscribe(subject, group, cb=self._callback(env, op)))
+        log.info("serving environments", envs=sorted(self._envs), instance=self.instance_id)
+
+    def _callback(self, env: str, op: str) -> Callable[[Msg], Awaitable[None]]:
+        async def on_request(msg: Msg) -> None:
+            # One task per request: a slow step must not hold up other episodes.
+            task = asyncio.create_task(self._answer(env, op, msg))
+            self._handlers.add(task)
+            task.add_done_callback(self._handlers.discard)
+
+        return on_request
+
+    async def run(self) -> None:
+        """Close expired episodes until `stop`."""
+        interval_s = min(1.0, self.limits.episode_timeout_s / 4)
+        while not self._stopping.is_set():
+            await self.close_expired()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stopping.wait(), timeout=interval_s)
+
+    async def stop(self, grace_s: float = 5.0) -> None:
+        """Stop answering, let running requests finish for `grace_s`, close every episode."""
+        self._stopping.set()
+        for sub in self._subs:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+        self._subs.clear()
+        if self._handlers:
+            await asyncio.wait(list(self._handlers), timeout=grace_s)
+        for episode_id in list(self.episodes):
+            await self._forget(episode_id)
+
+    async def _answer(self, env: str, op: str, msg: Msg) -> None:
+        reply = await self.answer(env, op, msg.data, dict(msg.headers or {}))
+        if msg.reply:
+            with contextlib.suppress(Exception):  # the caller may be gone; nothing to do then
+                await self._nc.publish(
+                    msg.reply, wire.encode(reply), headers={wire.SCHEMA_HEADER: reply.schema_id()}
+                )
 
 
 def _error_reply(op: str, episode_id: str, kind: str, message: str) -> m.Message:
