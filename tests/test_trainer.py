@@ -32,8 +32,9 @@ from libs.trainer.cursor import ConsumedCursor
 from libs.trainer.eval_gate import EvalGateConfig
 from libs.trainer.groups import GroupBuffer
 from libs.trainer.lineage import Lineage
-from libs.trainer.loop import Trainer, learning_rate_at
+from libs.trainer.loop import Trainer
 from libs.trainer.metrics import read_step_samples
+from libs.trainer.schedule import learning_rate_at
 from libs.trainer.step import StepConfig, train_step
 from proto import streams, subjects
 from proto.messages import Rollout, ScoredRollout, Task, Turn, WeightsStaged
@@ -220,7 +221,7 @@ async def run_two_steps(bus: Bus, run_dir: Path) -> Trainer:
 
 
 def counting_writes(fail_first: bool = False) -> tuple[list[int], Callable[..., Path]]:
-    """libs.trainer.loop's write_checkpoint, recording each written step (the first one
+    """libs.trainer.checkpointer's write_checkpoint, recording each written step (the first one
     raising OSError when `fail_first`)."""
     written: list[int] = []
 
@@ -236,7 +237,7 @@ def counting_writes(fail_first: bool = False) -> tuple[list[int], Callable[..., 
 
 async def test_the_last_step_is_checkpointed_once(bus: Bus, tmp_path: Path) -> None:
     written, write = counting_writes()
-    with patch("libs.trainer.loop.write_checkpoint", write):
+    with patch("libs.trainer.checkpointer.write_checkpoint", write):
         await run_two_steps(bus, tmp_path)
     assert written == [2], "step 2's own checkpoint is the final one: not written again at stop"
 
@@ -245,7 +246,10 @@ async def test_a_failed_background_checkpoint_still_ends_with_one_and_the_record
     bus: Bus, tmp_path: Path
 ) -> None:
     written, write = counting_writes(fail_first=True)
-    with patch("libs.trainer.loop.write_checkpoint", write), pytest.raises(OSError, match="space"):
+    with (
+        patch("libs.trainer.checkpointer.write_checkpoint", write),
+        pytest.raises(OSError, match="space"),
+    ):
         await run_two_steps(bus, tmp_path)
     assert written == [-2, 2], "the failed write raised at stop, after the in-line retry"
     assert latest_checkpoint(tmp_path / "trainer" / "checkpoints").state.step == 2

@@ -2,7 +2,7 @@
 
     torchrun --standalone --nproc-per-node 2 -m services.trainer    # gloo on CPU, NCCL on GPU
 
-Rank 0 is the trainer service (`ShardedTrainer`: the loop of libs.trainer.loop): it alone
+Rank 0 is the trainer service (the loop of libs.trainer.loop with a `RankLearner`): it alone
 connects to the bus, reads the scored stream, forms the batches (groups, staleness, the
 exactly-once cursor), serves /healthz and /metrics, writes the step records, stages weights
 for the broadcaster and writes checkpoints. The other ranks (`follow`) have no bus
@@ -36,10 +36,10 @@ trainer's isolation): the job ends and resumes from its last checkpoint.
 
 from __future__ import annotations
 
-import asyncio
 import math
 import os
 import signal
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -50,17 +50,19 @@ import torch
 import torch.distributed as dist
 from transformers import PreTrainedModel
 
-from libs.bus.connection import Bus
-from libs.bus.publisher import Publisher
 from libs.logs import configure_logging
-from libs.policy import PolicyConfig, build_policy, resolve_device
+from libs.policy import PolicyConfig, build_policy, check_vocabulary, resolve_device
 from libs.process_lifetime import die_with_parent
 from libs.rl import turn_trainable
-from libs.trainer.checkpoint import SHARDED_DIR, TrainerState, is_sharded
+from libs.rl.online import OnlineBaselines
+from libs.tokenizer import Tokenizer
+from libs.trainer.checkpoint import SHARDED_DIR, is_sharded
 from libs.trainer.config import TrainerConfig
+from libs.trainer.host_memory import HostCopy
 from libs.trainer.lineage import Lineage
-from libs.trainer.loop import Batch, Trainer, learning_rate_at
+from libs.trainer.online_step import OnlineStepStats
 from libs.trainer.precision import TrainingPrecision
+from libs.trainer.schedule import learning_rate_at
 from libs.trainer.sharded import (
     export_policy_folder,
     full_state_dict,
@@ -72,7 +74,7 @@ from libs.trainer.sharded import (
     sharded_train_step,
 )
 from libs.trainer.step import StepStats
-from proto.messages import ScoredRollout
+from proto.messages import OnlineSample, ScoredRollout
 
 log = structlog.get_logger(__name__)
 
@@ -275,73 +277,86 @@ class RankGroup:
             ) from exc
 
 
-class ShardedTrainer(Trainer):
-    """Rank 0 of the sharded trainer: the 1-rank loop, its model operations run by all ranks."""
+class RankLearner:
+    """Rank 0's learner (libs.trainer.learner): its shard of the policy, each operation run
+    by every rank of the job through the command channel."""
 
-    background_checkpoints = False  # a save is a collective of every rank (Save)
-
-    def __init__(self, config: TrainerConfig, run_dir: Path, bus: Bus, publisher: Publisher):
+    def __init__(self, config: TrainerConfig, policy: PolicyConfig, tokenizer: Tokenizer) -> None:
         refuse_unsupported(config)
-        super().__init__(config, run_dir, bus, publisher)
-        ranks = RankModel(
-            self.config,
-            self.policy,
-            self.precision,
-            self.model,
-            self.optimizer,
-            self.tokenizer.pad_id,
+        self.precision = TrainingPrecision.for_policy(config.master_weights, policy)
+        self.policy = policy
+        setup_process_group(self.precision.device)
+        channel = CommandChannel()  # collective: right after joining, as every rank does
+        model = self.precision.build_model(policy)
+        fingerprint = weights_fingerprint(model)
+        self.model = shard_policy(model)
+        check_vocabulary(self.model, tokenizer, policy)
+        self.config = config.sized_for(sum(p.numel() for p in self.model.parameters()))
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(),
+            lr=learning_rate_at(self.config, 0),
+            weight_decay=self.config.weight_decay,
         )
-        self._ranks = RankGroup(self._channel, ranks)
-        pad_id = self.tokenizer.pad_id
-        self._channel.send(Setup(self.config, self.policy, pad_id, self._fingerprint))
+        ranks = RankModel(
+            self.config, policy, self.precision, self.model, self.optimizer, tokenizer.pad_id
+        )
+        self._ranks = RankGroup(channel, ranks)
+        channel.send(Setup(self.config, policy, tokenizer.pad_id, fingerprint))
         log.info("sharded trainer", ranks=world_size(), backend=dist.get_backend())
 
-    def _build_model(self) -> PreTrainedModel:
-        setup_process_group(self.precision.device)
-        self._channel = CommandChannel()
-        model = super()._build_model()
-        self._fingerprint = weights_fingerprint(model)
-        return shard_policy(model)
-
-    def _load(self, path: Path, state: TrainerState) -> None:
-        if not is_sharded(path):
+    def load(self, folder: Path) -> None:
+        if not is_sharded(folder):
             raise ValueError(
-                f"{path} was written by a 1-rank trainer (no {SHARDED_DIR}/): resume it with "
+                f"{folder} was written by a 1-rank trainer (no {SHARDED_DIR}/): resume it with "
                 "one rank (python -m services.trainer), or start the sharded trainer from its "
-                f"weights with RLPIPE_TRAINER_POLICY_PATH={path} in a new run folder"
+                f"weights with RLPIPE_TRAINER_POLICY_PATH={folder} in a new run folder"
             )
-        self._ranks.run(Load(path))
-        self.state = state
-        self._checkpointed_step = state.step
+        self._ranks.run(Load(folder))
 
-    async def _train_step_isolating(self, batch: Batch) -> StepStats | None:
-        if not batch.kept:
-            return None
-        learning_rate = self.optimizer.param_groups[0]["lr"]
-        step = Step(batch.kept, self.state.version, learning_rate, self.state.lineage)
-        stats: StepStats = await asyncio.to_thread(self._ranks.run, step)
+    @property
+    def learning_rate(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    def set_learning_rate(self, learning_rate: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = learning_rate
+
+    def train(self, samples: list[ScoredRollout], version: int, lineage: Lineage) -> StepStats:
+        stats: StepStats = self._ranks.run(Step(samples, version, self.learning_rate, lineage))
         return stats
 
-    async def _published_state(self) -> dict[str, torch.Tensor]:
-        gather = Gather(self.precision.compute_dtype)
-        state: dict[str, torch.Tensor] = await asyncio.to_thread(self._ranks.run, gather)
+    def train_online(
+        self, samples: list[OnlineSample], baselines: OnlineBaselines, version: int
+    ) -> OnlineStepStats:
+        raise AssertionError("online training is refused at start (refuse_unsupported)")
+
+    def failing_samples(self, samples: list[ScoredRollout]) -> list[tuple[ScoredRollout, str]]:
+        """None told: a step of N ranks is not retried without samples (the job ends and
+        resumes from its last checkpoint)."""
+        return []
+
+    def published_state(self) -> dict[str, torch.Tensor]:
+        state: dict[str, torch.Tensor] = self._ranks.run(Gather(self.precision.compute_dtype))
         return state
 
-    async def _model_for_eval(self) -> PreTrainedModel:
+    def model_for_eval(self) -> PreTrainedModel:
         """An unsharded copy in the policy's dtype on rank 0's device."""
-        state = await self._published_state()
-        return await asyncio.to_thread(_policy_with, self.policy, state)
+        return _policy_with(self.policy, self.published_state())
 
-    def _write_tensors(self, folder: Path) -> None:
+    def write_tensors(self, folder: Path) -> None:
         self._ranks.run(Save(folder))
 
-    async def run(self) -> None:
-        await super().run()
-        await asyncio.to_thread(self._ranks.run, Stop())
+    def snapshot_tensors(self, host: HostCopy) -> Callable[[Path], None] | None:
+        """None: a save is a collective of every rank (Save), written in line."""
+        return None
+
+    def close(self) -> None:
+        """Stop the other ranks, then leave the process group with them."""
+        self._ranks.run(Stop())
         leave_process_group()
 
-    def health(self) -> dict[str, Any]:
-        return {**super().health(), "ranks": world_size()}
+    def health_fields(self) -> dict[str, Any]:
+        return {"ranks": world_size()}
 
 
 def _policy_with(policy: PolicyConfig, state: dict[str, torch.Tensor]) -> PreTrainedModel:

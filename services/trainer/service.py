@@ -8,7 +8,6 @@ from libs.bus.connection import Bus
 from libs.bus.publisher import Publisher
 from libs.service import Service
 from libs.trainer.loop import Trainer
-from libs.trainer.ranks import ShardedTrainer, world_size
 from services.trainer.settings import TrainerSettings
 
 
@@ -24,8 +23,7 @@ class TrainerService(Service):
         await super().start(bus)
         # The settings are the loop's config as is (TrainerSettings is a TrainerConfig).
         # Under torchrun (WORLD_SIZE > 1) this is rank 0 of the sharded trainer.
-        kind = ShardedTrainer if world_size() > 1 else Trainer
-        self.trainer = kind(self.settings, self.settings.run_dir, bus, Publisher(bus.js))
+        self.trainer = Trainer(self.settings, self.settings.run_dir, bus, Publisher(bus.js))
         await self.trainer.setup()
 
     async def run(self) -> None:
