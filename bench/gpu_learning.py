@@ -41,8 +41,8 @@ from libs.policy import PolicyConfig, load_policy_tokenizer
 from libs.rollout.agent import AgentSettings
 from libs.rollout.evaluate import evaluate, mean_reward
 from libs.trainer.config import TrainerConfig
-from libs.trainer.loop import learning_rate_at
 from libs.trainer.precision import TrainingPrecision
+from libs.trainer.schedule import learning_rate_at
 from libs.trainer.step import train_step
 
 GROUP_SIZE = 16
