@@ -3,7 +3,6 @@
     learner = setup_learner(config, policy, tokenizer)  # 1 rank, or N under torchrun
     learner.config                      # the config sized for the model (learning rate, bound)
     learner.load(checkpoint_folder)     # resume: weights and optimizer state
-    learner.set_learning_rate(lr)
     stats = learner.train(samples, version, lineage)     # one optimizer step (blocking)
     state = learner.published_state()   # the weights as workers run them, a copy
     learner.write_tensors(folder)       # the checkpoint's tensors
@@ -44,7 +43,7 @@ from libs.trainer.precision import TrainingPrecision
 from libs.trainer.ranks import RankLearner, world_size
 from libs.trainer.reference import setup_reference
 from libs.trainer.refusals import find_failing_samples
-from libs.trainer.schedule import learning_rate_at
+from libs.trainer.schedule import learning_rate_at, learning_rate_of
 from libs.trainer.step import StepStats, train_step
 from proto.messages import OnlineSample, ScoredRollout
 
@@ -56,14 +55,11 @@ class Learner(Protocol):
 
     config: TrainerConfig  # sized for the model (TrainerConfig.sized_for)
     model: PreTrainedModel  # this process's model (a shard of it with N ranks)
+    # Its AdamW (rank 0's with N ranks: each step sends its learning rate to every rank).
+    optimizer: torch.optim.Optimizer
 
     def load(self, folder: Path) -> None:
         """Take the weights and optimizer state of the checkpoint at `folder`."""
-
-    @property
-    def learning_rate(self) -> float: ...
-
-    def set_learning_rate(self, learning_rate: float) -> None: ...
 
     def train(self, samples: list[ScoredRollout], version: int, lineage: Lineage) -> StepStats:
         """One optimizer step on whole groups (libs.trainer.step.train_step); the turns
@@ -119,17 +115,9 @@ class LocalLearner:
         self.model = self.precision.build_model(
             self.policy.model_copy(update={"path": str(folder)})
         )
-        self.optimizer = self._optimizer(self.learning_rate)
+        self.optimizer = self._optimizer(learning_rate_of(self.optimizer))
         device = next(self.model.parameters()).device
         self.optimizer.load_state_dict(load_optimizer_state(folder, device))
-
-    @property
-    def learning_rate(self) -> float:
-        return float(self.optimizer.param_groups[0]["lr"])
-
-    def set_learning_rate(self, learning_rate: float) -> None:
-        for group in self.optimizer.param_groups:
-            group["lr"] = learning_rate
 
     def train(self, samples: list[ScoredRollout], version: int, lineage: Lineage) -> StepStats:
         assert self.config.max_staleness is not None, "sized for the model in __init__"

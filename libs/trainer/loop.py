@@ -53,7 +53,7 @@ from libs.trainer.online_source import OnlineTake
 from libs.trainer.recorder import StepRecorder
 from libs.trainer.refusals import model_vocab_size
 from libs.trainer.samples import Batch, SampleSource
-from libs.trainer.schedule import learning_rate_at
+from libs.trainer.schedule import learning_rate_at, learning_rate_of, set_learning_rate
 from libs.trainer.step import StepStats
 from libs.trainer.versions import VersionPublisher
 from libs.weights.handoff import default_staging_dir
@@ -148,7 +148,7 @@ class Trainer:
             return
         step_s = self._advance(started_s)
         self.state.scored_cursor.mark_done(batch.sequences)
-        self._recorder.offline(batch, stats, step_s, self.learner.learning_rate)
+        self._recorder.offline(batch, stats, step_s, learning_rate_of(self.learner.optimizer))
         await self._after_step()
 
     async def _train_isolating(self, batch: Batch) -> StepStats | None:
@@ -176,11 +176,12 @@ class Trainer:
         )
         step_s = self._advance(started_s)
         self.state.online_cursor.mark_done(taken.sequences)
-        self._recorder.online(taken, stats, step_s, self.learner.learning_rate)
+        self._recorder.online(taken, stats, step_s, learning_rate_of(self.learner.optimizer))
         await self._after_step()
 
     def _set_learning_rate(self, scale: float = 1.0) -> None:
-        self.learner.set_learning_rate(scale * learning_rate_at(self.config, self.state.step))
+        rate = learning_rate_at(self.config, self.state.step)
+        set_learning_rate(self.learner.optimizer, scale * rate)
 
     def _advance(self, started_s: float) -> float:
         """Count the step and the new version; returns the step's seconds."""

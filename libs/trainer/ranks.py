@@ -62,7 +62,7 @@ from libs.trainer.host_memory import HostCopy
 from libs.trainer.lineage import Lineage
 from libs.trainer.online_step import OnlineStepStats
 from libs.trainer.precision import TrainingPrecision
-from libs.trainer.schedule import learning_rate_at
+from libs.trainer.schedule import learning_rate_at, learning_rate_of, set_learning_rate
 from libs.trainer.sharded import (
     export_policy_folder,
     full_state_dict,
@@ -181,8 +181,7 @@ class Step(Command):
     lineage: Lineage
 
     def run(self, ranks: RankModel) -> StepStats:
-        for group in ranks.optimizer.param_groups:
-            group["lr"] = self.learning_rate
+        set_learning_rate(ranks.optimizer, self.learning_rate)
         assert ranks.config.max_staleness is not None, "sized on rank 0"
         trainable = turn_trainable(
             self.version, ranks.config.max_staleness, self.lineage.equivalent
@@ -292,7 +291,7 @@ class RankLearner:
         self.model = shard_policy(model)
         check_vocabulary(self.model, tokenizer, policy)
         self.config = config.sized_for(sum(p.numel() for p in self.model.parameters()))
-        self.optimizer = torch.optim.AdamW(
+        self.optimizer: torch.optim.Optimizer = torch.optim.AdamW(
             self.model.parameters(),
             lr=learning_rate_at(self.config, 0),
             weight_decay=self.config.weight_decay,
@@ -313,16 +312,9 @@ class RankLearner:
             )
         self._ranks.run(Load(folder))
 
-    @property
-    def learning_rate(self) -> float:
-        return float(self.optimizer.param_groups[0]["lr"])
-
-    def set_learning_rate(self, learning_rate: float) -> None:
-        for group in self.optimizer.param_groups:
-            group["lr"] = learning_rate
-
     def train(self, samples: list[ScoredRollout], version: int, lineage: Lineage) -> StepStats:
-        stats: StepStats = self._ranks.run(Step(samples, version, self.learning_rate, lineage))
+        learning_rate = learning_rate_of(self.optimizer)
+        stats: StepStats = self._ranks.run(Step(samples, version, learning_rate, lineage))
         return stats
 
     def train_online(
