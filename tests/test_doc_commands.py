@@ -1,13 +1,21 @@
-"""Every `rlpipe ...` command the docs show is one the CLI takes, as written.
+"""Every command the docs show runs as written, or is checked as far as this machine allows.
 
-The commands are read from README.md, deploy/nats/SECURITY.md, docs/*.md, and the comments of
-compose.yaml, the Dockerfile, the NATS configs and the Kubernetes manifests: inline code spans
-and lines of fenced code blocks that start with `rlpipe` (or `.venv/bin/rlpipe`, after any
-VAR=value prefixes). A concrete command must parse with the real parser (apps/cli.py),
-as the shell would pass it. A name in prose (`rlpipe weights relay-prune`: command names
-only) must name real commands. A synopsis (placeholders in capitals, [optional] parts, a|b
-alternatives, `...`) must name real subcommands, and every --option it shows must belong to
-the subcommand it follows.
+The commands are read from README.md, deploy/nats/SECURITY.md, every page of docs/ (found by
+glob: a new page is checked the day it lands), and the comments of compose.yaml, the
+Dockerfile, the NATS configs and the Kubernetes manifests.
+
+- `rlpipe ...`, wherever it appears (inline code, any fenced block, a comment; after any
+  VAR=value prefixes): a concrete command must parse with the real parser (apps/cli.py), as
+  the shell would pass it, and the quick, read-only ones (RLPIPE_RUN) run; a name in prose
+  (`rlpipe weights relay-prune`: command names only) must name real commands; a synopsis
+  (placeholders in capitals, [optional] parts, a|b alternatives, `...`) must name real
+  subcommands, and every --option it shows must belong to the subcommand it follows.
+  What is not run, and why, per subcommand: RLPIPE_NOT_RUN.
+- Every other command of a shell block (```bash, ```sh, ```shell; split at `&&`, `;` and
+  `&`; a pipeline is its first command): checked by the rule for its program in RULES, which
+  runs it where that is quick and harmless and otherwise says why it is not run (it starts
+  services, needs Docker, a cluster, a GPU or the network) and what is checked instead.
+  A program with no rule fails the test: a new kind of command needs its rule.
 
 Run: .venv/bin/python -m pytest tests/test_doc_commands.py -q
 """
@@ -16,12 +24,22 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
+import importlib.util
 import io
+import os
 import re
 import shlex
+import subprocess
+import sys
+import tempfile
+import tomllib
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import yaml
 
 from apps.cli import build_parser
 from tests.compose_support import ROOT
@@ -39,15 +57,21 @@ COMMENTED = [
 ]
 COMMAND_START = r"(?:\.venv/bin/)?rlpipe [a-z-]"
 ENV_PREFIX = r"(?:[A-Z_][A-Z0-9_]*=\S*\s+)*"
+SHELL_LANGUAGES = {"bash", "sh", "shell"}
+BIN = ROOT / ".venv" / "bin"
 
 
 def code_spans(text: str) -> list[str]:
     return re.findall(rf"`({COMMAND_START}[^`]*)`", text)
 
 
+def fenced_blocks(text: str) -> list[tuple[str, str]]:
+    """(language, body) of every fenced block."""
+    return re.findall(r"^\s*```(\w*)[^\n]*\n(.*?)^\s*```", text, re.M | re.S)
+
+
 def code_block_lines(text: str) -> list[str]:
-    blocks = re.findall(r"^\s*```[^\n]*\n(.*?)^\s*```", text, re.M | re.S)
-    lines = [line.strip() for block in blocks for line in block.splitlines()]
+    lines = [line.strip() for _, body in fenced_blocks(text) for line in body.splitlines()]
     return [
         m.group(1) for line in lines if (m := re.match(rf"{ENV_PREFIX}({COMMAND_START}.*)", line))
     ]
@@ -136,7 +160,338 @@ def check_options(parser: argparse.ArgumentParser, words: list[str], path: list[
     assert not unknown, f"{' '.join(path)} has no option {sorted(unknown)}"
 
 
+# rlpipe commands run as written: quick, and they change nothing.
+RLPIPE_RUN = ("rlpipe schema --check", "rlpipe config show ", "rlpipe config check")
+# Why the other subcommands are only parsed.
+RLPIPE_NOT_RUN = {
+    "demo": "starts NATS and six services for minutes (tests/test_launcher.py runs it)",
+    "run": "starts a service that runs until stopped (tests/test_readme_examples.py runs two)",
+    "ray": "starts or needs a Ray cluster (tests/test_ray_deploy.py runs one)",
+    "sft": "trains for minutes on a demonstrations file (tests/test_sft.py runs it)",
+    "domain": "records or evaluates episodes for minutes (the domain tests run it)",
+    "provision": "needs a NATS server (tests/test_provision.py runs it)",
+    "weights": "needs safetensors files and a NATS server (tests/test_weights_cli.py runs it)",
+    "sandbox": "needs the command's working folder (tests/test_sandbox.py runs it)",
+    "report": "needs a run folder (tests/test_see_a_run.py runs it)",
+    "schema": "writes proto/schema/ (`--check` runs)",
+    "config": "every form runs",
+}
+
+
+def run_rlpipe(command: str) -> None:
+    """Run a read-only rlpipe command as a user would, without the test's RLPIPE_ settings."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RLPIPE_")}
+    done = subprocess.run(
+        [str(BIN / "rlpipe"), *shlex.split(command)[1:]],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, f"exit {done.returncode}: {done.stderr.strip()[-500:]}"
+
+
+# ---- the other commands of shell blocks ------------------------------------------------
+
+
+def shell_statements(body: str) -> list[str]:
+    """The block's statements, `# comments` dropped, continuation lines joined and a quoted
+    string's newlines kept inside it."""
+    statements, pending, quote = [], "", ""
+    for line in body.splitlines():
+        code, quote = without_comment(line, quote)
+        pending = f"{pending}\n{code}" if pending else code
+        if pending.endswith("\\") and not quote:
+            pending = pending[:-1]
+        elif not quote:
+            statements.append(pending)
+            pending = ""
+    return [s for s in statements if s.strip()]
+
+
+def without_comment(line: str, quote: str) -> tuple[str, str]:
+    """The line up to a `#` comment, and the quote still open at its end ('' if none)."""
+    for i, c in enumerate(line):
+        if quote:
+            quote = "" if c == quote else quote
+        elif c in "'\"":
+            quote = c
+        elif c == "#" and (i == 0 or line[i - 1].isspace()):
+            return line[:i].rstrip(), ""
+    return line, quote
+
+
+def split_commands(statement: str) -> list[str]:
+    """Commands of one statement: split at top-level `&&`, `||`, `;`, `&`; a pipeline's first
+    command; a `# comment` dropped."""
+    commands, current, quote, depth, i = [], "", "", 0, 0
+    while i < len(statement):
+        c = statement[i]
+        if quote:
+            quote = "" if c == quote else quote
+        elif c in "'\"":
+            quote = c
+        elif statement.startswith("$(", i):
+            depth += 1
+        elif c == ")" and depth:
+            depth -= 1
+        elif depth == 0 and c == "#" and (not current or current[-1].isspace()):
+            break
+        elif depth == 0 and statement.startswith(("&&", "||"), i):
+            commands.append(current)
+            current, i = "", i + 2
+            continue
+        elif depth == 0 and c in ";&":
+            commands.append(current)
+            current, i = "", i + 1
+            continue
+        current += c
+        i += 1
+    commands.append(current)
+    pipelines = [split_pipe(c) for c in commands]
+    return [c.strip() for c in pipelines if c.strip()]
+
+
+def split_pipe(command: str) -> str:
+    quote, depth = "", 0
+    for i, c in enumerate(command):
+        if quote:
+            quote = "" if c == quote else quote
+        elif c in "'\"":
+            quote = c
+        elif command.startswith("$(", i):
+            depth += 1
+        elif c == ")" and depth:
+            depth -= 1
+        elif depth == 0 and c == "|" and command[i - 1 : i + 1] != "||":
+            return command[:i]
+    return command
+
+
+def shell_commands() -> list[tuple[str, str]]:
+    """(where, command) of every command in a shell block (rlpipe's too: one that follows
+    another on its line is found only here)."""
+    found = []
+    for path in MARKDOWN:
+        for language, body in fenced_blocks(path.read_text()):
+            if language not in SHELL_LANGUAGES:
+                continue
+            for statement in shell_statements(body):
+                found += [(path.name, c) for c in split_commands(statement)]
+    return found
+
+
+def words_of(command: str) -> list[str]:
+    """The command's words after VAR=value prefixes, `$(...)` kept as written."""
+    hidden = re.sub(r"\$\(([^)]*)\)", lambda m: m.group(0).replace(" ", "\0"), command)
+    words = [w.replace("\0", " ") for w in shlex.split(hidden)]
+    while words and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=.*", words[0], re.S):
+        words.pop(0)
+    return words
+
+
+def program(command: str) -> str:
+    words = words_of(command)
+    return words[0] if words else ""
+
+
+def substitutions(command: str) -> list[str]:
+    return re.findall(r"\$\(([^)]*)\)", command)
+
+
+@dataclass(frozen=True)
+class Rule:
+    """How a program's documented commands are checked: `check` runs it or checks what can
+    be checked here; `why` says why it is not run as written (empty: it runs)."""
+
+    check: Callable[[list[str], str], None]
+    why: str
+
+
+def check_make(words: list[str], _: str) -> None:
+    done = subprocess.run(
+        ["make", "-n", *words[1:]], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr.strip()[-500:]
+
+
+def check_python(words: list[str], command: str) -> None:
+    args = words[1:]
+    if args[:2] == ["-m", "venv"]:
+        assert importlib.util.find_spec("venv") is not None
+    elif args[:1] == ["-m"]:
+        assert importlib.util.find_spec(args[1]) is not None, f"no module {args[1]}"
+    else:
+        check_script_help(args[0], args[1:])
+
+
+def check_script_help(script: str, args: list[str]) -> None:
+    """The script exists, imports, parses `--help`, and knows every option shown."""
+    assert (ROOT / script).is_file(), f"no file {script}"
+    done = subprocess.run(
+        [sys.executable, script, "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr.strip()[-500:]
+    unknown = {a for a in args if a.startswith("--") and a not in done.stdout}
+    assert not unknown, f"{script} has no option {sorted(unknown)}"
+
+
+def check_pip(words: list[str], _: str) -> None:
+    extras = set(
+        tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    )
+    shown = {e for w in words for m in re.findall(r"\.\[([\w,-]+)\]", w) for e in m.split(",")}
+    assert shown <= extras, f"no extra {sorted(shown - extras)} in pyproject.toml"
+    assert "-e" not in words or any(w.startswith(".") for w in words), "installs no project"
+
+
+def check_export(words: list[str], command: str) -> None:
+    done = subprocess.run(["bash", "-n", "-c", command], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    for inner in substitutions(command):
+        check_shell_command(inner)
+
+
+def check_with_help(words: list[str], _: str) -> None:
+    """The program is installed and every -option shown is in its (subcommand's) help."""
+    binary = str(BIN / words[0]) if (BIN / words[0]).exists() else words[0]
+    subcommand = [w for w in words[1:2] if not w.startswith("-")]
+    done = subprocess.run(
+        [binary, *subcommand, "--help"], capture_output=True, text=True, timeout=120
+    )
+    shown = {w.split("=")[0] for w in words[1:] if w.startswith("-")}
+    missing = {o for o in shown if o not in done.stdout + done.stderr}
+    assert not missing, f"{words[0]} --help does not list {sorted(missing)}"
+
+
+def check_curl(words: list[str], _: str) -> None:
+    [url] = [w for w in words if "localhost" in w or "127.0.0.1" in w]
+    path = "/" + url.split("/", 1)[1] if "/" in url else "/"
+    served = any(path in p.read_text() for p in ROOT.glob("libs/**/*.py"))
+    assert served, f"no service serves {path}"
+
+
+def check_docker(words: list[str], _: str) -> None:
+    compose = yaml.safe_load((ROOT / "compose.yaml").read_text())
+    services = compose["services"]
+    profiles = {p for s in services.values() for p in s.get("profiles", [])}
+    shown = [words[i + 1] for i, w in enumerate(words) if w == "--profile"]
+    assert set(shown) <= profiles, f"no profile {sorted(set(shown) - profiles)} in compose.yaml"
+    scaled = [words[i + 1].split("=")[0] for i, w in enumerate(words) if w == "--scale"]
+    assert set(scaled) <= set(services), f"no service {sorted(set(scaled) - set(services))}"
+
+
+def check_kubectl(words: list[str], _: str) -> None:
+    folder = words[words.index("-k") + 1]
+    assert (ROOT / folder / "kustomization.yaml").is_file(), f"{folder}: no kustomization.yaml"
+
+
+def check_cp(words: list[str], _: str) -> None:
+    source, target = words[-2:]
+    assert (ROOT / source).exists(), f"no {source}"
+    assert (ROOT / target).parent.is_dir(), f"no folder for {target}"
+
+
+def check_torchrun(words: list[str], _: str) -> None:
+    from torch.distributed.run import get_args_parser
+
+    args = get_args_parser().parse_args(words[1:])
+    assert args.module and importlib.util.find_spec(args.training_script) is not None
+
+
+def check_tracker(words: list[str], _: str) -> None:
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]
+    assert words[0] in extras, f"{words[0]} is not an extra of pyproject.toml"
+
+
+def check_bash_script(words: list[str], _: str) -> None:
+    done = subprocess.run(["bash", "-n", words[1]], cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+
+
+def run_in_tmp(words: list[str], command: str) -> None:
+    with tempfile.TemporaryDirectory() as folder:
+        done = subprocess.run(
+            ["bash", "-c", command], cwd=folder, capture_output=True, text=True, timeout=60
+        )
+    assert done.returncode == 0, done.stderr
+
+
+PYTHON = Rule(
+    check_python,
+    "a module or benchmark runs for minutes or starts a service: "
+    "the module is found, a script parses --help and knows each option shown",
+)
+RULES: dict[str, Rule] = {
+    "make": Rule(check_make, "`make demo` runs minutes and `make test` is the suite: `make -n`"),
+    "python": PYTHON,
+    "python3": PYTHON,
+    "python3.11": PYTHON,
+    ".venv/bin/python": PYTHON,
+    "pip": Rule(check_pip, "installs from the network: its extras exist in pyproject.toml"),
+    ".venv/bin/pip": Rule(check_pip, "installs from the network: its extras exist"),
+    "export": Rule(check_export, "sets the caller's shell: bash -n, and each $(...) checked"),
+    "nats-server": Rule(check_with_help, "starts a server (the test fixtures do): its flags"),
+    "curl": Rule(
+        check_curl,
+        "needs the block's service running (tests/test_readme_examples.py "
+        "runs the serve and feedback blocks whole): a service serves the path",
+    ),
+    "docker": Rule(
+        check_docker,
+        "needs a Docker engine (tests/test_compose_up.py runs the "
+        "compose file's services as processes): its profiles and services exist",
+    ),
+    "kubectl": Rule(
+        check_kubectl,
+        "needs a cluster (tests/test_k8s_manifests.py validates the overlays): the overlay exists",
+    ),
+    "cp": Rule(check_cp, "writes into the checkout: the source and the target's folder exist"),
+    "ray": Rule(check_with_help, "starts Ray nodes: its options are ray's"),
+    "torchrun": Rule(
+        check_torchrun,
+        "starts trainer ranks (tests/test_sharded_trainer.py runs "
+        "them): torchrun parses it and the module exists",
+    ),
+    "tensorboard": Rule(
+        check_tracker,
+        "needs a run's tracking folder (tests/test_see_a_run.py "
+        "reads each tracker back): the extra exists",
+    ),
+    "wandb": Rule(check_tracker, "needs a run's tracking folder: the extra exists"),
+    "mlflow": Rule(check_tracker, "needs a run's tracking folder: the extra exists"),
+    "bash": Rule(check_bash_script, "a GPU script (needs CUDA): bash -n"),
+    "printf": Rule(run_in_tmp, ""),
+    "mkdir": Rule(run_in_tmp, ""),
+    "openssl": Rule(run_in_tmp, ""),
+}
+
+
+def check_shell_command(command: str) -> None:
+    words = words_of(command)
+    rule = RULES.get(words[0])
+    assert rule is not None, f"no rule for {words[0]!r}: add one to RULES, with its reason"
+    rule.check(words, command)
+
+
+@functools.cache
+def checked(command: str) -> None:
+    """Each distinct command checked once, however many pages show it."""
+    if rlpipe := re.match(rf"{ENV_PREFIX}(?:\.venv/bin/)?(rlpipe\b.*)", command, re.S):
+        command = rlpipe.group(1)
+        named_only = is_synopsis(command) or is_reference(command)
+        (check_synopsis if named_only else check_concrete)(command)
+        if not named_only and command.startswith(RLPIPE_RUN):
+            run_rlpipe(command)
+    else:
+        check_shell_command(command)
+
+
 COMMANDS = documented_commands()
+SHELL = shell_commands()
 
 
 def test_the_docs_show_commands_to_check() -> None:
@@ -145,16 +500,33 @@ def test_the_docs_show_commands_to_check() -> None:
     assert "rlpipe provision" in commands or any(c.startswith("rlpipe provision") for c in commands)
     assert any(c.startswith("rlpipe weights relay-setup") for c in commands)
     assert len(COMMANDS) >= 10, COMMANDS
+    programs = {program(c) for _, c in SHELL}
+    assert {"make", "curl", "docker", "export"} <= programs, programs
+    assert {path.name for path in MARKDOWN if path.parent.name == "docs"} >= {
+        "gpu.md",
+        "recipes.md",
+    }
+
+
+def test_every_rlpipe_subcommand_runs_or_says_why_not() -> None:
+    assert set(subparsers(build_parser())) <= set(RLPIPE_NOT_RUN)
 
 
 @pytest.mark.parametrize(("where", "command"), COMMANDS, ids=[f"{w}: {c}" for w, c in COMMANDS])
 def test_a_documented_command_runs_as_written(where: str, command: str) -> None:
-    command = command.removeprefix(".venv/bin/")
     try:
-        named_only = is_synopsis(command) or is_reference(command)
-        (check_synopsis if named_only else check_concrete)(command)
+        checked(command)
     except AssertionError as exc:
         pytest.fail(f"{where} shows `{command}`: {exc}", pytrace=False)
+
+
+@pytest.mark.parametrize(("where", "command"), SHELL, ids=[f"{w}: {c}" for w, c in SHELL])
+def test_a_documented_shell_command_runs_or_is_checked(where: str, command: str) -> None:
+    try:
+        checked(command)
+    except AssertionError as exc:
+        why = RULES[program(command)].why if program(command) in RULES else ""
+        pytest.fail(f"{where} shows `{command}` ({why or 'run'}): {exc}", pytrace=False)
 
 
 def test_a_command_that_does_not_exist_is_caught() -> None:
@@ -162,3 +534,19 @@ def test_a_command_that_does_not_exist_is_caught() -> None:
         check_concrete("rlpipe launch")
     with pytest.raises(AssertionError, match="no option"):
         check_synopsis("rlpipe demo [--no-such-flag N]")
+    with pytest.raises(AssertionError, match="no rule for 'frobnicate'"):
+        check_shell_command("frobnicate --now")
+    with pytest.raises(AssertionError, match="no profile"):
+        check_shell_command("docker compose --profile nosuch up")
+    with pytest.raises(AssertionError, match="does not list"):
+        check_shell_command("nats-server -js --no-such-flag")
+    with pytest.raises(AssertionError, match="no service serves /nosuch"):
+        check_shell_command("curl -s localhost:9104/nosuch")
+    with pytest.raises(AssertionError, match="No rule to make target"):
+        check_shell_command("make nosuchtarget")
+
+
+def test_a_shell_block_splits_into_its_commands() -> None:
+    statement = "nats-server -js & X=1 make -n demo && curl -s a:1/x | head  # note; not a command"
+    assert split_commands(statement) == ["nats-server -js", "X=1 make -n demo", "curl -s a:1/x"]
+    assert program("A=$(openssl rand -hex 4) B=2 docker compose up") == "docker"

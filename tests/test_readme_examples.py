@@ -1,6 +1,6 @@
-"""The README's serve-mode and feedback examples, run as written on a fresh bus.
+"""The docs' serve-mode and feedback examples, run as written on a fresh bus.
 
-Each example's bash block is read from README.md and run by bash line for line, with only
+Each example's bash block is read from docs/serving.md and run by bash line for line, with only
 what a test must change: the example's fixed ports (8000, 8080) become free ones, the
 service started in the foreground goes to the background (the test then waits for its
 health check), and RLPIPE_NATS_URL points at the test's nats-server. The answers are read
@@ -23,12 +23,12 @@ from typing import Any
 from libs.nats_server import NatsServer, free_port
 from tests.compose_support import ROOT
 
-README = ROOT / "README.md"
+SERVING = ROOT / "docs" / "serving.md"
 
 
 def bash_block(heading: str) -> list[str]:
     """Commands of the first ```bash block after `heading`, continuation lines joined."""
-    text = README.read_text()
+    text = SERVING.read_text()
     start = text.index(f"\n{heading}\n")
     block = re.search(r"```bash\n(.*?)```", text[start:], re.S)
     assert block is not None, f"no bash block under {heading}"
