@@ -21,6 +21,7 @@ from typing import Any
 import structlog
 
 from libs.api_server import ApiServer
+from libs.background_tasks import BackgroundTasks
 from libs.bus.connection import Bus
 from libs.bus.publisher import Publisher
 from libs.feedback.api import ApiLimits, FeedbackIngest, create_app
@@ -118,20 +119,13 @@ class FeedbackIngesterService(Service):
 
     async def run(self) -> None:
         """Until stopped; if the API server or the join dies on its own, raise."""
-        stopped = asyncio.create_task(self._stopped.wait())
-        parts: list[asyncio.Task[None]] = []
-        if self.api is not None and self.api.task is not None:
-            parts.append(self.api.task)
-        if self.join is not None:
-            parts.append(asyncio.create_task(self.join.run(), name="join"))
-        done, _ = await asyncio.wait({stopped, *parts}, return_when=asyncio.FIRST_COMPLETED)
-        if stopped in done:
-            await asyncio.gather(*parts, return_exceptions=True)
-            return
-        stopped.cancel()
-        for task in done:
-            task.result()  # re-raise the crash
-        raise RuntimeError(f"{', '.join(t.get_name() for t in done)} stopped on its own")
+        async with BackgroundTasks(stop=self._stopped) as parts:
+            if self.api is not None and self.api.task is not None:
+                parts.adopt(self.api.task)
+            if self.join is not None:
+                parts.start("join", self.join.run())
+            await parts.until()
+            await parts.join()  # `stop` drains them: in-flight requests are answered first
 
     async def stop(self) -> None:
         await super().stop()

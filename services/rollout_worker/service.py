@@ -22,12 +22,12 @@ requests finish before the batcher ends.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Coroutine
 from typing import Any
 
 import structlog
 from prometheus_client import Counter, Gauge
 
+from libs.background_tasks import BackgroundTasks
 from libs.bus.connection import Bus, connect_bus, redact_url
 from libs.bus.consumer import Delivery, PermanentError, PullConsumer
 from libs.bus.publisher import Outgoing, Publisher
@@ -44,7 +44,6 @@ from libs.rollout.weights_follower import WeightsFollower
 from libs.serve.app import OpenAIApi, ServeConfig, create_app
 from libs.serve.generation import ServedPolicy
 from libs.serve.records import GenerationRecorder
-from libs.serve.server import TASK_NAME as SERVE_TASK_NAME
 from libs.serve.server import ServeServer
 from libs.service import Service
 from libs.tokenizer import Tokenizer
@@ -142,71 +141,43 @@ class RolloutWorkerService(Service):
         self.detail = f"worker {s.worker_id}: following weight announcements"
 
     async def run(self) -> None:
-        assert self.follower is not None and self.batcher is not None, "start() first"
-        assert self.consumer is not None
-        background = [
-            asyncio.create_task(self.batcher.run(), name="generation-batcher"),
-            *self._serving_tasks(),
-        ]
-        if not self.settings.follow_weights:
-            self.follower.use_loaded_weights()
-        # The API server ends cleanly in `stop`, before _stopping is set.
-        finished_ok = {SERVE_TASK_NAME}
         try:
-            if self.settings.follow_weights:
-                # The trainer's policy must be ours before any of its weights are applied.
-                await self._until(self._check_policy(), background, finished_ok)
-                follower = asyncio.create_task(self.follower.run(), name="weights-follower")
-                background.append(follower)
-                await self._until(self.follower.wait_caught_up(), background, finished_ok)
-            if self._stopping.is_set():
-                return
-            self.status = "ok"
-            if not self.settings.consume_tasks:
-                self.detail = f"worker {self.settings.worker_id}: serving only"
-                log.info("caught up with weights; serving", version=self.engine_version)
-                await self._until(self._stopping.wait(), background, finished_ok)
-                return
-            self.detail = f"worker {self.settings.worker_id}: rolling out tasks"
-            log.info("caught up with weights; pulling tasks", version=self.engine_version)
-            background.append(asyncio.create_task(self.consumer.run(), name="task-consumer"))
-            # The consumer returns once stopped; `stop` sets _stopping after the drain.
-            await self._until(self._stopping.wait(), background, finished_ok | {"task-consumer"})
+            async with BackgroundTasks(stop=self._stopping) as tasks:
+                await self._work(tasks)
         finally:
-            for task in background:
-                task.cancel()
-            await asyncio.gather(*background, return_exceptions=True)
             if self.receiver is not None:
                 await self.receiver.close()
             if self.regional_bus is not None:
                 await self.regional_bus.close()
 
-    async def _until(
-        self,
-        goal: Coroutine[Any, Any, Any],
-        background: list[asyncio.Task[None]],
-        finished_ok: set[str] | None = None,
-    ) -> None:
-        """Wait for `goal` or for stop; `goal` raising, or a background task that ends (unless
-        its name is in `finished_ok` and it ended cleanly), takes the service down loudly."""
-        goal_task = asyncio.ensure_future(goal)
-        waiting = {goal_task, asyncio.ensure_future(self._stopping.wait())}
-        pending = set(background)
-        try:
-            while True:
-                done, _ = await asyncio.wait(waiting | pending, return_when=asyncio.FIRST_COMPLETED)
-                for task in done & pending:
-                    pending.discard(task)
-                    error = task.exception()
-                    if error is not None or task.get_name() not in (finished_ok or set()):
-                        raise RuntimeError(f"{task.get_name()} stopped unexpectedly") from error
-                if goal_task in done:
-                    goal_task.result()  # raises what the goal raised
-                if done & waiting:
-                    return
-        finally:
-            for task in waiting:
-                task.cancel()
+    async def _work(self, tasks: BackgroundTasks) -> None:
+        """Catch up with the trainer's weights, then roll out tasks (or serve) until stopped;
+        a background loop that dies takes the service down."""
+        assert self.follower is not None and self.batcher is not None, "start() first"
+        assert self.consumer is not None
+        tasks.start("generation-batcher", self.batcher.run())
+        for task in self._serving_tasks():  # the API server ends cleanly in `stop`
+            tasks.adopt(task, may_end=True)
+        if not self.settings.follow_weights:
+            self.follower.use_loaded_weights()
+        else:
+            # The trainer's policy must be ours before any of its weights are applied.
+            await tasks.until(self._check_policy())
+            tasks.start("weights-follower", self.follower.run())
+            await tasks.until(self.follower.wait_caught_up())
+        if self._stopping.is_set():
+            return
+        self.status = "ok"
+        if not self.settings.consume_tasks:
+            self.detail = f"worker {self.settings.worker_id}: serving only"
+            log.info("caught up with weights; serving", version=self.engine_version)
+            await tasks.until()
+            return
+        self.detail = f"worker {self.settings.worker_id}: rolling out tasks"
+        log.info("caught up with weights; pulling tasks", version=self.engine_version)
+        # The consumer returns once stopped; `stop` sets _stopping after the drain.
+        tasks.start("task-consumer", self.consumer.run(), may_end=True)
+        await tasks.until()
 
     async def _check_policy(self) -> None:
         """Wait for the trainer's PolicyIdentity; ValueError (the service stops with the

@@ -7,11 +7,11 @@ not be broadcast until one is: e.g. a staging folder the trainer does not share.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from typing import Any
 
 import structlog
 
+from libs.background_tasks import BackgroundTasks
 from libs.bus.connection import Bus
 from libs.bus.consumer import PullConsumer
 from libs.bus.publisher import Publisher
@@ -72,14 +72,10 @@ class WeightBroadcasterService(Service):
     async def run(self) -> None:
         assert self._consumer is not None, "start() first"
         idle = self.settings.snapshot_when_idle_s
-        watch = asyncio.create_task(self._snapshot_when_idle(idle)) if idle > 0 else None
-        try:
-            await self._consumer.run()
-        finally:
-            if watch is not None:
-                watch.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await watch
+        async with BackgroundTasks() as tasks:
+            if idle > 0:
+                tasks.start("idle-snapshots", self._snapshot_when_idle(idle))
+            await tasks.until(self._consumer.run())
 
     async def _snapshot_when_idle(self, idle_s: float) -> None:
         """Check every few seconds whether the head needs a snapshot for want of versions."""
