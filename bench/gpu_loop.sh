@@ -12,15 +12,16 @@
 # libs/trainer/config.py), a new version staged after every step in the background
 # (libs/trainer/staging.py).
 #
-# Writes the trainer's step records, the run summary and the tails of the service logs to
-# OUT_DIR (default bench/results/gpu_loop) with the version latency by part
-# (version_latency.json, bench/version_latency.py), and prints a table of step time, tokens/s,
-# swap pause and train/inference mismatch. Needs the project importable (PYTHONPATH or an
-# installed venv) and a CUDA device.
+# Writes the loop's summary to bench/results/<card>/gpu_loop.json (or RESULT;
+# bench/result_file.py), and the trainer's step records, the demo's summary, the tails of the
+# service logs and the version latency by part (bench/version_latency.py) to OUT_DIR (default:
+# a folder beside the run's, under /tmp; never the tree). Prints a table of step time,
+# tokens/s, swap pause and train/inference mismatch. Needs the project importable
+# (PYTHONPATH or an installed venv) and a CUDA device.
 set -euo pipefail
 seconds=${1:-240}
-out=${2:-bench/results/gpu_loop}
 run=$(mktemp -d /tmp/rlpipe-gpu-loop-XXXX)
+out=${2:-$run-bench}
 mkdir -p "$out"
 preset=${PRESET:-byte-0.5b} device=${DEVICE:-cuda}
 export RLPIPE_TRAINER_POLICY_PRESET=$preset RLPIPE_ROLLOUT_WORKER_POLICY_PRESET=$preset
@@ -138,9 +139,12 @@ if [ "${KEEP_LOGS:-1}" = 1 ]; then
     tail -n 40 "$run/logs/$s.log" > "$out/$s.log.txt" || true
   done
 fi
-python3 - "$out" "$seconds" <<'PY'
+result=${RESULT:-$(python3 -c 'import sys, torch; sys.path.insert(0, "bench")
+from result_file import result_file
+print(result_file("gpu_loop", torch.cuda.get_device_name() if torch.cuda.is_available() else None))')}
+python3 - "$out" "$seconds" "$result" <<'PY'
 import json, sys, pathlib
-out, seconds = pathlib.Path(sys.argv[1]), float(sys.argv[2])
+out, seconds, result = pathlib.Path(sys.argv[1]), float(sys.argv[2]), pathlib.Path(sys.argv[3])
 rows = [json.loads(l) for l in (out / "steps.jsonl").read_text().splitlines() if l.strip()]
 if not rows:
     sys.exit("no trainer steps recorded")
@@ -183,5 +187,7 @@ latency = out / "version_latency.json"
 if latency.exists():
     summary["version_latency"] = json.loads(latency.read_text()).get("summary")
 (out / "loop_summary.json").write_text(json.dumps(summary, indent=1))
+result.write_text(json.dumps(summary, indent=1))
+print(f"summary: {result}, run: {out}", file=sys.stderr)
 print(json.dumps({k: v for k, v in summary.items() if k != "version_latency"}, indent=1))
 PY
