@@ -69,7 +69,7 @@ GLOBAL_VARIABLES = frozenset(
     }
 )
 # Compose's published ports (RLPIPE_NATS_HOST_PORT, ...) and the coding environment's own
-# settings (libs.envs.coding, RLPIPE_ENV_CODING_*).
+# settings (libs.domains.coding, RLPIPE_ENV_CODING_*).
 GLOBAL_PATTERN = re.compile(r"RLPIPE_[A-Z0-9_]+_HOST_PORT|RLPIPE_ENV_CODING_[A-Z0-9_]+")
 
 

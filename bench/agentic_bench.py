@@ -31,7 +31,7 @@ from result_file import result_file
 from libs.bus.connection import connect_bus
 from libs.bus.provision import provision
 from libs.bus.publisher import Outgoing, Publisher
-from libs.envs.base import make_env
+from libs.domains.registry import make_env
 from libs.envs.client import EnvClient
 from libs.envs.server import EnvServer, ServerLimits
 from libs.nats_server import NatsServer

@@ -32,9 +32,9 @@ from result_file import result_file
 from libs.bus.connection import connect_bus
 from libs.bus.provision import provision
 from libs.chat.template import chat_template_for
+from libs.domains.registry import make_env
 from libs.engine.factory import EngineConfig, build_engine
 from libs.engine.hf import HFEngine
-from libs.envs.base import make_env
 from libs.envs.client import EnvClient
 from libs.envs.server import EnvServer, ServerLimits
 from libs.nats_server import NatsServer

@@ -33,8 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from result_file import result_file
 
+from libs.domains.registry import make_env
 from libs.engine.factory import EngineConfig, build_engine
-from libs.envs import make_env
 from libs.envs.local_client import LocalEnvClient
 from libs.logs import configure_logging
 from libs.policy import PolicyConfig, load_policy_tokenizer

@@ -39,9 +39,9 @@ import torch
 from result_file import result_file
 
 from libs.chat.tool_calls import CALL_OPEN
+from libs.domains.registry import make_env
 from libs.engine.base import Completion, InferenceEngine, SamplingParams
 from libs.engine.factory import EngineConfig, build_engine
-from libs.envs.base import make_env
 from libs.envs.local_client import LocalEnvClient
 from libs.policy import PolicyConfig, build_policy
 from libs.rollout.agent import AgentRunner, AgentSettings

@@ -1,7 +1,7 @@
 """End to end through the real commands: demonstrations -> `rlpipe sft` -> `rlpipe demo`.
 
 The user's recipe with small numbers: scripted experts write demonstrations through the real
-environments (`python -m libs.experts.demos`), `rlpipe sft` trains the embedded tiny policy on
+environments (`rlpipe domain demos`), `rlpipe sft` trains the embedded tiny policy on
 them, and `rlpipe demo --env ...` runs every service on a real nats-server starting from that
 model folder (RLPIPE_*_POLICY_PATH, as a user points the services at their own model).
 """
@@ -43,10 +43,8 @@ def warm_start(
     """A model folder trained by `rlpipe sft` on `num_tasks` expert episodes of `env`, on one
     torch thread as the demo's warm start trains (cheaper than two on the shared 2-core VM)."""
     demos, model = root / f"{env}.jsonl", root / f"{env}-sft"
-    run_command(
-        ["libs.experts.demos", "--env", env, "--num-tasks", str(num_tasks), "--out", str(demos)],
-        timeout_s=120,
-    )
+    demos_flags = ["--env", env, "--num-tasks", str(num_tasks), "--out", str(demos)]
+    run_command(["apps.cli", "domain", "demos", *demos_flags], timeout_s=120)
     run_command(
         [
             "apps.cli",
@@ -143,10 +141,12 @@ def test_a_summarizing_episode_has_every_segment_trained(tmp_path: Path) -> None
 
 
 def held_out(model: Path, num_tasks: int, env: str = "calc") -> dict[str, Any]:
-    """`python -m libs.sft.evaluate` on `model`: `env`'s held-out tasks at temperature 1."""
+    """`rlpipe domain evaluate` on `model`: `env`'s held-out tasks at temperature 1."""
     stdout = run_command(
         [
-            "libs.sft.evaluate",
+            "apps.cli",
+            "domain",
+            "evaluate",
             "--policy-path",
             str(model),
             "--env",

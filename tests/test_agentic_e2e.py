@@ -11,7 +11,7 @@ trains on one row per context segment.
 A random-init policy writes no tool calls, so in calc and coding its first turn is its final
 answer (tool calls are covered with a scripted policy in test_agent_harness.py). The
 summarizing episode runs in `journal`, an environment plugged in by this test (plug-in API:
-register_env + register_rubric) that asks for an entry per turn until max_turns, so the
+a Domain registered in the process) that asks for an entry per turn until max_turns, so the
 context grows past the budget, the policy summarizes, and the episode goes on in a new
 segment.
 """
@@ -27,20 +27,18 @@ from typing import ClassVar
 
 import pytest
 
-import libs.reward as reward_registry
 import libs.trainer.step
 from libs.bus import wire
 from libs.bus.connection import Bus
 from libs.bus.provision import provision
 from libs.bus.publisher import Publisher
-from libs.envs import base as envs_base
+from libs.domains import registry
+from libs.domains.calc.env import CalcTasks
+from libs.domains.coding import CodingTasks
+from libs.domains.domain import Domain
 from libs.envs.base import Environment, Episode, Opening, StepResult
-from libs.envs.calc import CalcTasks
-from libs.envs.coding import CodingTasks
 from libs.envs.feeder import FeederConfig
 from libs.policy import PolicyConfig
-from libs.reward.calc import calc_rubric
-from libs.reward.coding import coding_rubric
 from libs.reward.criteria import turn_penalty
 from libs.reward.rubric import Criterion, Rubric
 from libs.rl.batch import TrainBatch, build_batch
@@ -211,7 +209,7 @@ async def test_calc_and_coding_episodes_are_rolled_out_rewarded_and_trained(
     await wait_for(pipeline.trains_all(everything), TIMEOUT_S, "every rollout trained on")
 
     scored = {s.rollout.rollout_id: s for s in await pipeline.scored()}
-    rubrics = {"calc": calc_rubric(), "coding": coding_rubric()}
+    rubrics = {env: registry.rubric_for(env) for env in ("calc", "coding")}
     for task in everything:
         for index in range(GROUP):
             sample = scored[f"{task.task_id}.{index}"]
@@ -284,8 +282,8 @@ def journal_rubric() -> Rubric:
 async def test_a_self_summarizing_episode_is_trained_one_row_per_segment(
     pipeline: Pipeline, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setitem(envs_base._REGISTRY, JournalEnv.name, JournalEnv)
-    monkeypatch.setitem(reward_registry._RUBRICS, JournalEnv.name, journal_rubric)
+    journal = Domain(JournalEnv.name, Path(__file__).parent, env=JournalEnv, rubric=journal_rubric)
+    monkeypatch.setitem(registry._REGISTERED, JournalEnv.name, journal)
     batches: list[TrainBatch] = []
 
     def recording_build_batch(*args: object, **kwargs: object) -> TrainBatch:

@@ -20,10 +20,10 @@ from pathlib import Path
 import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from libs.envs import make_env
-from libs.envs.dataset import DatasetConfig, DatasetEnv, DatasetError, load_rows
+from libs.domains.dataset.env import DatasetConfig, DatasetEnv, DatasetError, load_rows
+from libs.domains.registry import make_env, rubric_for
 from libs.nats_server import NatsServer, free_port
-from libs.reward import rubric_for, score_rollout
+from libs.reward import score_rollout
 from libs.trainer.checkpoint import checkpoint_version
 from proto.messages import Rollout, Task, Turn
 from tests.marks import E2E

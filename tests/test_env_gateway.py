@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
+from pathlib import Path
 from typing import ClassVar
 
 import pytest
@@ -13,8 +14,10 @@ import pytest
 from libs.bus import wire
 from libs.bus.connection import Bus
 from libs.bus.provision import provision
-from libs.envs import base as envs_base
-from libs.envs.arithmetic import ArithmeticTasks
+from libs.domains import registry
+from libs.domains.arith.env import ArithmeticTasks
+from libs.domains.arith.rubric import arith_rubric
+from libs.domains.domain import Domain
 from libs.envs.base import Environment, Episode, Opening, StepResult
 from libs.envs.client import EnvClient, EnvError
 from libs.envs.feeder import FeederConfig
@@ -66,7 +69,8 @@ async def start_gateway(
 ) -> AsyncIterator[Callable[..., object]]:
     """Starts gateways in-process (settings as keyword arguments, the feeder's as a dict);
     stops them all after."""
-    monkeypatch.setitem(envs_base._REGISTRY, ToolEnv.name, ToolEnv)
+    tool_domain = Domain(ToolEnv.name, Path(__file__).parent, env=ToolEnv, rubric=arith_rubric)
+    monkeypatch.setitem(registry._REGISTERED, ToolEnv.name, tool_domain)
     await provision(bus.js)
     running: list[tuple[EnvGatewayService, asyncio.Task[None]]] = []
 

@@ -7,8 +7,8 @@ import re
 
 import pytest
 
-from libs.envs import ArithmeticEnv, UnknownEnvError, env_names, make_env
-from libs.envs.arithmetic import ArithmeticTasks, leading_digits
+from libs.domains.arith.env import ArithmeticEnv, ArithmeticTasks, leading_digits
+from libs.domains.registry import UnknownDomainError, domain_names, make_env
 
 
 def test_same_seed_gives_the_same_tasks_in_any_order() -> None:
@@ -85,7 +85,7 @@ async def test_an_episode_opens_on_the_prompt_and_ends_after_one_answer() -> Non
 
 
 def test_registry_knows_arith_and_names_the_known_ones_otherwise() -> None:
-    assert "arith" in env_names()
+    assert "arith" in domain_names()
     assert isinstance(make_env("arith"), ArithmeticEnv)
-    with pytest.raises(UnknownEnvError, match=r"registered: .*arith"):
+    with pytest.raises(UnknownDomainError, match=r"known: .*arith"):
         make_env("chess")

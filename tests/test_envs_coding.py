@@ -5,6 +5,7 @@ nats-server, coming back as a tool error while the gateway keeps serving."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import shutil
 import tomllib
@@ -15,11 +16,12 @@ import pytest
 
 from libs.bus.connection import Bus
 from libs.bus.provision import provision
-from libs.envs import base as envs_base
-from libs.envs.coding import CodingConfig, CodingEnv, CodingEpisode, CodingTasks, load_tasks
-from libs.envs.coding.grading import copy_final_files, grade_files, restore_protected
-from libs.envs.coding.tasks import TASKS_DIR, CodingTask
-from libs.envs.coding.tools import TOOLS, SandboxTools
+from libs.domains import registry
+from libs.domains.coding import DOMAIN as CODING
+from libs.domains.coding import CodingConfig, CodingEnv, CodingEpisode, CodingTasks, load_tasks
+from libs.domains.coding.grading import copy_final_files, grade_files, restore_protected
+from libs.domains.coding.tasks import TASKS_DIR, CodingTask
+from libs.domains.coding.tools import TOOLS, SandboxTools
 from libs.envs.feeder import FeederConfig
 from libs.sandbox import SandboxConfig, SandboxLimits, build_sandbox_factory
 from libs.sandbox.limits import MIB
@@ -62,7 +64,7 @@ def test_at_least_twenty_tasks_ship_as_package_data() -> None:
         assert task.cases and task.protected and (task.reference_dir / "solution.py").is_file()
         assert not (task.files_dir / "hidden_tests").exists()
     config = tomllib.loads((REPO / "pyproject.toml").read_text())
-    assert "tasks/**/*" in config["tool"]["setuptools"]["package-data"]["libs.envs.coding"]
+    assert "tasks/**/*" in config["tool"]["setuptools"]["package-data"]["libs.domains.coding"]
 
 
 def test_task_source_is_deterministic_and_covers_every_task() -> None:
@@ -215,7 +217,8 @@ async def test_fake_output_does_not_fool_grading(cheat: str, tmp_path: Path) -> 
 
 @pytest.fixture
 async def gateway(bus: Bus, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[EnvGatewayService]:
-    monkeypatch.setitem(envs_base._REGISTRY, "coding", lambda: CodingEnv(CONFIG))
+    configured = dataclasses.replace(CODING, env=lambda: CodingEnv(CONFIG))
+    monkeypatch.setitem(registry._REGISTERED, "coding", configured)
     await provision(bus.js)
     service = EnvGatewayService(
         EnvGatewaySettings(feeder=FeederConfig(mode="off"), step_timeout_s=20.0)

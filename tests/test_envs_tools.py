@@ -9,8 +9,8 @@ import pytest
 
 from libs.bus.connection import Bus
 from libs.bus.provision import provision
-from libs.envs import make_env
-from libs.envs.calc import CalcEnv, CalcTasks, parse_answer
+from libs.domains.calc.env import CalcEnv, CalcTasks, parse_answer
+from libs.domains.registry import make_env
 from libs.envs.client import EnvClient
 from libs.envs.feeder import FeederConfig
 from proto import messages as m

@@ -18,9 +18,9 @@ from libs.bus import wire
 from libs.bus.connection import Bus
 from libs.bus.provision import provision
 from libs.bus.publisher import Publisher
+from libs.domains.registry import make_env
 from libs.engine.base import SamplingParams
 from libs.engine.hf import HFEngine
-from libs.envs.base import make_env
 from libs.envs.client import EnvClient
 from libs.envs.server import EnvServer, ServerLimits
 from libs.policy import PolicyConfig, build_policy, sequence_logprobs
@@ -405,7 +405,7 @@ async def test_the_gate_runs_held_out_episodes_of_a_tool_env_through_env_gateway
     await provision(bus.js)
     model = build_policy(POLICY)
     publisher = Publisher(bus.js)
-    config = EvalGateConfig(every_versions=1, num_tasks=3, env="calc", max_turns=2)
+    config = EvalGateConfig(every_versions=1, num_tasks=3, env="calc")
     gate = EvalGate(config, POLICY, TOKENIZER, EnvClient(bus.nc))
     await gate.setup(bus.js)
     assert {task.env for task in gate.tasks} == {"calc"}

@@ -256,7 +256,7 @@ async def publish_burst(url: str) -> list[str]:
     """BURST_TASKS arith tasks of their own seed, straight onto the task stream."""
     from libs.bus.connection import connect_bus
     from libs.bus.publisher import Outgoing, Publisher
-    from libs.envs.arithmetic import ArithmeticTasks
+    from libs.domains.arith.env import ArithmeticTasks
     from proto.subjects import task_subject
 
     source = ArithmeticTasks(difficulty=0, group_size=GROUP_SIZE, seed=4242)

@@ -14,7 +14,8 @@ from libs.bus import wire
 from libs.bus.connection import Bus
 from libs.bus.provision import provision
 from libs.bus.publisher import Publisher
-from libs.reward import Criterion, Rubric, rubric_for, score_rollout
+from libs.domains.registry import rubric_for
+from libs.reward import Criterion, Rubric, score_rollout
 from libs.reward.rubric import CriterionError
 from proto import streams, subjects
 from proto.messages import (
@@ -122,7 +123,7 @@ def test_bad_rubrics_are_refused() -> None:
         Rubric([ok, ok])
     with pytest.raises(ValueError, match="positive weight"):
         Rubric([Criterion("a", 0.0, lambda r, t: (1.0, ""))])
-    with pytest.raises(KeyError, match="no rubric for environment 'chess'"):
+    with pytest.raises(KeyError, match="unknown domain 'chess'"):
         rubric_for("chess")
 
 
@@ -242,6 +243,6 @@ async def test_rollouts_of_unknown_envs_or_without_task_are_dead_lettered(
     ]
     assert {letter.reason for letter in letters} == {"rejected"}
     errors = " | ".join(letter.error for letter in letters)
-    assert "no rubric for environment 'chess'" in errors and "no task" in errors
+    assert "unknown domain 'chess'" in errors and "no task" in errors
     scored = await stored(bus, streams.ROLLOUTS_SCORED.name)
     assert [wire.decode(ScoredRollout, d, h).rollout.rollout_id for d, h in scored] == ["r-good"]

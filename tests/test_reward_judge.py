@@ -22,7 +22,8 @@ from libs.bus import wire
 from libs.bus.connection import Bus
 from libs.bus.provision import provision
 from libs.bus.publisher import Publisher
-from libs.reward import Criterion, GroupCriterion, Rubric, rubric_for, score_group, score_rollout
+from libs.domains.registry import rubric_for
+from libs.reward import Criterion, GroupCriterion, Rubric, score_group, score_rollout
 from libs.reward.criteria import (
     env_ok,
     exact_match,

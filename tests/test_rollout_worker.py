@@ -16,8 +16,8 @@ from libs.bus import wire
 from libs.bus.connection import Bus
 from libs.bus.provision import provision
 from libs.bus.publisher import Publisher
+from libs.domains.arith.env import ArithmeticTasks
 from libs.engine.hf import HFEngine
-from libs.envs.arithmetic import ArithmeticTasks
 from libs.envs.feeder import FeederConfig
 from libs.policy import PolicyConfig, build_policy
 from libs.service import Service

@@ -21,18 +21,12 @@ from apps.launcher import warm_start
 from apps.launcher.episode_report import first_last_report
 from apps.sft_cli import LogFn
 from libs.chat.template import ChatTemplate, chat_template_for, save_tokenizer
+from libs.domains.recall.expert import RecallEpisodeExpert, RecallExpert
+from libs.domains.registry import domain, harness_for, make_env
 from libs.engine.base import Completion, SamplingParams
-from libs.envs import make_env
 from libs.envs.latency import ToolLatency, parse_tool_latency, with_tool_latency
 from libs.envs.local_client import LocalEnvClient
-from libs.experts.demos import (
-    EXPERTS,
-    DemoConfig,
-    demonstrations_digest,
-    harness_settings,
-    write_demonstrations,
-)
-from libs.experts.recall import RecallEpisodeExpert, RecallExpert
+from libs.experts.demos import DemoConfig, demonstrations_digest, write_demonstrations
 from libs.experts.record import record_episode
 from libs.policy import PolicyConfig, build_policy, load_policy
 from libs.rollout.agent import AgentRunner
@@ -65,9 +59,11 @@ TEMPLATE = chat_template_for(TOKENIZER)
 async def _expert_episode(env: str, index: int, error_rate: float = 0.0) -> list[Transcript]:
     environment = make_env(env)
     task = environment.task_source(difficulty=0, group_size=1, seed=5).task(index)
-    expert = EXPERTS[env](error_rate)
+    make_expert = domain(env).expert
+    assert make_expert is not None
+    expert = make_expert(error_rate)
     transcripts, _ = await record_episode(
-        environment, task, expert, harness_settings(env, TEMPLATE), TEMPLATE, random.Random(0)
+        environment, task, expert, harness_for(env, TEMPLATE), TEMPLATE, random.Random(0)
     )
     return transcripts
 
@@ -87,7 +83,7 @@ async def _harness_replay(env: str, index: int, texts: list[str]) -> Rollout:
         TOKENIZER,
         generate,
         RunnerSettings(worker_id="test"),
-        harness_settings(env, TEMPLATE),
+        harness_for(env, TEMPLATE),
     )
     (rollout,) = await runner.run(task)
     return rollout
@@ -133,7 +129,7 @@ async def test_recall_needs_its_summaries(tokenizer: str) -> None:
     template = TEMPLATE if tokenizer == "byte" else await _trained_template("recall")
     env = make_env("recall")
     task = env.task_source(difficulty=0, group_size=1, seed=1).task(0)
-    settings = harness_settings("recall", template)
+    settings = harness_for("recall", template)
     for summarize, solved in ((True, True), (False, False)):
         agent = settings.model_copy(update={"summarize": summarize})
         transcripts, info = await record_episode(

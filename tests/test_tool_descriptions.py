@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 
 from libs.chat.tool_calls import describe_tool, describe_tools
-from libs.envs.calc import TOOLS as CALC_TOOLS
-from libs.envs.coding.tools import TOOLS as CODING_TOOLS
+from libs.domains.calc.env import TOOLS as CALC_TOOLS
+from libs.domains.coding.tools import TOOLS as CODING_TOOLS
 from proto.messages import ToolSpec
 
 

@@ -135,7 +135,7 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="FILE",
         help="train on a JSONL or parquet file of {prompt, answer, metadata} rows "
-        "(libs/envs/dataset.py) instead of a built-in environment",
+        "(libs/domains/dataset/) instead of a built-in environment",
     )
     parser.add_argument(
         "--dataset-match",
@@ -188,10 +188,9 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
         extra_env["env-gateway"]["RLPIPE_ENV_GATEWAY_GROUP_SIZE"] = group_size
         trainer = {
             "RLPIPE_TRAINER_BATCH_GROUPS": "2",
-            # The eval gate judges held-out episodes of the same environment (a few, short).
+            # The eval gate judges a few held-out episodes of the same domain, under its harness.
             "RLPIPE_TRAINER_EVAL_ENV": args.env,
             "RLPIPE_TRAINER_EVAL_NUM_TASKS": "4",
-            "RLPIPE_TRAINER_EVAL_MAX_TURNS": "2",
         }
         extra_env["trainer"] = {
             name: os.environ.get(name, value) for name, value in trainer.items()
@@ -216,7 +215,7 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
 def dataset_env(args: argparse.Namespace) -> dict[str, dict[str, str]]:
     """The variables that make env-gateway feed the rows of `--dataset` (read here first, so
     a bad row stops the demo before anything starts)."""
-    from libs.envs.dataset import DatasetConfig, load_rows
+    from libs.domains.dataset.env import DatasetConfig, load_rows
 
     if args.env:
         raise ValueError("--dataset and --env: choose one (--dataset serves env 'dataset')")

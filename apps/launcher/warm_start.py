@@ -31,11 +31,11 @@ import torch
 
 from apps.sft_cli import LogFn, run_with_progress
 from libs.chat.template import chat_template_for
+from libs.domains.registry import harness_for
 from libs.experts.demos import (
-    EXPERTS,
     DemoConfig,
     demonstrations_digest,
-    harness_settings,
+    expert_domains,
     write_demonstrations,
 )
 from libs.policy import PolicyConfig
@@ -102,7 +102,7 @@ class WarmStartRecipe:
 # which the policy imitates at temperature 1 and RL removes: on 256 held-out tasks at
 # temperature 1, success 0.44-0.50 (the failures are the imitated slips), 0.85 after a 300 s
 # demo. recall (2 segments an episode at its budget) is read with running notes
-# (libs.experts.recall): 1,100 steps of 32 (12.7 minutes on one thread; the copying sets in
+# (libs.domains.recall.expert): 1,100 steps of 32 (12.7 minutes on one thread; the copying sets in
 # after 600-700 steps, 600 steps left success at 0.01) copy 98% of the revealed digits
 # teacher-forced; greedy success 0.73, at temperature 1 0.27 on 256 held-out tasks (digits
 # miscopied anywhere among ~30 written: what RL sharpens), 0.52 after a 360 s demo
@@ -124,7 +124,7 @@ def default_cache_root() -> Path:
 
 
 def has_warm_start(env: str) -> bool:
-    return env in RECIPES and env in EXPERTS
+    return env in RECIPES and env in expert_domains()
 
 
 def warm_start_dir(env: str, cache_root: Path, recipe: WarmStartRecipe | None = None) -> Path:
@@ -156,7 +156,7 @@ def ensure_warm_start(
     bar on a terminal, else lines through `emit`)."""
     if not has_warm_start(env):
         raise ValueError(
-            f"no warm start for env {env!r}; environments with one: {', '.join(EXPERTS)}"
+            f"no warm start for env {env!r}; environments with one: {', '.join(expert_domains())}"
         )
     recipe = recipe or RECIPES[env]
     sft = sft_stage(env, cache_root, recipe)
@@ -215,9 +215,9 @@ def worker_harness_env(env: str, policy_path: Path) -> dict[str, str]:
     """The rollout-worker variables that give `env`'s episodes the harness limits its
     demonstrations were recorded with (context budget, summaries), in the tokens of the
     policy folder's tokenizer."""
-    if env not in EXPERTS:
+    if env not in expert_domains():
         return {}
-    agent = harness_settings(env, chat_template_for(load_tokenizer(str(policy_path))))
+    agent = harness_for(env, chat_template_for(load_tokenizer(str(policy_path))))
     prefix = "RLPIPE_ROLLOUT_WORKER_"
     return {
         f"{prefix}MAX_TURNS": str(agent.max_turns),

@@ -1,29 +1,22 @@
-"""The environment plug-in interface and the registry of environments by name.
+"""The environment plug-in interface.
 
 An environment opens episodes on tasks (`reset`) and answers actions (`Episode.step`); it may
 also generate its own tasks (`task_source`), which is what the env-gateway's feeder publishes.
-env-gateway serves every registered environment over the bus; register your own with
-`register_env(MyEnv.name, MyEnv)` before the service starts.
+An environment belongs to a domain (libs.domains): env-gateway serves every domain's
+environment over the bus.
 """
 
 from __future__ import annotations
 
 import abc
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from proto.messages import ChatMessage, Task, ToolCall, ToolResult, ToolSpec
 
 DEFAULT_MAX_TOKENS = 256
-
-
-class UnknownEnvError(KeyError):
-    """No environment is registered under this name."""
-
-    def __str__(self) -> str:
-        return str(self.args[0]) if self.args else "unknown environment"
 
 
 @dataclass(frozen=True)
@@ -131,31 +124,3 @@ class Environment(abc.ABC):
             f"environment {self.name!r} generates no tasks; publish its tasks to the bus yourself "
             "and run env-gateway with feeder.mode=off"
         )
-
-
-EnvFactory = Callable[[], Environment]
-
-_REGISTRY: dict[str, EnvFactory] = {}
-
-
-def register_env(name: str, factory: EnvFactory) -> None:
-    """Make environment `name` available to env-gateway, reward lookups and the feeder."""
-    if not name or any(c in name for c in ".*> \t\r\n"):
-        raise ValueError(f"environment name {name!r}: use letters, digits, '-' or '_' only")
-    _REGISTRY[name] = factory
-
-
-def env_names() -> list[str]:
-    """Names of every registered environment, sorted."""
-    return sorted(_REGISTRY)
-
-
-def make_env(name: str) -> Environment:
-    """A new instance of environment `name`; UnknownEnvError names the known ones."""
-    try:
-        factory = _REGISTRY[name]
-    except KeyError:
-        raise UnknownEnvError(
-            f"unknown environment {name!r}; registered: {', '.join(env_names()) or 'none'}"
-        ) from None
-    return factory()

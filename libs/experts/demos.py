@@ -1,6 +1,7 @@
-"""Demonstration files: scripted experts' episodes through the real environments, as JSONL.
+"""Demonstration files: a domain's scripted expert's episodes through its real environment,
+under its harness limits, as JSONL.
 
-    python -m libs.experts.demos --env calc --num-tasks 400 --error-rate 0.1 --out calc.jsonl
+    rlpipe domain demos --env calc --num-tasks 400 --error-rate 0.1 --out calc.jsonl
 
 or from code: `stats = asyncio.run(write_demonstrations(DemoConfig(env="calc", ...), path))`.
 Each line is one context segment (libs.sft.transcript), ready for `rlpipe sft`.
@@ -8,69 +9,29 @@ Each line is one context segment (libs.sft.transcript), ready for `rlpipe sft`.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import functools
 import hashlib
 import json
 import random
-import sys
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from libs.chat.template import ChatTemplate, chat_template_for, render_tool_results
-from libs.chat.tool_calls import format_tool_call
-from libs.envs import make_env
-from libs.envs import recall as recall_env
-from libs.experts.calc import CalcExpert
-from libs.experts.recall import RecallExpert
-from libs.experts.record import Expert, record_episode
-from libs.rollout.agent import SUMMARY_RESUME, AgentSettings
+from libs.chat.template import chat_template_for
+from libs.domains.registry import domain, domains
+from libs.experts.record import record_episode
 from libs.sft.transcript import Transcript, render_transcript, transcript_to_json
 from libs.tokenizer import load_tokenizer
-from proto.messages import ChatMessage, ToolResult
 
-EXPERTS: dict[str, Callable[[float], Expert]] = {"calc": CalcExpert, "recall": RecallExpert}
 # Episodes recorded for `demonstrations_digest` (milliseconds each).
 DIGEST_TASKS = 8
 
 
-def harness_settings(env: str, template: ChatTemplate) -> AgentSettings:
-    """The harness limits an environment's demonstrations (and its demo run) use, with token
-    counts in `template`'s tokens (the policy's)."""
-    if env == recall_env.ENV_NAME:
-        return AgentSettings(
-            max_turns=24,
-            context_budget_tokens=recall_context_budget(template),
-            summary_max_tokens=recall_env.SUMMARY_MAX_TOKENS,
-            max_summaries=recall_env.MAX_SUMMARIES,
-        )
-    return AgentSettings()
-
-
-def recall_context_budget(template: ChatTemplate) -> int:
-    """Tokens of a recall context segment: the opening with a summary, REVEALS_PER_SEGMENT
-    reveals (a call and its result) and room for one more turn, rendered in `template`: 955
-    with the byte tokenizer, 216 with the BPE tokenizer of recall's warm start."""
-    task = recall_env.RecallTasks(difficulty=0, group_size=1, seed=0).task(0)
-    summary = SUMMARY_RESUME.format(summary="Digits read: 739 (3 of 6).")
-    messages = [
-        ChatMessage(role="system", content=recall_env.SYSTEM_PROMPT),
-        ChatMessage(role="user", content=task.prompt),
-        ChatMessage(role="user", content=summary),
-    ]
-    opening = template.render(messages, tools=recall_env.TOOLS, add_generation_prompt=False)
-    call = [
-        *template.tokenizer.encode(format_tool_call(recall_env.TOOL_NAME, {})),
-        template.stop_token_ids[0],
-    ]
-    call = [*template.generation_prompt(), *call, *template.end_of_assistant(call)]
-    result = ToolResult(call_id="call-3-0", name=recall_env.TOOL_NAME, content="digit 3 of 6: 7")
-    reveal = len(call) + len(template.render_message(render_tool_results([result])))
-    turn = len(template.generation_prompt()) + recall_env.TURN_MAX_TOKENS
-    return len(opening) + recall_env.REVEALS_PER_SEGMENT * reveal + turn
+def expert_domains() -> list[str]:
+    """Names of the domains with a scripted expert, sorted."""
+    return sorted(name for name, found in domains().items() if found.expert is not None)
 
 
 @dataclass(frozen=True)
@@ -106,16 +67,17 @@ async def record_demonstrations(
 ) -> AsyncIterator[tuple[list[Transcript], dict[str, Any]]]:
     """The expert's episodes of `config` (its first `num_tasks`, default all): each one's
     segments as transcripts and the env's final info."""
-    if config.env not in EXPERTS:
+    found = domain(config.env)
+    if found.expert is None:
         raise ValueError(
-            f"no scripted expert for env {config.env!r}; experts: {', '.join(EXPERTS)}"
+            f"no scripted expert for env {config.env!r}; experts: {', '.join(expert_domains())}"
         )
-    env = make_env(config.env)
-    expert = EXPERTS[config.env](config.error_rate)
+    env = found.env()
+    expert = found.expert(config.error_rate)
     template = chat_template_for(load_tokenizer(config.tokenizer))
     source = env.task_source(difficulty=config.difficulty, group_size=1, seed=config.seed)
     rng = random.Random(config.seed)
-    agent = harness_settings(config.env, template)
+    agent = found.harness(template)
     for index in range(config.num_tasks if num_tasks is None else num_tasks):
         yield await record_episode(env, source.task(index), expert, agent, template, rng)
 
@@ -151,27 +113,3 @@ def demonstrations_digest(config: DemoConfig) -> str:
 
     text = json.dumps(asyncio.run(rendered()))
     return hashlib.sha256(text.encode()).hexdigest()[:12]
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--env", default="calc", choices=sorted(EXPERTS))
-    parser.add_argument("--num-tasks", type=int, default=400)
-    parser.add_argument("--error-rate", type=float, default=0.1)
-    parser.add_argument("--difficulty", type=int, default=0)
-    parser.add_argument("--seed", type=int, default=1234)
-    parser.add_argument("--tokenizer", default="byte")
-    parser.add_argument("--out", type=Path, required=True)
-    args = parser.parse_args(argv)
-    config = DemoConfig(
-        args.env, args.num_tasks, args.error_rate, args.difficulty, args.seed, args.tokenizer
-    )
-    stats = asyncio.run(write_demonstrations(config, args.out))
-    print(json.dumps({"out": str(args.out), **stats.as_dict()}))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

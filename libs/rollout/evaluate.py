@@ -7,10 +7,10 @@
 Every evaluation in the project runs here, the way rollouts run: the engine behind the
 generation batcher (episodes' turns share engine calls), `AgentRunner` (chat or plain-text
 episodes), the environment behind an `EnvClient` (env-gateway over the bus for the trainer's
-eval gate; `LocalEnvClient` for an in-process measurement such as `python -m
-libs.sft.evaluate`), and the environment's own rubric without judge criteria
-(`libs.reward.rubric_for`). A criterion that cannot score leaves its rollout unscored with
-the reason (reward 0), as the reward service does.
+eval gate; `LocalEnvClient` for an in-process measurement such as `rlpipe domain
+evaluate`), and the domain's own rubric without judge criteria
+(`libs.domains.registry.rubric_for`). A criterion that cannot score leaves its rollout
+unscored with the reason (reward 0), as the reward service does.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ import asyncio
 import time
 from collections.abc import Sequence
 
+from libs.domains.registry import rubric_for
 from libs.engine.base import InferenceEngine
 from libs.envs.client import EnvClient
-from libs.reward import rubric_for
 from libs.reward.rubric import score_rollout
 from libs.rollout.agent import AgentRunner, AgentSettings
 from libs.rollout.batcher import GenerationBatcher

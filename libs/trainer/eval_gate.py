@@ -12,11 +12,13 @@ difficulty, i), so the held-out stream is fixed and its task ids never name a tr
 Problem texts can still coincide where the problem space is small (arith difficulty 0 has
 ten), so the gate measures regression there, not generalization.
 
-Each candidate is scored with the trainer's weights, greedy, by the environment's own rubric
-(`libs.reward.rubric_for`, without the reward service's judge criteria), the score being
-the mean reward. The episodes run the way rollouts do: an engine from the engine factory
-over the trainer's live model and the policy's own tokenizer, the one harness
-(`libs.rollout.agent`), env-gateway serving the environment. If the episodes cannot run (no
+Each candidate is scored with the trainer's weights, greedy, by the domain's own rubric
+(`libs.domains.registry.rubric_for`, without the reward service's judge criteria), the score
+being the mean reward. The episodes run the way rollouts do: an engine from the engine
+factory over the trainer's live model and the policy's own tokenizer, the one harness
+(`libs.rollout.agent`) under the domain's harness limits (max turns, context budget,
+summaries: `libs.domains.registry.harness_for`, what the workers roll the domain out with),
+env-gateway serving the environment. If the episodes cannot run (no
 gateway), the gate decides nothing this time, says so, and tries again at the next
 published version: nothing is promoted unevaluated.
 A candidate is promoted when `candidate >= promoted - margin` (a negative margin demands an
@@ -41,15 +43,17 @@ from transformers import PreTrainedModel
 
 from libs.bus import wire
 from libs.bus.publisher import Publisher
+from libs.chat.template import chat_template_for
+from libs.domains.registry import harness_for, make_env
+from libs.engine.base import InferenceEngine
 from libs.engine.factory import EngineConfig, build_engine
-from libs.envs.base import make_env
 from libs.envs.client import EnvClient, EnvError
 from libs.policy import PolicyConfig
 from libs.rollout.agent import AgentSettings
 from libs.rollout.evaluate import evaluate, mean_reward
 from libs.tokenizer import Tokenizer
 from proto import streams, subjects
-from proto.messages import PromotionDecision, Task
+from proto.messages import PromotionDecision, ScoredRollout, Task
 
 log = structlog.get_logger(__name__)
 
@@ -77,8 +81,7 @@ class EvalGateConfig(BaseModel):
     task_seed: int = Field(
         DEFAULT_EVAL_SEED, description="Seed of the held-out tasks; never the feeder's seed"
     )
-    env: str = Field("arith", description="Environment of the held-out tasks (env-gateway)")
-    max_turns: int = Field(8, ge=1, description="Most assistant turns of a held-out episode")
+    env: str = Field("arith", description="Domain of the held-out tasks (env-gateway)")
 
     @property
     def enabled(self) -> bool:
@@ -174,6 +177,8 @@ class EvalGate:
         self.tokenizer = tokenizer
         self.env_client = env_client
         self.tasks = held_out_tasks(config)
+        # The workers' harness limits for this domain, in the policy's tokens.
+        self.agent = harness_for(config.env, chat_template_for(tokenizer))
         self.last: PromotionDecision | None = None
 
     async def setup(self, js: JetStreamContext) -> None:
@@ -196,10 +201,8 @@ class EvalGate:
         (nothing decided, nothing promoted) when the held-out episodes cannot run."""
         started_s = time.monotonic()
         engine = await asyncio.to_thread(build_engine, EngineConfig(), self.policy, model)
-        agent = AgentSettings(max_turns=self.config.max_turns)
         try:
-            scored = await evaluate(engine, self.tokenizer, self.tasks, self.env_client, agent)
-            score = mean_reward(scored)
+            score = mean_reward(await self.held_out_episodes(engine))
         except EnvError as exc:
             DECISIONS.labels("not_evaluated").inc()
             log.error(
@@ -221,6 +224,20 @@ class EvalGate:
         self.last = decision
         log.info("eval gate ran", version=version, eval_s=round(time.monotonic() - started_s, 3))
         return decision
+
+    def harness(self, engine: InferenceEngine) -> AgentSettings:
+        """The domain's harness limits, the context budget capped at what `engine` holds (as
+        a rollout-worker caps it)."""
+        limit = engine.max_context_tokens
+        if limit is None or self.agent.context_budget_tokens <= limit:
+            return self.agent
+        return self.agent.model_copy(update={"context_budget_tokens": limit})
+
+    async def held_out_episodes(self, engine: InferenceEngine) -> list[ScoredRollout]:
+        """The held-out tasks' episodes under `engine`'s policy, greedy, scored (EnvError
+        when env-gateway does not serve them)."""
+        agent = self.harness(engine)
+        return await evaluate(engine, self.tokenizer, self.tasks, self.env_client, agent)
 
 
 def _export(decision: PromotionDecision, count: bool = True) -> None:

@@ -1,4 +1,4 @@
-"""The env-gateway service object: serves every registered environment and feeds tasks."""
+"""The env-gateway service object: serves every domain's environment and feeds tasks."""
 
 from __future__ import annotations
 
@@ -7,8 +7,9 @@ from typing import Any
 
 from libs.bus.connection import Bus
 from libs.bus.publisher import Publisher
-from libs.envs import env_names, make_env, register_env
-from libs.envs.dataset import DatasetEnv
+from libs.domains.dataset.env import DatasetEnv
+from libs.domains.registry import domain_names, make_env
+from libs.envs.base import Environment
 from libs.envs.feeder import TaskFeeder
 from libs.envs.latency import parse_tool_latency, with_tool_latency
 from libs.envs.server import EnvServer, ServerLimits
@@ -17,7 +18,7 @@ from services.env_gateway.settings import EnvGatewaySettings
 
 
 class EnvGatewayService(Service):
-    """Answers reset/step/close for every registered env; feeds tasks of `settings.env`."""
+    """Answers reset/step/close for every domain's env; feeds tasks of `settings.env`."""
 
     name = "env-gateway"
 
@@ -31,12 +32,9 @@ class EnvGatewayService(Service):
         await super().start(bus)
         s = self.settings
         latency = parse_tool_latency(s.tool_latency)
-        dataset = s.dataset_config()
-        if dataset is not None:
-            register_env(DatasetEnv.name, lambda: DatasetEnv(dataset))
-        envs = {name: with_tool_latency(make_env(name), latency, s.seed) for name in env_names()}
+        envs = {name: with_tool_latency(env, latency, s.seed) for name, env in self._envs().items()}
         if s.env not in envs:
-            raise ValueError(f"env {s.env!r} is not registered; known: {', '.join(sorted(envs))}")
+            raise ValueError(f"env {s.env!r} is no domain; known: {', '.join(sorted(envs))}")
         limits = ServerLimits(s.episode_timeout_s, s.step_timeout_s, s.max_open_episodes)
         self.server = EnvServer(bus.nc, envs, limits)
         if s.feeder.mode != "off":
@@ -54,6 +52,14 @@ class EnvGatewayService(Service):
         await self.server.start()
         self.status = "ok"
         self.detail = f"serving {', '.join(sorted(envs))}; feeder {s.feeder.mode}"
+
+    def _envs(self) -> dict[str, Environment]:
+        """An environment of every domain; the dataset one serves the configured file."""
+        envs = {name: make_env(name) for name in domain_names()}
+        dataset = self.settings.dataset_config()
+        if dataset is not None:
+            envs[DatasetEnv.name] = DatasetEnv(dataset)
+        return envs
 
     async def run(self) -> None:
         assert self.server is not None, "start() first"

@@ -6,8 +6,8 @@ from typing import ClassVar, Self
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
-from libs.envs.dataset import ENV_NAME as DATASET_ENV
-from libs.envs.dataset import DatasetConfig, check_match, load_rows
+from libs.domains.dataset.env import ENV_NAME as DATASET_ENV
+from libs.domains.dataset.env import DatasetConfig, check_match, load_rows
 from libs.envs.feeder import FeederConfig
 from libs.envs.latency import parse_tool_latency
 from libs.settings import NESTED_SETTINGS, ServiceSettings, env_prefix
@@ -41,7 +41,7 @@ class EnvGatewaySettings(ServiceSettings):
     dataset_path: Path | None = Field(
         None,
         description="JSONL or parquet file of {prompt, answer, metadata} rows served as env "
-        "'dataset' (libs.envs.dataset); set env=dataset to feed them",
+        "'dataset' (libs.domains.dataset); set env=dataset to feed them",
     )
     dataset_match: str = Field(
         "exact", description="How dataset answers are checked: exact, numeric, regex, module:fn"

@@ -1,9 +1,9 @@
 """The reward service object: raw rollouts in, scored rollouts (with breakdown) out.
 
-Each raw rollout is scored by its environment's rubric (libs.reward), extended with the
+Each raw rollout is scored by its domain's rubric (libs.domains), extended with the
 configured judge criteria and group criteria, and published to ROLLOUTS_SCORED with msg id =
 rollout_id, then acked: a redelivered rollout is scored again but stored once. A rollout of an
-environment without a rubric, or without its task, is dead-lettered.
+unknown domain, or without its task, is dead-lettered.
 
 When the rubric has group criteria, a rollout's handler waits (libs.reward.group_gate) until
 its whole group arrived, or `group_timeout_s` passed (the partial group is scored and its
@@ -24,14 +24,8 @@ from prometheus_client import Counter, Gauge
 from libs.bus.connection import Bus
 from libs.bus.consumer import Delivery, PermanentError, PullConsumer
 from libs.bus.publisher import Publisher
-from libs.reward import (
-    GroupCriterion,
-    Rubric,
-    UnknownRubricError,
-    rubric_for,
-    score_group,
-    score_rollout,
-)
+from libs.domains.registry import UnknownDomainError, rubric_for
+from libs.reward import GroupCriterion, Rubric, score_group, score_rollout
 from libs.reward.group_criteria import shortest_correct
 from libs.reward.group_gate import GroupGate
 from libs.reward.judge import Judge, build_judge, judge_criteria_sets
@@ -158,7 +152,7 @@ class RewardService(Service):
         if env not in self._rubrics:
             try:
                 self._rubrics[env] = self._extended(rubric_for(env), env)
-            except UnknownRubricError as exc:
+            except UnknownDomainError as exc:
                 raise PermanentError(str(exc)) from exc
         return self._rubrics[env]
 

@@ -1,4 +1,4 @@
-"""The rubric of dataset tasks (libs.envs.dataset): the answer checked as the task says.
+"""The rubric of dataset tasks (env.py): the answer checked as the task says.
 
 One criterion, `correct` (weight 1), reading `spec["match"]` of the task:
 
@@ -16,12 +16,11 @@ import math
 import re
 from typing import Any
 
-from libs.envs.dataset import import_criterion
+from libs.domains.dataset.env import import_criterion
 from libs.reward.criteria import normalized
 from libs.reward.rubric import Criterion, Rubric, final_assistant_text
 from proto.messages import Rollout, Task
 
-ENV_NAME = "dataset"
 _NUMBER = re.compile(r"[-+]?(?:\d[\d,]*(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?")
 
 

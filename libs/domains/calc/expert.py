@@ -1,6 +1,6 @@
 """Scripted expert of the `calc` environment: one tool call per operation, then the number.
 
-It reads the expression of the task's prompt (folded left, as `libs.envs.calc` builds it),
+It reads the expression of the task's prompt (folded left, as `libs.domains.calc.env` builds it),
 calls the tool of each operation on the running value and the next operand, and answers with
 the last result. With probability `error_rate` per call it slips on an operand (off by a
 small amount), so the episode ends with a wrong answer, reached with valid calls.
@@ -11,8 +11,8 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
+from libs.domains.calc.env import ENV_NAME, OPERATIONS
 from libs.envs.base import Opening
-from libs.envs.calc import ENV_NAME, OPERATIONS
 from libs.experts.record import EpisodeExpert, Expert, ExpertTurn
 from libs.sft.transcript import SftCall
 from proto.messages import Task, ToolResult

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from libs.envs.coding.tasks import CodingTask, HiddenCase
+from libs.domains.coding.tasks import CodingTask, HiddenCase
 from libs.sandbox import SandboxError, SandboxFactory, SandboxResult
 
 RUNNER_SOURCE = (Path(__file__).parent / "sandbox_runner.py").read_text()

@@ -12,8 +12,6 @@ from libs.reward.criteria import env_ok, exact_match, tool_call_validity
 from libs.reward.rubric import Criterion, Rubric
 from proto.messages import Rollout, Task
 
-ENV_NAME = "recall"  # registered by libs.envs; only the name is shared
-
 
 def digits_correct(rollout: Rollout, task: Task) -> tuple[float, str]:
     """env_info digits_correct; 0 when the episode ended without an answer."""

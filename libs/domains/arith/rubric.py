@@ -1,4 +1,4 @@
-"""Criteria of the built-in arithmetic task (libs.envs.arithmetic).
+"""Criteria of the built-in arithmetic task (env.py).
 
 - exact_match (0.8): the environment's verdict, or (for a rollout without one) the final
   answer, cut at its first non-digit, equals spec["answer"].
@@ -15,7 +15,7 @@ matches alone (about 1 in 262 samples at first) give enough variance with groups
 
 from __future__ import annotations
 
-from libs.envs.arithmetic import leading_digits
+from libs.domains.arith.env import leading_digits
 from libs.reward.rubric import Criterion, Rubric, final_assistant_text
 from proto.messages import EPISODE_STAT_TRUNCATED_TURNS, Rollout, Task
 

@@ -1,6 +1,6 @@
 """The coding environment's tasks: folders of data shipped inside the package.
 
-    libs/envs/coding/tasks/<name>/
+    libs/domains/coding/tasks/<name>/
         task.toml           prompt = "...", difficulty = 1..3, protected = [...] (optional)
         files/              the agent's starting working folder (code and visible tests)
         reference/          a reference solution: files that replace the starting ones

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from libs.envs.coding.grading import RUNNER_SOURCE
+from libs.domains.coding.grading import RUNNER_SOURCE
 from libs.sandbox import Sandbox, SandboxResult
 from proto.messages import (
     TOOL_ERROR_BAD_ARGUMENTS,

@@ -19,8 +19,8 @@ import random
 import re
 from collections.abc import Sequence
 
+from libs.domains.recall.env import ENV_NAME, TOOL_NAME
 from libs.envs.base import Opening
-from libs.envs.recall import ENV_NAME, TOOL_NAME
 from libs.experts.record import EpisodeExpert, Expert, ExpertTurn
 from libs.sft.transcript import SftCall
 from proto.messages import Task, ToolResult

@@ -14,7 +14,7 @@ read, naming the file, the line (or row) and the field.
 
 The observation is the prompt as is; the policy's answer ends the episode. How an answer is
 checked (`match`) travels on the task and is scored by the reward service
-(libs.reward.dataset): `exact` (case- and whitespace-insensitive), `numeric` (the last number
+(rubric.py): `exact` (case- and whitespace-insensitive), `numeric` (the last number
 in the answer equals the expected one), `regex` (the answer, stripped, fully matches the
 expected pattern), or `module:function`, a criterion of your own with the signature of
 `libs.reward.criteria` functions, `(rollout, task) -> (score in [0, 1], reason)`.

@@ -6,16 +6,15 @@ A task hides a code of `NUM_DIGITS_BASE + difficulty` digits. The one tool, `nex
 `info = {"answer_correct": bool, "expected": str, "answer": str, "digits_correct": float,
 "num_tool_calls": int}` (digits_correct: share of positions answered right).
 
-Why it is long-horizon: the harness limits it is made for (libs.experts.demos.harness_settings)
-give a context segment room for the opening (with a summary), `REVEALS_PER_SEGMENT` reveals
-and one more turn, counted in the policy's own tokens (955 with the byte tokenizer, a reveal
-142 of them; 216 with the BPE tokenizer of recall's warm start), so the digits do not all fit
-in one context segment. The harness then asks the policy for a summary
-and restarts from the opening plus that summary (libs.rollout.agent): an episode succeeds only
-when its summaries carry the digits read so far. With summarization off, the same budget ends
-the episode (finish `length`) before the last digit.
+Why it is long-horizon: the harness limits it is made for (harness.py) give a context
+segment room for the opening (with a summary), a few reveals and one more turn, counted in
+the policy's own tokens, so the digits do not all fit in one context segment. The harness then
+asks the policy for a summary and restarts from the opening plus that summary
+(libs.rollout.agent): an episode succeeds only when its summaries carry the digits read so
+far. With summarization off, the same budget ends the episode (finish `length`) before the
+last digit.
 
-    python -m libs.experts.cli --env recall --num-tasks 4 --out /tmp/recall.jsonl
+    rlpipe domain demos --env recall --num-tasks 4 --out /tmp/recall.jsonl
 """
 
 from __future__ import annotations
@@ -40,12 +39,6 @@ NUM_DIGITS_BASE = 6
 MAX_DIFFICULTY = 6
 TOOL_NAME = "next_digit"
 TURN_MAX_TOKENS = 80
-# Harness limits the env is made for (the worker's settings in `rlpipe demo --env recall`,
-# libs.rollout.agent.AgentSettings): a context segment that holds the opening and three
-# reveals (in tokens: libs.experts.demos.harness_settings), and short summaries.
-REVEALS_PER_SEGMENT = 3
-SUMMARY_MAX_TOKENS = 48
-MAX_SUMMARIES = 6
 
 TOOLS = (
     ToolSpec(

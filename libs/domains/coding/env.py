@@ -24,10 +24,10 @@ from typing import ClassVar
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from libs.domains.coding.grading import grade_files
+from libs.domains.coding.tasks import ENV_NAME, CodingTask, CodingTasks, load_tasks
+from libs.domains.coding.tools import TOOLS, SandboxTools, ToolLimits
 from libs.envs.base import Environment, Episode, Opening, StepResult, TaskSource
-from libs.envs.coding.grading import grade_files
-from libs.envs.coding.tasks import ENV_NAME, CodingTask, CodingTasks, load_tasks
-from libs.envs.coding.tools import TOOLS, SandboxTools, ToolLimits
 from libs.sandbox import (
     Sandbox,
     SandboxConfig,

@@ -19,8 +19,6 @@ from libs.reward.criteria import (
 )
 from libs.reward.rubric import Criterion, Rubric
 
-ENV_NAME = "calc"  # registered by libs.envs; only the name is shared
-
 
 def calc_rubric() -> Rubric:
     return Rubric(
