@@ -173,6 +173,7 @@ RLPIPE_NOT_RUN = {
     "weights": "needs safetensors files and a NATS server (tests/test_weights_cli.py runs it)",
     "sandbox": "needs the command's working folder (tests/test_sandbox.py runs it)",
     "report": "needs a run folder (tests/test_see_a_run.py runs it)",
+    "feedback-key": "writes a key file (tests/test_readme_examples.py runs it)",
     "schema": "writes proto/schema/ (`--check` runs)",
     "config": "every form runs",
 }
@@ -350,7 +351,7 @@ def check_export(words: list[str], command: str) -> None:
     done = subprocess.run(["bash", "-n", "-c", command], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     for inner in substitutions(command):
-        check_shell_command(inner)
+        checked(inner)
 
 
 def check_with_help(words: list[str], _: str) -> None:

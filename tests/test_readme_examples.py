@@ -121,9 +121,8 @@ def test_the_feedback_example_is_accepted(tmp_path: Path, nats_server: NatsServe
 def test_the_key_tool_prints_what_the_variable_takes() -> None:
     result = subprocess.run(
         [
-            str(ROOT / ".venv/bin/python"),
-            "-m",
-            "libs.feedback.auth",
+            str(ROOT / ".venv/bin/rlpipe"),
+            "feedback-key",
             "--name",
             "shop",
             "--products",

@@ -5,13 +5,10 @@ the key's name (for logs and rate limits) and the products it may post feedback 
 for all). Keys are high-entropy random strings (`new_api_key`), so a fast hash is enough:
 there is nothing to brute-force that a slow password hash would protect.
 
-Create a key and its config entry: the entry, as the JSON list that
-`RLPIPE_FEEDBACK_INGESTER_API_KEYS` takes, goes to stdout; the key to stderr, or to a file
-(mode 0600) with `--key-out`; `--toml` prints the entry for a secret file instead:
+Create a key and its config entry with `rlpipe feedback-key` (apps/feedback_key_cli.py):
 
-    export RLPIPE_FEEDBACK_INGESTER_API_KEYS=$(python -m libs.feedback.auth \
+    export RLPIPE_FEEDBACK_INGESTER_API_KEYS=$(rlpipe feedback-key \
         --name acme-web --products acme,acme-beta --key-out acme-web.key)
-    python -m libs.feedback.auth --name acme-web --products acme --toml >> keys.toml
 
 Entries come from the service settings (`api_keys`, JSON in the environment) and/or a
 secret file (`api_keys_file`, TOML or JSON):
@@ -24,11 +21,9 @@ secret file (`api_keys_file`, TOML or JSON):
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import secrets
-import sys
 import tomllib
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -120,41 +115,3 @@ def build_key_store(entries: Iterable[ApiKeyEntry], key_file: Path | None) -> Ke
     if key_file is not None:
         all_entries += load_key_file(key_file)
     return KeyStore(all_entries)
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m libs.feedback.auth",
-        description="Create a feedback API key: prints the entry the ingester stores (the key's "
-        "hash) as the JSON list RLPIPE_FEEDBACK_INGESTER_API_KEYS takes, and the key itself "
-        "(give it to the product, once) on stderr or into --key-out.",
-    )
-    parser.add_argument("--name", required=True, help="who holds the key, e.g. acme-web")
-    parser.add_argument("--products", required=True, help="comma-separated products, or '*'")
-    parser.add_argument(
-        "--key-out", type=Path, help="write the key to this file (mode 0600), not to stderr"
-    )
-    parser.add_argument(
-        "--toml", action="store_true", help="print a [[keys]] table for api_keys_file instead"
-    )
-    args = parser.parse_args(argv)
-    key = new_api_key()
-    products = [p.strip() for p in args.products.split(",") if p.strip()]
-    entry = ApiKeyEntry(name=args.name, sha256=hash_key(key), products=products)
-    if args.key_out is not None:
-        args.key_out.touch(mode=0o600)
-        args.key_out.write_text(key + "\n")
-    else:
-        print(f"key (shown once): {key}", file=sys.stderr)
-    if args.toml:
-        print(
-            f'[[keys]]\nname = "{entry.name}"\nsha256 = "{entry.sha256}"\n'
-            f"products = {json.dumps(entry.products)}"
-        )
-    else:
-        print(json.dumps([entry.model_dump()]))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
