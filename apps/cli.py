@@ -11,8 +11,6 @@ rlpipe report RUN_DIR [--no-plots]
                                   a run's summary and plots (reward, staleness, throughput)
 rlpipe sft --data DEMOS.jsonl --out MODEL_DIR [--steps N]
                                   train a policy on chat transcripts (the mid-training stage)
-rlpipe domain list | demos --env ENV --out FILE | evaluate --env ENV [--policy-path DIR]
-                                  domains; an expert's demonstrations; a policy's level
 rlpipe feedback-key --name NAME --products P [--key-out FILE] [--toml]
                                   a feedback API key and the entry the ingester stores
 rlpipe schema [--check]           write (or check) the JSON Schema in proto/schema/
@@ -61,9 +59,8 @@ def settings_classes() -> dict[str, Callable[[], type[ServiceSettings]]]:
 
 def build_parser() -> argparse.ArgumentParser:
     from apps.config_cli import add_config_parser, add_set_argument
-    from apps.domains_cli import add_domain_parser
     from apps.feedback_key_cli import add_feedback_key_parser
-    from apps.launcher.run import add_demo_arguments
+    from apps.launcher.arguments import add_demo_arguments
     from apps.ray_deploy.cli import add_ray_parser
     from apps.report.command import add_report_parser
     from apps.sandbox_cli import add_sandbox_parser
@@ -105,7 +102,6 @@ def build_parser() -> argparse.ArgumentParser:
     add_sandbox_parser(commands)
     add_feedback_key_parser(commands)
     add_sft_parser(commands)
-    add_domain_parser(commands)
     add_ray_parser(commands)
     add_report_parser(commands)
     return parser
@@ -129,11 +125,20 @@ def with_overrides(args: argparse.Namespace, services: Sequence[str] = ()) -> bo
 def on_demo(args: argparse.Namespace) -> int:
     import structlog
 
-    from apps.launcher.run import options_from_args, run_local
+    from apps.launcher.arguments import options_from_args
+    from apps.launcher.run import recipe_in_use, run_local
 
-    # Every service's settings are checked here: a typo or a bad value is one line, now.
-    if not with_overrides(args, [s.strip() for s in args.services.split(",") if s.strip()]):
+    try:
+        options = options_from_args(args)
+    except ValueError as exc:  # a flag's or the recipe's mistake (a bad dataset row): exit 2
+        for line in str(exc).splitlines():
+            print(f"error: {line}", file=sys.stderr)
         return 2
+    # Every service's settings are checked here, as the recipe sets them: a typo or a bad
+    # value is one line, now.
+    with recipe_in_use(options):
+        if not with_overrides(args, options.services):
+            return 2
 
     # Library log lines (provisioning) go to stderr, warnings and errors only: the launcher
     # reports what happens itself (apps.launcher.status_view).
@@ -141,11 +146,6 @@ def on_demo(args: argparse.Namespace) -> int:
         logger_factory=structlog.PrintLoggerFactory(sys.stderr),
         wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING),
     )
-    try:
-        options = options_from_args(args)
-    except ValueError as exc:  # a flag's mistake (a bad dataset row): one line, exit 2
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
     return run_local(options)
 
 
@@ -215,14 +215,6 @@ def on_report(args: argparse.Namespace) -> int:
     return run(args)
 
 
-def on_domain(args: argparse.Namespace) -> int:
-    from apps.domains_cli import run
-    from libs.logs import configure_logging
-
-    configure_logging("domain", level="warning")
-    return run(args)
-
-
 def on_sft(args: argparse.Namespace) -> int:
     from apps.sft_cli import run
     from libs.logs import configure_logging
@@ -242,7 +234,6 @@ HANDLERS = {
     "feedback-key": on_feedback_key,
     "ray": on_ray,
     "sft": on_sft,
-    "domain": on_domain,
     "report": on_report,
 }
 

@@ -17,7 +17,9 @@ from typing import Any
 
 import pytest
 
-from apps.launcher.warm_start import RECIPES, default_cache_root, sft_stage, worker_harness_env
+from apps.launcher.recipe import load_recipe
+from apps.launcher.warm_start import default_cache_root, harness_table, sft_stage
+from libs.domains.registry import domain
 from libs.trainer.checkpoint import latest_checkpoint
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -70,13 +72,14 @@ def warm_start(
 def demo(
     run_dir: Path, env: str, model: Path, max_steps: int, extra: dict[str, str]
 ) -> dict[str, Any]:
-    """The summary line of a bounded `rlpipe demo --env <env>` from `model`."""
+    """The summary line of a bounded `rlpipe demo --env <env>` from `model`, the workers
+    under `env`'s harness limits in its tokens."""
     variables = {
         "RLPIPE_TRAINER_POLICY_PATH": str(model),
         "RLPIPE_ROLLOUT_WORKER_POLICY_PATH": str(model),
-        **worker_harness_env(env, model),
         **extra,
     }
+    harness = [f"rollout-worker.{k}={v}" for k, v in harness_table(env, model).items()]
     stdout = run_command(
         [
             "apps.cli",
@@ -90,6 +93,7 @@ def demo(
             str(max_steps),
             "--duration-s",
             "900",
+            *(flag for setting in harness for flag in ("--set", setting)),
         ],
         timeout_s=1000,
         env=variables,
@@ -184,7 +188,9 @@ def rl_from_warm_start(
     )
     summary = json.loads(stdout.strip().splitlines()[-1])
     assert summary["exit_code"] == 0 and summary["trainer_step"] >= steps
-    start = held_out(sft_stage(env, default_cache_root(), RECIPES[env]).out, num_tasks, env)
+    recipe = load_recipe(domain(env).recipe_path).warm_start
+    assert recipe is not None
+    start = held_out(sft_stage(env, default_cache_root(), recipe).out, num_tasks, env)
     checkpoint = latest_checkpoint(run_dir / "trainer" / "checkpoints")
     assert checkpoint is not None and checkpoint.state.step >= steps
     return start, held_out(checkpoint.path, num_tasks, env)

@@ -19,6 +19,7 @@ from apps import sft_cli
 from apps.cli import build_parser
 from apps.launcher import warm_start
 from apps.launcher.episode_report import first_last_report
+from apps.launcher.recipe import WarmStartRecipe, load_recipe
 from apps.sft_cli import LogFn
 from libs.chat.template import ChatTemplate, chat_template_for, save_tokenizer
 from libs.domains.recall.expert import RecallEpisodeExpert, RecallExpert
@@ -161,14 +162,31 @@ async def test_every_digit_the_recall_expert_writes_is_just_revealed_or_its_last
     assert len(notes) >= 6 and len(notes[-1]) == 6
 
 
+def domain_warm_start(env: str) -> WarmStartRecipe:
+    """The `[warm_start]` of domain `env`'s recipe file."""
+    recipe = load_recipe(domain(env).recipe_path).warm_start
+    assert recipe is not None, f"{env}'s recipe has a warm start"
+    return recipe
+
+
 def test_recall_rl_decays_its_rate_more_slowly_and_both_keep_the_anchor() -> None:
-    recall = warm_start.rl_trainer_env("recall", Path("model"))
-    calc = warm_start.rl_trainer_env("calc", Path("model"))
-    assert recall["RLPIPE_TRAINER_KL_COEF"] == calc["RLPIPE_TRAINER_KL_COEF"] == "0.2"
-    assert recall["RLPIPE_TRAINER_LEARNING_RATE"] == calc["RLPIPE_TRAINER_LEARNING_RATE"]
-    assert recall["RLPIPE_TRAINER_LEARNING_RATE_DECAY_STEPS"] == "1000"
-    assert "RLPIPE_TRAINER_LEARNING_RATE_DECAY_STEPS" not in calc, "calc: the trainer's 400"
-    assert calc["RLPIPE_TRAINER_POLICY_PATH"] == "model"
+    recall, calc = (
+        domain_warm_start("recall").rl["trainer"],
+        domain_warm_start("calc").rl["trainer"],
+    )
+    assert recall["kl_coef"] == calc["kl_coef"] == 0.2
+    assert recall["learning_rate"] == calc["learning_rate"]
+    assert recall["learning_rate_decay_steps"] == 1000
+    assert "learning_rate_decay_steps" not in calc, "calc: the trainer's 400"
+
+
+def test_the_workers_from_a_warm_start_get_its_domains_harness() -> None:
+    tables = warm_start.policy_tables("recall", Path("byte"))  # the byte tokenizer's "folder"
+    assert tables["trainer"]["policy"] == tables["rollout_worker"]["policy"] == {"path": "byte"}
+    harness = harness_for("recall", TEMPLATE)
+    worker = tables["rollout_worker"]
+    assert (worker["max_turns"], worker["max_summaries"]) == (24, harness.max_summaries)
+    assert worker["context_budget_tokens"] == harness.context_budget_tokens
 
 
 async def test_the_error_rate_knob_makes_experts_fail_that_often(tmp_path: Path) -> None:
@@ -337,7 +355,7 @@ def test_the_short_context_stage_drops_only_the_system_message() -> None:
 def test_the_warm_start_cache_follows_what_the_demonstrations_are(tmp_path: Path) -> None:
     # A recall expert that summarizes differently records other demonstrations under the
     # same recipe settings: its cached warm start must not be reused.
-    recipe = warm_start.RECIPES["recall"]
+    recipe = domain_warm_start("recall")
     before = warm_start.warm_start_dir("recall", tmp_path, recipe)
     demonstrations_digest.cache_clear()
     assert warm_start.warm_start_dir("recall", tmp_path, recipe) == before, "stable"
@@ -349,15 +367,21 @@ def test_the_warm_start_cache_follows_what_the_demonstrations_are(tmp_path: Path
     assert changed != before
 
 
-def tiny_recipe(**changes: Any) -> warm_start.WarmStartRecipe:
-    """A calc warm start of 4 demonstrations and 2 SFT steps, with `changes`."""
-    recipe = warm_start.WarmStartRecipe(
-        DemoConfig(env="calc", num_tasks=4, error_rate=0.0),
-        steps=2,
-        tokenizer_vocab_size=400,
-        batch_size=2,
+def test_the_warm_start_cache_follows_the_recipes_build_settings(tmp_path: Path) -> None:
+    recipe = tiny_recipe()
+    folder = warm_start.warm_start_dir("calc", tmp_path, recipe)
+    for changed in ({"steps": 3}, {"num_tasks": 5}, {"error_rate": 0.1}, {"batch_size": 4}):
+        assert warm_start.warm_start_dir("calc", tmp_path, tiny_recipe(**changed)) != folder
+    rl = {"trainer": {"learning_rate": 1e-5}}
+    assert warm_start.warm_start_dir("calc", tmp_path, tiny_recipe(rl=rl)) == folder, (
+        "RL's settings do not change what the warm start is"
     )
-    return replace(recipe, **changes)
+
+
+def tiny_recipe(**changes: Any) -> WarmStartRecipe:
+    """A calc warm start of 4 demonstrations and 2 SFT steps, with `changes`."""
+    fields = {"num_tasks": 4, "error_rate": 0.0, "steps": 2, "tokenizer_vocab_size": 400}
+    return WarmStartRecipe.model_validate({**fields, "batch_size": 2, **changes})
 
 
 def test_a_warm_start_trains_on_the_free_cores_and_is_reused(

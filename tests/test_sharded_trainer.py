@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from transformers import PreTrainedModel
 
-from apps.launcher.run import add_demo_arguments, options_from_args
+from apps.launcher.arguments import add_demo_arguments, options_from_args
 from apps.ray_deploy.plan import build_plan
 from libs.bus.connection import Bus
 from libs.bus.provision import provision

@@ -16,10 +16,12 @@ summary is also its last line there (the human one goes to stderr). For a tool
 environment it holds task success, reward, tool-call validity and turns per episode of the
 first and last trainer steps (apps.launcher.episode_report).
 
-On an environment with a scripted expert (calc, recall) the policy starts from its warm start
-(apps.launcher.warm_start: demonstrations -> SFT, built once and cached) unless
-`--no-warm-start`; `RLPIPE_TRAINER_POLICY_PATH` / `RLPIPE_ROLLOUT_WORKER_POLICY_PATH` set in
-the environment win over it.
+The run's recipe (apps.launcher.recipe: `--recipe FILE`, else the domain's
+libs/domains/<name>/recipe.toml) is written to the run folder as `recipe.toml` and handed to
+every service through RLPIPE_CONFIG; a file you name in RLPIPE_CONFIG is layered over it, and
+variables set in the environment and `--set` win over both. A recipe with a `[warm_start]`
+(calc, recall) starts the policy from its warm start (apps.launcher.warm_start: demonstrations
+-> SFT, built once and cached) unless `--no-warm-start`.
 
 Exit codes: 0 after a bounded stop with every service seen healthy, or after Ctrl-C /
 SIGTERM; 2 when NATS did not start, or died and could not be restarted on its data folder
@@ -29,15 +31,15 @@ became healthy; 4 when provisioning the bus failed; 130 when a second Ctrl-C for
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import json
 import os
 import signal
 import sys
+import tempfile
 import time
-from collections.abc import Awaitable, Mapping, Sequence
+from collections.abc import Awaitable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -46,11 +48,12 @@ from typing import Any
 from apps.launcher.episode_report import episode_report
 from apps.launcher.health import HealthMonitor
 from apps.launcher.nats_watch import NatsWatch
+from apps.launcher.recipe import RECIPE_FILE, WarmStart, merge_tables, write_recipe
 from apps.launcher.status_view import Bound, LauncherLog, StatusView
 from apps.launcher.summary import build_summary, print_summary
 from apps.launcher.supervisor import Backoff, ChildSpec, Supervisor
 from libs.nats_server import NatsCluster, NatsServer, free_port
-from libs.trainer.launch import trainer_command
+from libs.settings import CONFIG_VARIABLE, OVERRIDES_VARIABLE, toml_document
 from proto.services import SERVICES
 
 EXIT_OK, EXIT_NATS_FAILED, EXIT_UNHEALTHY, EXIT_PROVISION_FAILED = 0, 2, 3, 4
@@ -62,13 +65,14 @@ TICK_S = 0.25
 
 @dataclass
 class LaunchOptions:
-    """One local run. `services`, `extra_env` and `commands` use the dashed service names."""
+    """One local run. `services` and `commands` use the dashed service names."""
 
     run_dir: Path | None = None
     duration_s: float | None = None
     max_trainer_steps: int | None = None
     services: Sequence[str] = SERVICES
-    extra_env: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
+    # The services' tables of the run's recipe (apps.launcher.recipe), as TOML reads them.
+    recipe: Mapping[str, Any] = field(default_factory=dict)
     # Command per service instead of `python -m services.<pkg>` (a profiler, a stand-in).
     commands: Mapping[str, Sequence[str]] = field(default_factory=dict)
     provision: bool = True
@@ -77,8 +81,8 @@ class LaunchOptions:
     max_restarts_unhealthy: int = 5
     stop_grace_s: float = 30.0
     backoff: Backoff = field(default_factory=Backoff)
-    # Environment whose warm-start policy the trainer and workers load (built when missing).
-    warm_start_env: str | None = None
+    # The warm start the trainer and workers load (built when missing).
+    warm_start: WarmStart | None = None
     warm_start_root: Path | None = None  # None: warm_start.default_cache_root()
     # Nodes of the local NATS: 1 (one nats-server) or a JetStream cluster of 3 or more.
     nats_cluster: int = 1
@@ -100,179 +104,48 @@ class LaunchOptions:
             raise ValueError(f"max_trainer_steps must be >= 1 (got {self.max_trainer_steps})")
 
 
-def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
-    """The `demo` flags: bounds for scripted runs and where the run folder goes."""
-    parser.add_argument(
-        "--duration-s",
-        type=float,
-        default=None,
-        help="stop this many seconds after the services start (default: run until Ctrl-C)",
-    )
-    parser.add_argument(
-        "--max-trainer-steps",
-        type=int,
-        default=None,
-        help="stop once the trainer reports this step",
-    )
-    parser.add_argument(
-        "--run-dir", type=Path, default=None, help="run folder (default: runs/<UTC timestamp>/)"
-    )
-    parser.add_argument(
-        "--services",
-        default=",".join(SERVICES),
-        help="comma-separated services to start (default: all six)",
-    )
-    parser.add_argument(
-        "--env",
-        default=None,
-        help="environment whose tasks the feeder publishes: arith (default, learns in minutes "
-        "on a CPU), calc (multi-turn calculator tools), recall (long episodes that need "
-        "self-summarization) or coding (Python tasks in sandboxes)",
-    )
-    parser.add_argument(
-        "--dataset",
-        type=Path,
-        default=None,
-        metavar="FILE",
-        help="train on a JSONL or parquet file of {prompt, answer, metadata} rows "
-        "(libs/domains/dataset/) instead of a built-in environment",
-    )
-    parser.add_argument(
-        "--dataset-match",
-        default="exact",
-        help="how answers to --dataset rows are checked: exact, numeric, regex or "
-        "module:function (default: exact)",
-    )
-    parser.add_argument(
-        "--no-warm-start",
-        action="store_true",
-        help="start calc/recall from the random-init policy instead of the SFT warm start",
-    )
-    parser.add_argument(
-        "--warm-start-dir",
-        type=Path,
-        default=None,
-        help="cache of warm-start policies (default: $RLPIPE_CACHE_DIR/warm_start or "
-        "~/.cache/rlpipe/warm_start)",
-    )
-    parser.add_argument(
-        "--nats-cluster",
-        type=int,
-        default=1,
-        metavar="N",
-        help="run the bus as a local JetStream cluster of N >= 3 nodes, every stream and KV "
-        "bucket on 3 of them (default: 1, one nats-server)",
-    )
-    parser.add_argument(
-        "--trainer-ranks",
-        type=int,
-        default=1,
-        metavar="N",
-        help="run the trainer sharded over N processes with torchrun (FSDP2; gloo on CPU, "
-        "NCCL on GPU; libs/trainer/ranks.py) (default: 1)",
-    )
-
-
-def options_from_args(args: argparse.Namespace) -> LaunchOptions:
-    """The run the flags ask for; ValueError (a DatasetError naming the line and field of a
-    bad row) before anything starts."""
-    services = tuple(name.strip() for name in args.services.split(",") if name.strip())
-    extra_env: dict[str, dict[str, str]] = dataset_env(args) if args.dataset else {}
-    if args.env:
-        extra_env["env-gateway"] = {"RLPIPE_ENV_GATEWAY_ENV": args.env}
-    if args.env and args.env != "arith":
-        # Tool episodes are ~1-2K tokens: 16 groups of 16 make a CPU step of minutes and
-        # GBs of attention; 2 groups of 4 keep a step to seconds on the embedded default.
-        # (Variables set in the environment still win.)
-        group_size = os.environ.get("RLPIPE_ENV_GATEWAY_GROUP_SIZE", "4")
-        extra_env["env-gateway"]["RLPIPE_ENV_GATEWAY_GROUP_SIZE"] = group_size
-        trainer = {
-            "RLPIPE_TRAINER_BATCH_GROUPS": "2",
-            # The eval gate judges a few held-out episodes of the same domain, under its harness.
-            "RLPIPE_TRAINER_EVAL_ENV": args.env,
-            "RLPIPE_TRAINER_EVAL_NUM_TASKS": "4",
-        }
-        extra_env["trainer"] = {
-            name: os.environ.get(name, value) for name, value in trainer.items()
-        }
-    warm = bool(args.env) and not args.no_warm_start and _has_warm_start(args.env)
-    commands = {}
-    if args.trainer_ranks != 1:
-        commands["trainer"] = trainer_command(args.trainer_ranks)
-    return LaunchOptions(
-        run_dir=args.run_dir,
-        duration_s=args.duration_s,
-        max_trainer_steps=args.max_trainer_steps,
-        services=services,
-        extra_env=extra_env,
-        warm_start_env=args.env if warm else None,
-        warm_start_root=args.warm_start_dir,
-        nats_cluster=args.nats_cluster,
-        commands=commands,
-    )
-
-
-def dataset_env(args: argparse.Namespace) -> dict[str, dict[str, str]]:
-    """The variables that make env-gateway feed the rows of `--dataset` (read here first, so
-    a bad row stops the demo before anything starts)."""
-    from libs.domains.dataset.env import DatasetConfig, load_rows
-
-    if args.env:
-        raise ValueError("--dataset and --env: choose one (--dataset serves env 'dataset')")
-    path = args.dataset.resolve()
-    load_rows(DatasetConfig(path=path, match=args.dataset_match).path)
-    return {
-        "env-gateway": {
-            "RLPIPE_ENV_GATEWAY_ENV": "dataset",
-            "RLPIPE_ENV_GATEWAY_DATASET_PATH": str(path),
-            "RLPIPE_ENV_GATEWAY_DATASET_MATCH": args.dataset_match,
-        },
-        # The eval gate's held-out tasks come from a built-in environment, not the file.
-        "trainer": {"RLPIPE_TRAINER_EVAL_EVERY_VERSIONS": "0"},
-    }
-
-
-def _has_warm_start(env: str) -> bool:
-    # Imported here: the warm start pulls in torch and transformers (seconds of CPU), which
-    # every `rlpipe <service>` would otherwise pay when its parser is built.
-    from apps.launcher import warm_start
-
-    return warm_start.has_warm_start(env)
-
-
 def with_warm_start(options: LaunchOptions, log: LauncherLog) -> LaunchOptions:
     """`options` with the trainer and workers loading the warm-start policy (built first when
-    missing) and the workers' harness set for the environment."""
-    env = options.warm_start_env
-    if env is None:
+    missing) and the workers' harness set for its domain."""
+    if options.warm_start is None:
         return options
+    # Imported here: the warm start pulls in torch and transformers (seconds of CPU).
     from apps.launcher import warm_start
 
-    root = options.warm_start_root or warm_start.default_cache_root()
-    path = str(warm_start.ensure_warm_start(env, root, emit=log.info))
-    services = {
-        "trainer": warm_start.rl_trainer_env(env, Path(path)),
-        "rollout-worker": {
-            "RLPIPE_ROLLOUT_WORKER_POLICY_PATH": path,
-            **warm_start.worker_harness_env(env, Path(path)),
-        },
-        "env-gateway": {"RLPIPE_ENV_GATEWAY_GROUP_SIZE": warm_start.RL_GROUP_SIZE},
-    }
-    extra = {name: dict(values) for name, values in options.extra_env.items()}
-    for name, values in services.items():  # variables set in the environment still win
-        extra[name] = {
-            **extra.get(name, {}),
-            **{k: os.environ.get(k, v) for k, v in values.items()},
-        }
-    return replace(options, extra_env=extra)
+    env, root = options.warm_start.env, options.warm_start_root
+    root = root or warm_start.default_cache_root()
+    path = warm_start.ensure_warm_start(env, root, options.warm_start.recipe, emit=log.info)
+    tables = merge_tables(options.recipe, warm_start.policy_tables(env, path))
+    return replace(options, recipe=tables)
+
+
+def run_recipe(options: LaunchOptions) -> dict[str, Any]:
+    """The tables the run's services read: the recipe, a file named by RLPIPE_CONFIG over it."""
+    return merge_tables(options.recipe, toml_document())
+
+
+@contextlib.contextmanager
+def recipe_in_use(options: LaunchOptions) -> Iterator[None]:
+    """Inside the block, RLPIPE_CONFIG names the run's recipe (in a folder of its own: a run
+    refused leaves no run folder), so that a service's settings load as that service will
+    load them: `rlpipe demo` checks them all before anything starts."""
+    tables, before = run_recipe(options), os.environ.get(CONFIG_VARIABLE)
+    with tempfile.TemporaryDirectory(prefix="rlpipe-recipe-") as folder:
+        os.environ[CONFIG_VARIABLE] = str(write_recipe(tables, Path(folder)))
+        try:
+            yield
+        finally:
+            os.environ.pop(CONFIG_VARIABLE)
+            if before is not None:
+                os.environ[CONFIG_VARIABLE] = before
 
 
 def run_local(options: LaunchOptions) -> int:
     """Run everything until Ctrl-C/SIGTERM or a bound; print the summary; return the exit code."""
     log = LauncherLog()
-    if options.warm_start_env:
+    if options.warm_start:
         cache = options.warm_start_root or "the default cache"
-        log.info("warm start", env=options.warm_start_env, cache=str(cache))
+        log.info("warm start", env=options.warm_start.env, cache=str(cache))
     options = with_warm_start(options, log)
     return asyncio.run(LocalRun(options, log).run())
 
@@ -307,6 +180,7 @@ def service_spec(
         "RLPIPE_NATS_URL": nats_url,
         "RLPIPE_NATS_REPLICAS": str(nats_replicas(options)),
         "RLPIPE_RUN_DIR": str(run_dir),
+        CONFIG_VARIABLE: str(run_dir / RECIPE_FILE),
         "RLPIPE_LOG_FORMAT": "json",
         f"{prefix}_HTTP_HOST": "127.0.0.1",
         f"{prefix}_HTTP_PORT": str(port),
@@ -317,7 +191,6 @@ def service_spec(
         # so torch in the trainer and the workers does not oversubscribe them.
         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
         **trainer_bound(name, options),
-        **options.extra_env.get(name, {}),
     }
     argv = list(options.commands.get(name) or [sys.executable, "-m", f"services.{pkg}"])
     return ChildSpec(name, argv, env), f"http://127.0.0.1:{port}/healthz"
@@ -325,10 +198,12 @@ def service_spec(
 
 def trainer_bound(name: str, options: LaunchOptions) -> dict[str, str]:
     """The trainer stops itself at `max_trainer_steps` (exactly: the launcher only sees its
-    step through health checks, a step or two late)."""
+    step through health checks, a step or two late): an override, as the flag wins."""
     if name != "trainer" or options.max_trainer_steps is None:
         return {}
-    return {"RLPIPE_TRAINER_MAX_STEPS": str(options.max_trainer_steps)}
+    overrides = json.loads(os.environ.get(OVERRIDES_VARIABLE) or "{}")
+    overrides["trainer"] = {**overrides.get("trainer", {}), "max_steps": options.max_trainer_steps}
+    return {OVERRIDES_VARIABLE: json.dumps(overrides)}
 
 
 class LocalRun:
@@ -349,6 +224,7 @@ class LocalRun:
 
     async def run(self) -> int:
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        write_recipe(run_recipe(self.options), self.run_dir)
         self._install_signal_handlers()
         try:
             if await self._start_nats() and await self._provision():

@@ -1,0 +1,172 @@
+"""Recipes are files: the demo's runs are TOML recipes (libs/domains/<name>/recipe.toml, the GPU
+loop's libs/domains/arith/gpu.toml) that reach every service through RLPIPE_CONFIG.
+
+Run: .venv/bin/python -m pytest tests/test_recipes.py -q
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from apps.cli import main, settings_classes
+from apps.config_cli import check_services
+from apps.launcher.arguments import add_demo_arguments, options_from_args
+from apps.launcher.recipe import RecipeError, load_recipe, toml_text
+from apps.launcher.run import LaunchOptions, recipe_in_use, run_local, service_spec
+from libs.settings import CONFIG_VARIABLE, OVERRIDES_VARIABLE, load_settings
+from services.env_gateway.settings import EnvGatewaySettings
+from services.trainer.settings import TrainerSettings
+from tests.test_launcher import fake_commands, last_json_line
+
+REPO = Path(__file__).resolve().parent.parent
+RECIPES = sorted((REPO / "libs" / "domains").glob("*/*.toml"))
+PY = sys.executable
+
+
+def demo_options(run_dir: Path, *flags: str) -> LaunchOptions:
+    parser = argparse.ArgumentParser()
+    add_demo_arguments(parser)
+    return options_from_args(parser.parse_args(["--run-dir", str(run_dir), *flags]))
+
+
+@pytest.fixture(autouse=True)
+def no_settings_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in list(os.environ):
+        if name.startswith("RLPIPE_"):
+            monkeypatch.delenv(name)
+
+
+def test_the_calc_demo_reads_its_recipe_file_into_every_service(tmp_path: Path) -> None:
+    recipe = load_recipe(REPO / "libs" / "domains" / "calc" / "recipe.toml")
+    options = demo_options(tmp_path, "--env", "calc", "--no-warm-start")
+    with recipe_in_use(options):
+        trainer, gateway = load_settings(TrainerSettings), load_settings(EnvGatewaySettings)
+    assert trainer.batch_groups == recipe.tables["trainer"]["batch_groups"] == 2
+    assert (trainer.eval.env, trainer.eval.num_tasks) == ("calc", 4)
+    assert (gateway.env, gateway.group_size) == ("calc", 4)
+    assert options.warm_start is None, "--no-warm-start"
+
+
+def test_rl_from_the_warm_start_applies_the_recipes_rl_tables(tmp_path: Path) -> None:
+    options = demo_options(tmp_path, "--env", "recall")
+    assert options.warm_start is not None and options.warm_start.env == "recall"
+    assert options.warm_start.recipe.steps == 1100
+    with recipe_in_use(options):
+        trainer, gateway = load_settings(TrainerSettings), load_settings(EnvGatewaySettings)
+    assert (trainer.learning_rate, trainer.kl_coef) == (1e-4, 0.2)
+    assert trainer.learning_rate_decay_steps == 1000
+    assert gateway.group_size == 8, "[warm_start.rl.env_gateway] over [env_gateway]"
+
+
+def test_variables_and_overrides_win_over_the_recipe(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    options = demo_options(tmp_path, "--env", "calc", "--no-warm-start")
+    monkeypatch.setenv("RLPIPE_TRAINER_BATCH_GROUPS", "3")
+    monkeypatch.setenv(OVERRIDES_VARIABLE, json.dumps({"env-gateway": {"group_size": 6}}))
+    with recipe_in_use(options):
+        assert load_settings(TrainerSettings).batch_groups == 3
+        assert load_settings(EnvGatewaySettings).group_size == 6
+    assert CONFIG_VARIABLE not in os.environ, "the launcher's own environment is left as it was"
+
+
+def test_a_file_named_by_rlpipe_config_is_layered_over_the_recipe(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    mine = tmp_path / "mine.toml"
+    mine.write_text("[trainer]\nbatch_groups = 5\n")
+    monkeypatch.setenv(CONFIG_VARIABLE, str(mine))
+    with recipe_in_use(demo_options(tmp_path, "--env", "calc", "--no-warm-start")):
+        trainer = load_settings(TrainerSettings)
+    assert (trainer.batch_groups, trainer.eval.env) == (5, "calc")
+    assert os.environ[CONFIG_VARIABLE] == str(mine)
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_every_shipped_recipe_is_valid_for_every_service(path: Path, tmp_path: Path) -> None:
+    flags = ["--recipe", str(path), "--no-warm-start"]
+    if path.parent.name == "dataset":  # its file comes from --dataset
+        (tmp_path / "rows.jsonl").write_text('{"prompt": "2+2?", "answer": "4"}\n')
+        flags += ["--dataset", str(tmp_path / "rows.jsonl")]
+    options = demo_options(tmp_path / "run", *flags)
+    with recipe_in_use(options):
+        check_services(settings_classes(), options.services)  # raises SettingsError
+        written = Path(os.environ[CONFIG_VARIABLE]).read_text()
+    assert tomllib.loads(written) == dict(options.recipe), "written as it is"
+
+
+def test_a_typo_in_a_recipe_is_refused_naming_the_field(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    recipe = tmp_path / "recipe.toml"
+    recipe.write_text('[env_gateway]\nenv = "calc"\n\n[trainer]\nbatch_grups = 2\n')
+    run_dir = tmp_path / "run"
+    assert main(["demo", "--recipe", str(recipe), "--run-dir", str(run_dir)]) == 2
+    err = capsys.readouterr().err
+    assert "unknown TOML key trainer.batch_grups (did you mean batch_groups?)" in err
+    assert not run_dir.exists(), "refused before anything started"
+
+    recipe.write_text(
+        '[env_gateway]\nenv = "calc"\n\n[warm_start]\nnum_tasks = 4\nerror_rate = 0.1\n'
+        "steps = 2\nsteps_per_epoch = 1\n\n[warm_start.rl.trainr]\nkl_coef = 0.2\n"
+    )
+    assert main(["demo", "--recipe", str(recipe), "--run-dir", str(run_dir)]) == 2
+    err = capsys.readouterr().err
+    assert "unknown field warm_start.steps_per_epoch" in err
+    with pytest.raises(RecipeError, match=r"unknown table \[trainr\]"):
+        recipe.write_text("[trainr]\nkl_coef = 0.2\n")
+        load_recipe(recipe)
+
+
+def test_a_run_hands_its_recipe_to_every_service(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The trainer here is a stand-in that loads the real trainer settings from what the
+    # launcher gave it, prints them and ends (as a trainer ends at its step bound).
+    show = (
+        "import json; from libs.settings import load_settings; "
+        "from services.trainer.settings import TrainerSettings as T; s = load_settings(T); "
+        "print(json.dumps({'batch_groups': s.batch_groups, 'max_steps': s.max_steps, "
+        "'eval_env': s.eval.env}), flush=True)"
+    )
+    run_dir = tmp_path / "run"
+    options = demo_options(run_dir, "--env", "calc", "--no-warm-start")
+    commands = {**fake_commands(), "trainer": [PY, "-c", show]}
+    options = LaunchOptions(
+        run_dir=run_dir,
+        max_trainer_steps=7,
+        duration_s=120,
+        recipe=options.recipe,
+        commands=commands,
+        stop_grace_s=5,
+    )
+    assert run_local(options) == 0, last_json_line(capsys.readouterr().out)
+    seen = json.loads((run_dir / "logs" / "trainer.log").read_text().strip().splitlines()[-1])
+    assert seen == {"batch_groups": 2, "max_steps": 7, "eval_env": "calc"}
+    spec, _ = service_spec("reward", options, "nats://127.0.0.1:4222", run_dir)
+    assert spec.env[CONFIG_VARIABLE] == str(run_dir / "recipe.toml")
+
+
+def test_a_resolved_recipe_is_written_as_toml_it_reads_back() -> None:
+    document: dict[str, Any] = {
+        "trainer": {"learning_rate": 1e-05, "policy": {"path": '/m/a b"c'}, "eval": {}},
+        "env_gateway": {"env": "calc", "tool_latency": "none", "max_ahead_versions": 2},
+        "reward": {"weights": [0.5, 1.0], "judge": {"enabled": False}, "odd key": "\x7f é"},
+    }
+    assert tomllib.loads(toml_text(document)) == document
+
+
+def test_the_gpu_loops_command_line_parses(tmp_path: Path) -> None:
+    options = demo_options(
+        tmp_path, "--recipe", str(REPO / "libs" / "domains" / "arith" / "gpu.toml")
+    )
+    assert options.recipe["trainer"]["policy"] == {"preset": "byte-0.5b", "device": "cuda"}
+    assert options.warm_start is None and options.recipe["env_gateway"]["env"] == "arith"
