@@ -11,6 +11,8 @@ rlpipe report RUN_DIR [--no-plots]
                                   a run's summary and plots (reward, staleness, throughput)
 rlpipe sft --data DEMOS.jsonl --out MODEL_DIR [--steps N]
                                   train a policy on chat transcripts (the mid-training stage)
+rlpipe domain list | demos --env ENV --out FILE | evaluate --env ENV [--policy-path DIR]
+                                  domains; an expert's demonstrations; a policy's level
 rlpipe feedback-key --name NAME --products P [--key-out FILE] [--toml]
                                   a feedback API key and the entry the ingester stores
 rlpipe schema [--check]           write (or check) the JSON Schema in proto/schema/
@@ -59,6 +61,7 @@ def settings_classes() -> dict[str, Callable[[], type[ServiceSettings]]]:
 
 def build_parser() -> argparse.ArgumentParser:
     from apps.config_cli import add_config_parser, add_set_argument
+    from apps.domains_cli import add_domain_parser
     from apps.feedback_key_cli import add_feedback_key_parser
     from apps.launcher.arguments import add_demo_arguments
     from apps.ray_deploy.cli import add_ray_parser
@@ -102,6 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_sandbox_parser(commands)
     add_feedback_key_parser(commands)
     add_sft_parser(commands)
+    add_domain_parser(commands)
     add_ray_parser(commands)
     add_report_parser(commands)
     return parser
@@ -215,6 +219,14 @@ def on_report(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def on_domain(args: argparse.Namespace) -> int:
+    from apps.domains_cli import run
+    from libs.logs import configure_logging
+
+    configure_logging("domain", level="warning")
+    return run(args)
+
+
 def on_sft(args: argparse.Namespace) -> int:
     from apps.sft_cli import run
     from libs.logs import configure_logging
@@ -234,6 +246,7 @@ HANDLERS = {
     "feedback-key": on_feedback_key,
     "ray": on_ray,
     "sft": on_sft,
+    "domain": on_domain,
     "report": on_report,
 }
 
