@@ -213,61 +213,49 @@ def shell_statements(body: str) -> list[str]:
 
 def without_comment(line: str, quote: str) -> tuple[str, str]:
     """The line up to a `#` comment, and the quote still open at its end ('' if none)."""
-    for i, c in enumerate(line):
-        if quote:
-            quote = "" if c == quote else quote
-        elif c in "'\"":
-            quote = c
-        elif c == "#" and (i == 0 or line[i - 1].isspace()):
+    outside, quote = scan(line, quote)
+    for i in outside:
+        if line[i] == "#" and (i == 0 or line[i - 1].isspace()):
             return line[:i].rstrip(), ""
     return line, quote
 
 
+def scan(text: str, quote: str = "") -> tuple[list[int], str]:
+    """Indices of the characters outside quotes and `$(...)`, and the quote open at the end
+    (`quote`: the one open at the start)."""
+    outside, depth = [], 0
+    for i, c in enumerate(text):
+        if quote:
+            quote = "" if c == quote else quote
+        elif c in "'\"":
+            quote = c
+        elif text.startswith("$(", i):
+            depth += 1
+        elif c == ")" and depth:
+            depth -= 1
+        elif depth == 0:
+            outside.append(i)
+    return outside, quote
+
+
 def split_commands(statement: str) -> list[str]:
-    """Commands of one statement: split at top-level `&&`, `||`, `;`, `&`; a pipeline's first
-    command; a `# comment` dropped."""
-    commands, current, quote, depth, i = [], "", "", 0, 0
-    while i < len(statement):
-        c = statement[i]
-        if quote:
-            quote = "" if c == quote else quote
-        elif c in "'\"":
-            quote = c
-        elif statement.startswith("$(", i):
-            depth += 1
-        elif c == ")" and depth:
-            depth -= 1
-        elif depth == 0 and c == "#" and (not current or current[-1].isspace()):
-            break
-        elif depth == 0 and statement.startswith(("&&", "||"), i):
-            commands.append(current)
-            current, i = "", i + 2
+    """Commands of one statement: split at top-level `&&`, `||`, `;` and `&`; of a pipeline,
+    its first command."""
+    commands, start = [], 0
+    for i in scan(statement)[0]:
+        if i < start:
             continue
-        elif depth == 0 and c in ";&":
-            commands.append(current)
-            current, i = "", i + 1
-            continue
-        current += c
-        i += 1
-    commands.append(current)
-    pipelines = [split_pipe(c) for c in commands]
-    return [c.strip() for c in pipelines if c.strip()]
+        redirect = statement[i] == "&" and ">" in statement[i - 1 : i + 2]  # 2>&1, &> file
+        if statement.startswith(("&&", "||"), i) or (statement[i] in ";&" and not redirect):
+            commands.append(statement[start:i])
+            start = i + (2 if statement[i : i + 2] in ("&&", "||") else 1)
+    commands.append(statement[start:])
+    return [c.strip() for c in map(first_of_pipeline, commands) if c.strip()]
 
 
-def split_pipe(command: str) -> str:
-    quote, depth = "", 0
-    for i, c in enumerate(command):
-        if quote:
-            quote = "" if c == quote else quote
-        elif c in "'\"":
-            quote = c
-        elif command.startswith("$(", i):
-            depth += 1
-        elif c == ")" and depth:
-            depth -= 1
-        elif depth == 0 and c == "|" and command[i - 1 : i + 1] != "||":
-            return command[:i]
-    return command
+def first_of_pipeline(command: str) -> str:
+    pipes = [i for i in scan(command)[0] if command[i] == "|"]
+    return command[: pipes[0]] if pipes else command
 
 
 def shell_commands() -> list[tuple[str, str]]:
@@ -548,6 +536,12 @@ def test_a_command_that_does_not_exist_is_caught() -> None:
 
 
 def test_a_shell_block_splits_into_its_commands() -> None:
-    statement = "nats-server -js & X=1 make -n demo && curl -s a:1/x | head  # note; not a command"
-    assert split_commands(statement) == ["nats-server -js", "X=1 make -n demo", "curl -s a:1/x"]
+    block = "nats-server -js & X=1 make -n demo 2>&1 && curl -s a:1/x | head  # it's; not one\n"
+    [statement] = shell_statements("echo 'a # b' \\\n  c\n")
+    assert split_commands(shell_statements(block)[0]) == [
+        "nats-server -js",
+        "X=1 make -n demo 2>&1",
+        "curl -s a:1/x",
+    ]
+    assert words_of(statement) == ["echo", "a # b", "c"]  # quoted `#` kept, lines joined
     assert program("A=$(openssl rand -hex 4) B=2 docker compose up") == "docker"
