@@ -518,6 +518,52 @@ def test_a_documented_shell_command_runs_or_is_checked(where: str, command: str)
         pytest.fail(f"{where} shows `{command}` ({why or 'run'}): {exc}", pytrace=False)
 
 
+# Variables the docs name on purpose though nothing reads them.
+NAMED_NOT_READ = {"RLPIPE_TRAINER_LEARNIN_RATE": "the docs' example of a typo that is refused"}
+READERS = (
+    "libs/**/*.py",
+    "apps/**/*.py",
+    "services/**/*.py",
+    "compose.yaml",
+    "Dockerfile",
+    "deploy/**/*",
+)
+
+
+def documented_variables() -> list[tuple[str, str]]:
+    """(where, name) of every whole `RLPIPE_*` variable name the docs show."""
+    pattern = re.compile(r"(?<![<\w])RLPIPE_[A-Z0-9_]*[A-Z0-9](?![\w<])")
+    return sorted({(p.name, v) for p in MARKDOWN for v in pattern.findall(p.read_text())})
+
+
+@functools.cache
+def variables_read() -> frozenset[str]:
+    """Every variable a service's settings read, and every RLPIPE_* literal of the code and
+    the deployment files (the launcher's, compose's, the domain registry's own)."""
+    from apps.cli import settings_classes
+    from libs.settings import NOT_SETTINGS, variable_names
+
+    names = set(NOT_SETTINGS)
+    for load in settings_classes().values():
+        names |= set(variable_names(load()))
+    files = [f for pattern in READERS for f in ROOT.glob(pattern) if f.is_file()]
+    for file in files:
+        names |= set(re.findall(r"RLPIPE_[A-Z0-9_]+", file.read_text(errors="replace")))
+    return frozenset(names)
+
+
+VARIABLES = documented_variables()
+
+
+@pytest.mark.parametrize(("where", "name"), VARIABLES, ids=[f"{w}: {v}" for w, v in VARIABLES])
+def test_a_documented_variable_is_read(where: str, name: str) -> None:
+    """A renamed setting leaves no stale variable in the docs."""
+    from apps.config_cli import GLOBAL_PATTERN
+
+    known = name in variables_read() or GLOBAL_PATTERN.fullmatch(name)
+    assert known or name in NAMED_NOT_READ, f"{where} names {name}, which nothing reads"
+
+
 def test_a_command_that_does_not_exist_is_caught() -> None:
     with pytest.raises(AssertionError, match="invalid choice: 'launch'"):
         check_concrete("rlpipe launch")
