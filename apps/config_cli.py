@@ -33,6 +33,7 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
+from apps.launcher.recipe import WARM_START_TABLE
 from libs.settings import (
     CONFIG_VARIABLE,
     OVERRIDES_VARIABLE,
@@ -298,8 +299,8 @@ def stray_variables(
 
 
 def stray_tables(classes: Mapping[str, type[ServiceSettings]]) -> list[str]:
-    """Tables of the TOML file that name no service."""
-    tables = {service.replace("-", "_") for service in classes}
+    """Tables of the TOML file that name no service (a recipe's [warm_start] is the demo's)."""
+    tables = {service.replace("-", "_") for service in classes} | {WARM_START_TABLE}
     return [
         f"unknown TOML table [{name}] in {os.environ.get(CONFIG_VARIABLE)}"
         f"{closest(name, sorted(tables))}"

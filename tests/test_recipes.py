@@ -170,3 +170,11 @@ def test_the_gpu_loops_command_line_parses(tmp_path: Path) -> None:
     )
     assert options.recipe["trainer"]["policy"] == {"preset": "byte-0.5b", "device": "cuda"}
     assert options.warm_start is None and options.recipe["env_gateway"]["env"] == "arith"
+
+
+def test_rlpipe_config_checks_a_recipe_file_as_the_services_read_it(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv(CONFIG_VARIABLE, str(REPO / "libs" / "domains" / "calc" / "recipe.toml"))
+    assert main(["config", "check"]) == 0, capsys.readouterr().err
+    assert "ok: 6 services" in capsys.readouterr().out, "its [warm_start] is the demo's table"
