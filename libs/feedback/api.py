@@ -26,7 +26,7 @@ from typing import Any
 
 import msgspec
 import structlog
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, Counter, Histogram, generate_latest
@@ -221,9 +221,18 @@ def create_app(ingest: FeedbackIngest, health: Callable[[], dict[str, Any]]) -> 
         version=API_VERSION,
         description=__doc__,
     )
+    app.include_router(feedback_routes(ingest))
+    app.include_router(operations_routes(health))
+    app.openapi = lambda: _openapi(app, ingest.limits)  # type: ignore[method-assign]
+    return app
+
+
+def feedback_routes(ingest: FeedbackIngest) -> APIRouter:
+    """What a product calls: post one event, or a batch stored all together."""
+    router = APIRouter()
     post_responses = _post_responses()
 
-    @app.post(
+    @router.post(
         "/v1/feedback",
         status_code=202,
         summary="Post one feedback event",
@@ -234,7 +243,7 @@ def create_app(ingest: FeedbackIngest, health: Callable[[], dict[str, Any]]) -> 
     async def post_feedback(request: Request) -> Response:
         return await _handle(request, "one", ingest, single=True)
 
-    @app.post(
+    @router.post(
         "/v1/feedback:batch",
         status_code=202,
         summary="Post many feedback events (all stored, or none answered 202)",
@@ -245,7 +254,14 @@ def create_app(ingest: FeedbackIngest, health: Callable[[], dict[str, Any]]) -> 
     async def post_feedback_batch(request: Request) -> Response:
         return await _handle(request, "batch", ingest, single=False)
 
-    @app.get(
+    return router
+
+
+def operations_routes(health: Callable[[], dict[str, Any]]) -> APIRouter:
+    """What the operators read: the health check and the Prometheus metrics."""
+    router = APIRouter()
+
+    @router.get(
         "/healthz",
         summary="Service health: 200 when ok, 503 otherwise",
         response_class=Response,
@@ -259,7 +275,7 @@ def create_app(ingest: FeedbackIngest, health: Callable[[], dict[str, Any]]) -> 
         status = 200 if report.get("status") in HEALTHY_STATUSES else 503
         return _json(status, report)
 
-    @app.get(
+    @router.get(
         "/metrics",
         summary="Prometheus metrics",
         response_class=Response,
@@ -273,8 +289,7 @@ def create_app(ingest: FeedbackIngest, health: Callable[[], dict[str, Any]]) -> 
     async def metrics() -> Response:
         return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
 
-    app.openapi = lambda: _openapi(app, ingest.limits)  # type: ignore[method-assign]
-    return app
+    return router
 
 
 async def _handle(request: Request, route: str, ingest: FeedbackIngest, single: bool) -> Response:
