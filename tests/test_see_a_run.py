@@ -214,7 +214,7 @@ def test_a_tracker_whose_extra_is_missing_stops_the_trainer_with_the_install_lin
     )
     env = {**os.environ, "RLPIPE_TRAINER_TRACKING_BACKENDS": "tensorboard,wandb"}
     result = subprocess.run(
-        [PY, "-c", code], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=60
+        [PY, "-c", code], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=240
     )
     assert result.returncode == 2
     [line] = result.stderr.splitlines()
@@ -230,7 +230,7 @@ def test_a_misspelt_tracker_is_refused_naming_the_choices() -> None:
         env=env,
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=240,
     )
     assert result.returncode == 2
     [line] = result.stderr.splitlines()
