@@ -78,7 +78,7 @@ def api_url(nats_server: NatsServer, tmp_path_factory: pytest.TempPathFactory) -
 
 
 def _wait_healthy(url: str, process: subprocess.Popen[bytes], log_path: Path) -> None:
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         assert process.poll() is None, log_path.read_text()[-3000:]
         try:

@@ -230,7 +230,7 @@ async def test_the_ingester_command_runs_as_compose_runs_its_api_with_the_feedba
         text=True,
     )
     try:
-        await wait_until_healthy(f"http://127.0.0.1:{http_port}/healthz", process, timeout_s=30)
+        await wait_until_healthy(f"http://127.0.0.1:{http_port}/healthz", process, timeout_s=120)
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{api_port}") as client:
             response = await client.post("/v1/feedback", json=event_json("ev-7"), headers=auth())
         assert response.status_code == 202, response.text

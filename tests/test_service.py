@@ -29,7 +29,7 @@ def http_get(url: str) -> tuple[int, bytes]:
         return exc.code, exc.read()
 
 
-def wait_http_ok(url: str, process: subprocess.Popen[str], timeout_s: float = 30) -> bytes:
+def wait_http_ok(url: str, process: subprocess.Popen[str], timeout_s: float = 120) -> bytes:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         assert process.poll() is None, f"service exited early with {process.returncode}"
@@ -81,7 +81,7 @@ def test_service_reports_health_and_metrics_then_drains_on_sigterm(
     assert http_get(f"http://127.0.0.1:{port}/nope")[0] == 404
 
     process.send_signal(signal.SIGTERM)
-    _, stderr = process.communicate(timeout=20)
+    _, stderr = process.communicate(timeout=60)
     assert process.returncode == 0, stderr[-2000:]
     events = [json.loads(line) for line in stderr.splitlines() if line.startswith("{")]
     assert all(e["service"] == "reward" for e in events)
