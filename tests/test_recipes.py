@@ -21,6 +21,8 @@ from apps.config_cli import check_services
 from apps.launcher.arguments import add_demo_arguments, options_from_args
 from apps.launcher.recipe import RecipeError, load_recipe, toml_text
 from apps.launcher.run import LaunchOptions, recipe_in_use, run_local, service_spec
+from apps.ray_deploy.cli import recipe_variables
+from apps.ray_deploy.plan import build_plan
 from libs.settings import CONFIG_VARIABLE, OVERRIDES_VARIABLE, load_settings
 from services.env_gateway.settings import EnvGatewaySettings
 from services.trainer.settings import TrainerSettings
@@ -178,3 +180,11 @@ def test_rlpipe_config_checks_a_recipe_file_as_the_services_read_it(
     monkeypatch.setenv(CONFIG_VARIABLE, str(REPO / "libs" / "domains" / "calc" / "recipe.toml"))
     assert main(["config", "check"]) == 0, capsys.readouterr().err
     assert "ok: 6 services" in capsys.readouterr().out, "its [warm_start] is the demo's table"
+
+
+def test_a_ray_deployment_hands_a_recipe_to_every_service() -> None:
+    gpu = REPO / "libs" / "domains" / "arith" / "gpu.toml"
+    plan = build_plan("nats://a:4222", "/runs/x", env=recipe_variables(gpu))
+    assert {s.env[CONFIG_VARIABLE] for s in plan.services} == {str(gpu)}
+    with pytest.raises(RecipeError, match=r"\[warm_start\] is built by `rlpipe demo`"):
+        recipe_variables(REPO / "libs" / "domains" / "calc" / "recipe.toml")

@@ -12,6 +12,8 @@ Without `--address`, `up` starts a local Ray cluster (and, without `--nats-url`,
 nats-server in the run folder), stays in the foreground printing status, and takes
 everything down on Ctrl-C or at `--duration-s`. With `--address` the deployment is detached:
 it outlives the command, and `status`, `scale` and `down` reach it by name.
+`--recipe FILE` hands a recipe (libs/domains/<name>/recipe.toml) to every service through
+RLPIPE_CONFIG, at the same path on each node.
 Ray is an optional extra: nothing outside apps/ray_deploy imports it.
 """
 
@@ -27,6 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from apps.launcher.recipe import RecipeError, load_recipe
 from apps.ray_deploy.plan import (
     WORKER,
     DeploymentPlan,
@@ -34,6 +37,7 @@ from apps.ray_deploy.plan import (
     build_plan,
     parse_assignments,
 )
+from libs.settings import CONFIG_VARIABLE
 from proto.services import SERVICES
 
 
@@ -61,6 +65,9 @@ def add_ray_parser(commands: Any) -> None:
     )
     up.add_argument("--cpus", action="append", metavar="SERVICE=N", help="CPUs per service")
     up.add_argument("--env", action="append", metavar="NAME=VALUE", help="for every service")
+    up.add_argument(
+        "--recipe", type=Path, default=None, metavar="FILE", help="settings every service reads"
+    )
     up.add_argument("--duration-s", type=float, default=None, help="local: stop after this")
     status = actions.add_parser("status", help="the deployment's actors, health and backlog")
     _address(status)
@@ -119,6 +126,20 @@ def local_cpus(plan: DeploymentPlan) -> float:
     return max(float(os.cpu_count() or 1), fixed + workers)
 
 
+def recipe_variables(path: Path | None) -> dict[str, str]:
+    """RLPIPE_CONFIG naming the recipe `path` (checked first); a recipe whose policy starts
+    from a warm start is refused: `rlpipe demo` builds that, Ray does not."""
+    if path is None:
+        return {}
+    recipe = load_recipe(path)
+    if recipe.warm_start is not None:
+        raise RecipeError(
+            f"recipe {path}: its [warm_start] is built by `rlpipe demo`; on Ray, use a recipe "
+            "whose [trainer.policy] and [rollout_worker.policy] name the model folder"
+        )
+    return {CONFIG_VARIABLE: str(path.resolve())}
+
+
 def on_up(args: argparse.Namespace) -> int:
     from apps.ray_deploy.controller import deploy
 
@@ -135,7 +156,7 @@ def on_up(args: argparse.Namespace) -> int:
         services=tuple(s.strip() for s in args.services.split(",") if s.strip()),
         cpus={k: float(v) for k, v in parse_assignments(args.cpus, "--cpus").items()},
         gpus={k: float(v) for k, v in parse_assignments(args.gpus, "--gpus").items()},
-        env=parse_assignments(args.env, "--env"),
+        env={**parse_assignments(args.env, "--env"), **recipe_variables(args.recipe)},
         nats_replicas=args.nats_replicas or 1,
         trainer_ranks=args.trainer_ranks,
         scale=ScalePolicy(
