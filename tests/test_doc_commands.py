@@ -126,14 +126,26 @@ def options(parser: argparse.ArgumentParser) -> set[str]:
 
 
 def check_concrete(command: str) -> None:
+    """The command parses, and every `--set SERVICE.FIELD=VALUE` names a real field."""
     argv = shlex.split(command)[1:]
     errors = io.StringIO()
     try:
         with contextlib.redirect_stderr(errors):
-            build_parser().parse_args(argv)
+            args = build_parser().parse_args(argv)
     except SystemExit as exc:
         if exc.code:
             raise AssertionError(errors.getvalue().strip().splitlines()[-1]) from None
+        return
+    check_overrides(getattr(args, "overrides", None) or [])
+
+
+def check_overrides(texts: list[str]) -> None:
+    from apps.cli import settings_classes
+    from apps.config_cli import override_problems
+    from libs.settings import merge_overrides
+
+    problems = list(override_problems(merge_overrides(texts), settings_classes()))
+    assert not problems, "; ".join(problems)
 
 
 def check_synopsis(command: str) -> None:
@@ -569,6 +581,8 @@ def test_a_command_that_does_not_exist_is_caught() -> None:
         check_concrete("rlpipe launch")
     with pytest.raises(AssertionError, match="no option"):
         check_synopsis("rlpipe demo [--no-such-flag N]")
+    with pytest.raises(AssertionError, match="no such field"):
+        check_concrete("rlpipe demo --set trainer.learnin_rate=1e-4")
     with pytest.raises(AssertionError, match="no rule for 'frobnicate'"):
         check_shell_command("frobnicate --now")
     with pytest.raises(AssertionError, match="no profile"):
