@@ -6,13 +6,13 @@ one agent's next turn starts at once instead of waiting for another call's slowe
 `submit` does the same without waiting: it returns the call's future, which the driver
 thread resolves when the call's last sequence finishes (the rollout batcher awaits it, so no
 thread waits per request; a call submitted during a weight write joins after it).
-One driver thread runs the steps while there is work (see `libs.engine.scheduler`): admit,
-then one forward that decodes a token for every running row and computes the waiting
-prompts beside them as extra rows of the same graph (`libs.engine.model_runner`; a prompt
-of 2,048 tokens or more is prefilled eagerly, in chunks, instead), then sample with
-per-row parameters and seeds (`libs.engine.row_sampling`). The KV cache is allocated
-once, sized from free GPU memory, and shares prefixes (a GRPO group's prompt, an episode's
-earlier turns) between sequences (`libs.engine.kv_cache`).
+One driver thread runs the steps (`libs.engine.batch_step`) while there is work (see
+`libs.engine.scheduler`): admit, then one forward that decodes a token for every running
+row and computes the waiting prompts beside them as extra rows of the same graph
+(`libs.engine.model_runner`; a prompt of 2,048 tokens or more is prefilled eagerly, in
+chunks, instead), then sample with per-row parameters and seeds (`libs.engine.row_sampling`).
+The KV cache is allocated once, sized from free GPU memory, and shares prefixes (a GRPO
+group's prompt, an episode's earlier turns) between sequences (`libs.engine.kv_cache`).
 
     engine = PagedEngine(build_policy(PolicyConfig(preset="qwen2-0.5b")), tokenizer, 256)
     completions = engine.generate([prompt_ids], SamplingParams(max_tokens=256), 16)
@@ -48,12 +48,12 @@ from libs.engine.base import (
     SamplingParams,
     T,
 )
+from libs.engine.batch_step import BatchStepper
 from libs.engine.hf import HFEngine
 from libs.engine.kv_cache import BlockPool, CacheLayout, PagedKVCache, blocks_for_memory
-from libs.engine.model_runner import PagedModelRunner, PrefillChunk, check_architecture
-from libs.engine.requests import check_request, check_version, hits_stop, stage_update
-from libs.engine.row_sampling import row_seed, sample_rows, step_seeds
-from libs.engine.sampling import SampledTokens
+from libs.engine.model_runner import PagedModelRunner, check_architecture
+from libs.engine.requests import check_request, check_version, stage_update
+from libs.engine.row_sampling import row_seed
 from libs.engine.scheduler import Request, Scheduler, Sequence, blocks_needed
 from libs.tokenizer import Tokenizer
 
@@ -61,10 +61,6 @@ CPU_KV_CACHE_TOKENS = 65_536
 """KV cache tokens on CPU when not given (allocated lazily: untouched pages cost nothing)."""
 GPU_TOKENS_PER_ROW = 4096
 """On a GPU the cache holds at most this many tokens per decode row when not given."""
-EAGER_PREFILL_ABOVE_GPU = 2048
-EAGER_PREFILL_ABOVE_CPU = 128
-"""Prompt tokens left from which a prompt is prefilled eagerly rather than staged in the
-decode step (see `PagedEngine.__init__`), with CUDA graphs and without."""
 
 
 class PagedEngine(InferenceEngine):
@@ -102,16 +98,6 @@ class PagedEngine(InferenceEngine):
         self._max_context = min(positions, self.pool.capacity * block_size)
         graphs = model.device.type == "cuda" if use_cuda_graphs is None else use_cuda_graphs
         table_width = blocks_needed(self._max_context, block_size)
-        # Prompts with fewer than `eager_prefill_above` tokens left are prefilled inside the
-        # decode step, `staged_prefill_tokens` at most a step; longer ones eagerly. Staged
-        # tokens attend through the decode kernel, one query row each: on a GPU that beats a
-        # separate eager forward up to a few thousand tokens (16 samples of a 1,024-token
-        # prompt on an NVIDIA H200, 3 runs each in one process: 10.0-10.7K tokens/s eager,
-        # 10.7-11.7K staged); on CPU, where each row gathers its whole context, only short
-        # prompts (agent turns, arith) gain.
-        if eager_prefill_above is None:
-            eager_prefill_above = EAGER_PREFILL_ABOVE_GPU if graphs else EAGER_PREFILL_ABOVE_CPU
-        self.eager_prefill_above = eager_prefill_above
         with torch.no_grad():
             self.runner = PagedModelRunner(
                 model, self.cache, max_batch_rows, table_width, graphs, staged_prefill_tokens
@@ -120,6 +106,9 @@ class PagedEngine(InferenceEngine):
         self._stamp = self._weights_stamp()  # parameters as the fused copies last saw them
         self._scorer = HFEngine(model, tokenizer, max_batch_rows, policy_version)
         self._lock = threading.Lock()  # the scheduler's queues, the driver, request counts
+        self.stepper = BatchStepper(
+            self.runner, self.scheduler, tokenizer, self._lock, eager_prefill_above, graphs
+        )
         self._changed = threading.Condition(self._lock)
         self._step_lock = threading.Lock()  # one step, or one weight write, at a time
         self._write_lock = threading.Lock()  # one weight write at a time
@@ -135,15 +124,29 @@ class PagedEngine(InferenceEngine):
         if self._stream is not None:
             torch.cuda.synchronize(self.device)  # cache, rows and fused weights set up
         self._entropy = random.SystemRandom()
-        self.num_steps = 0
-        self.num_prefill_tokens = 0  # prompt tokens computed (not shared from the prefix cache)
-        # Seconds per phase, summed over steps: the device work of a decode step and the wait
-        # for its tokens, then the Python bookkeeping after it (GPU idle meanwhile), prefill.
-        self.timings_s = {"decode_device": 0.0, "decode_host": 0.0, "prefill": 0.0}
 
     @property
     def policy_version(self) -> int:
         return self._version
+
+    @property
+    def num_steps(self) -> int:
+        return self.stepper.num_steps
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        """Prompt tokens computed (not shared from the prefix cache)."""
+        return self.stepper.num_prefill_tokens
+
+    @property
+    def timings_s(self) -> dict[str, float]:
+        """Seconds per phase of the steps, summed: decode_device, decode_host, prefill."""
+        return self.stepper.timings_s
+
+    @property
+    def eager_prefill_above(self) -> int:
+        """Prompt tokens left from which a prompt is prefilled eagerly, in chunks."""
+        return self.stepper.eager_prefill_above
 
     @property
     def max_context_tokens(self) -> int:
@@ -307,7 +310,7 @@ class PagedEngine(InferenceEngine):
                         return
                 try:
                     with self._step_lock, torch.no_grad():
-                        self._step()
+                        self.stepper.step()
                 except Exception as exc:  # the callers waiting on their requests re-raise it
                     with self._lock:
                         self.scheduler.fail_all(exc)
@@ -339,166 +342,3 @@ class PagedEngine(InferenceEngine):
     def _weights_stamp(self) -> int:
         """Sum of the parameters' version counters (torch bumps one at every in-place write)."""
         return sum(tensor._version for tensor in self._tensors.values())
-
-    def _step(self) -> None:
-        """Admit, then one forward: short prompts staged beside the decoding rows (one graph
-        replay), or a long prompt's chunk eagerly and then the decode step."""
-        with self._lock:
-            self.scheduler.admit()
-        scheduler = self.scheduler
-        left = [seq.prompt_len - seq.num_computed for seq in scheduler.prefilling]
-        if left and max(left) >= self.eager_prefill_above:
-            chunks = scheduler.plan_prefill() if scheduler.prefill_due() else []
-            if chunks:
-                start_s = time.perf_counter()
-                self._prefill(chunks)
-                self.timings_s["prefill"] += time.perf_counter() - start_s
-            if scheduler.decoding:
-                self._decode([])
-        else:
-            budget = self.runner.prefill_rows
-            staged = scheduler.plan_prefill(budget) if scheduler.prefilling else []
-            if staged or scheduler.decoding:
-                self._decode(staged)
-        self.num_steps += 1
-
-    def _prefill(self, chunks: list[tuple[Sequence, PrefillChunk]]) -> None:
-        """Run the chunks; sequences whose prompt is now computed sample their first token."""
-        logits = self.runner.prefill([chunk for _, chunk in chunks])
-        self.num_prefill_tokens += sum(len(chunk.token_ids) for _, chunk in chunks)
-        finishing = []
-        for row, (seq, chunk) in enumerate(chunks):
-            self.scheduler.on_computed(seq, chunk.start + len(chunk.token_ids))
-            if seq.num_computed == seq.prompt_len:
-                finishing.append(row)
-        if not finishing:
-            return
-        seqs = [chunks[row][0] for row in finishing]
-        sampled = self._sample(logits[finishing], seqs, [0] * len(seqs))
-        self._first_tokens(seqs, _host_rows(sampled))
-
-    def _join_decoding(self, seqs: list[Sequence]) -> None:
-        """Add sequences that sampled their first token to the running decode rows."""
-        self.runner.rows.append(
-            input_ids=[seq.token_ids[-1] for seq in seqs],
-            positions=[len(seq.token_ids) - 1 for seq in seqs],
-            tables=[seq.blocks for seq in seqs],
-            temperatures=[seq.params.temperature for seq in seqs],
-            top_ps=[seq.params.top_p for seq in seqs],
-            seeds=[seq.seed for seq in seqs],
-        )
-        self.scheduler.decoding.extend(seqs)
-
-    def _decode(self, staged: list[tuple[Sequence, PrefillChunk]]) -> None:
-        """One token for every running row, and the `staged` prompt chunks computed in the
-        same forward (their rows after the running ones); finished rows leave the batch and
-        prompts that are now computed join it with their first token."""
-        rows, decoding = self.runner.rows, self.scheduler.decoding
-        n = rows.num_rows
-        start_s = time.perf_counter()
-        end, picked = self._stage(staged) if staged else (n, [])
-        logits = self.runner.decode(end)
-        if picked:  # the decoding rows, then the last row of each prompt that completes
-            chosen = torch.tensor(list(range(n)) + [row for row, _ in picked])
-            chosen = chosen.to(logits.device, non_blocking=True)
-            logits = logits[chosen]
-            temperatures, top_ps = rows.temperatures[chosen], rows.top_ps[chosen]
-            seeds = step_seeds(rows.seeds[chosen], rows.num_generated[chosen])
-        else:
-            logits = logits[:n]
-            temperatures, top_ps = rows.temperatures[:n], rows.top_ps[:n]
-            seeds = step_seeds(rows.seeds[:n], rows.num_generated[:n])
-        joining = [seq for _, seq in picked]
-        all_top_p_one = all(seq.params.top_p >= 1.0 for seq in [*decoding, *joining])
-        sampled = sample_rows(logits, temperatures, top_ps, seeds, all_top_p_one=all_top_p_one)
-        if end > n:
-            rows.unstage(end)
-        if n:
-            rows.advance(sampled.token_ids[:n])
-        results = _host_rows(sampled)
-        host_s = time.perf_counter()
-        keep: list[int] = []
-        running = zip(decoding, results[:n], strict=True)
-        for index, (seq, (token, logprob, raw)) in enumerate(running):
-            self.scheduler.on_computed(seq, seq.num_computed + 1)  # the input token's KV
-            self.scheduler.record(seq, token, logprob, raw)
-            if not self._stop_if_done(seq):
-                keep.append(index)
-        if len(keep) < n:
-            rows.keep(keep)
-            self.scheduler.decoding = [decoding[index] for index in keep]
-        if staged:
-            self.num_prefill_tokens += sum(len(chunk.token_ids) for _, chunk in staged)
-            for seq, chunk in staged:
-                self.scheduler.on_computed(seq, chunk.start + len(chunk.token_ids))
-            self._first_tokens(joining, results[n:])
-        self.timings_s["decode_device"] += host_s - start_s
-        self.timings_s["decode_host"] += time.perf_counter() - host_s
-
-    def _stage(
-        self, staged: list[tuple[Sequence, PrefillChunk]]
-    ) -> tuple[int, list[tuple[int, Sequence]]]:
-        """Stage the chunks' tokens as rows after the running ones; the rows in use, and
-        (row, sequence) of each chunk that completes its prompt (its last token's row)."""
-        rows = self.runner.rows
-        ids: list[int] = []
-        positions: list[int] = []
-        table_of_row: list[int] = []
-        picked: list[tuple[int, Sequence]] = []
-        for index, (seq, chunk) in enumerate(staged):
-            length = len(chunk.token_ids)
-            ids.extend(chunk.token_ids)
-            positions.extend(range(chunk.start, chunk.start + length))
-            table_of_row.extend([index] * length)
-            if chunk.start + length == seq.prompt_len:
-                picked.append((rows.num_rows + len(ids) - 1, seq))
-        seqs = [seq for seq, _ in staged]
-        sampling = (
-            [seqs[i].params.temperature for i in table_of_row],
-            [seqs[i].params.top_p for i in table_of_row],
-            [seqs[i].seed for i in table_of_row],
-        )
-        tables = [seq.blocks for seq in seqs]
-        return rows.stage(ids, positions, tables, table_of_row, sampling), picked
-
-    def _first_tokens(self, seqs: list[Sequence], results: list[tuple[int, float, float]]) -> None:
-        """Sequences whose prompt is computed take their first sampled token; those it does
-        not finish join the decoding rows."""
-        joined: list[Sequence] = []
-        for seq, (token, logprob, raw) in zip(seqs, results, strict=True):
-            self.scheduler.prefilling.remove(seq)
-            self.scheduler.record(seq, token, logprob, raw)
-            if not self._stop_if_done(seq):
-                joined.append(seq)
-        if joined:
-            self._join_decoding(joined)
-
-    def _sample(
-        self, logits: torch.Tensor, seqs: list[Sequence], counts: list[int]
-    ) -> SampledTokens:
-        """One token for each of `seqs` from `logits` [len(seqs), V] (prefill's first token)."""
-        device = logits.device
-        temperatures = torch.tensor([seq.params.temperature for seq in seqs], device=device)
-        top_ps = torch.tensor([seq.params.top_p for seq in seqs], device=device)
-        row_seeds = torch.tensor([seq.seed for seq in seqs], device=device)
-        seeds = step_seeds(row_seeds, torch.tensor(counts, device=device))
-        all_top_p_one = all(seq.params.top_p >= 1.0 for seq in seqs)
-        return sample_rows(logits, temperatures, top_ps, seeds, all_top_p_one=all_top_p_one)
-
-    def _stop_if_done(self, seq: Sequence) -> bool:
-        """Finish `seq` if its newest token ends it; True if it did."""
-        if hits_stop(seq.generated, seq.params, self.tokenizer):
-            self.scheduler.finish(seq, "stop")
-        elif len(seq.generated) >= seq.params.max_tokens:
-            self.scheduler.finish(seq, "length")
-        else:
-            return False
-        return True
-
-
-def _host_rows(sampled: SampledTokens) -> list[tuple[int, float, float]]:
-    """(token, logprob, raw logprob) per row, read from the device in one transfer."""
-    stacked = torch.stack(
-        [sampled.token_ids.double(), sampled.logprobs.double(), sampled.raw_logprobs.double()], 1
-    )
-    return [(int(token), logprob, raw) for token, logprob, raw in stacked.tolist()]
