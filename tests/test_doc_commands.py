@@ -173,14 +173,19 @@ def check_options(parser: argparse.ArgumentParser, words: list[str], path: list[
 
 
 # rlpipe commands run as written: quick, and they change nothing.
-RLPIPE_RUN = ("rlpipe schema --check", "rlpipe config show ", "rlpipe config check")
+RLPIPE_RUN = (
+    "rlpipe schema --check",
+    "rlpipe config show ",
+    "rlpipe config check",
+    "rlpipe domain list",
+)
 # Why the other subcommands are only parsed.
 RLPIPE_NOT_RUN = {
     "demo": "starts NATS and six services for minutes (tests/test_launcher.py runs it)",
     "run": "starts a service that runs until stopped (tests/test_readme_examples.py runs two)",
     "ray": "starts or needs a Ray cluster (tests/test_ray_deploy.py runs one)",
     "sft": "trains for minutes on a demonstrations file (tests/test_sft.py runs it)",
-    "domain": "records or evaluates episodes for minutes (the domain tests run it)",
+    "domain": "demos and evaluate run episodes for minutes (the domain tests run them)",
     "provision": "needs a NATS server (tests/test_provision.py runs it)",
     "weights": "needs safetensors files and a NATS server (tests/test_weights_cli.py runs it)",
     "sandbox": "needs the command's working folder (tests/test_sandbox.py runs it)",
