@@ -96,7 +96,7 @@ async def harness(engine: HFEngine, batcher: GenerationBatcher, url: str, group:
 
 async def serve_and_judge(engine: HFEngine, batcher: GenerationBatcher) -> dict[str, Any]:
     served = ServedPolicy(batcher.generate, TOKENIZER, score=batcher.score)
-    config = ServeConfig(served_model_name="rlpipe-policy")
+    config = ServeConfig(model_name="rlpipe-policy")
     api = OpenAIApi(served, chat_template_for(TOKENIZER), lambda: engine.policy_version, config)
     server = ServeServer(create_app(api), "127.0.0.1", 0, graceful_s=2)
     await server.start()

@@ -149,14 +149,29 @@ class ServiceSettings(BaseSettings):
         )
 
     def redacted(self) -> dict[str, Any]:
-        """The resolved settings for the start-up log, secrets and passwords in URLs masked."""
-        values = self.model_dump(mode="json")
-        for name, value in values.items():
-            if SECRET_WORDS & set(name.split("_")):
-                values[name] = "***" if value else value
-            elif isinstance(value, str) and "://" in value:
-                values[name] = mask_url_password(value)
-        return values
+        """The resolved settings for the start-up log, secrets and passwords in URLs masked
+        (in nested configs too: `serve.api_key`)."""
+        return redact(self.model_dump(mode="json"))
+
+
+def redact(values: dict[str, Any]) -> dict[str, Any]:
+    """`values` with fields named like a secret and passwords in URLs masked, nested included."""
+    masked: dict[str, Any] = {}
+    for name, value in values.items():
+        if is_secret(name):
+            masked[name] = "***" if value else value
+        elif isinstance(value, dict):
+            masked[name] = redact(value)
+        elif isinstance(value, str) and "://" in value:
+            masked[name] = mask_url_password(value)
+        else:
+            masked[name] = value
+    return masked
+
+
+def is_secret(field: str) -> bool:
+    """A field whose name (the last part of a dotted one) has a word of SECRET_WORDS."""
+    return bool(SECRET_WORDS & set(field.rpartition(".")[2].split("_")))
 
 
 class TomlTableSource(PydanticBaseSettingsSource):

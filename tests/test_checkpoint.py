@@ -18,6 +18,7 @@ from libs.bus.publisher import Publisher
 from libs.chat.template import ByteChatTemplate, ChatMLTemplate
 from libs.envs.client import EnvClient
 from libs.policy import PolicyConfig, build_policy, load_policy_tokenizer
+from libs.serve.app import ServeConfig
 from libs.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 from libs.trainer.checkpoint import (
     OPTIMIZER_FILE,
@@ -165,7 +166,7 @@ def test_a_replica_serving_a_checkpoint_reports_its_version(tmp_path: Path) -> N
     folder = save(tmp_path, step=150, version=153, keep=2, protected=set())
     assert checkpoint_version(folder) == 153
     fixed = RolloutWorkerSettings(
-        policy=PolicyConfig(path=str(folder)), follow_weights=False, serve_port=8000
+        policy=PolicyConfig(path=str(folder)), follow_weights=False, serve=ServeConfig(port=8000)
     )
     assert fixed.engine_config().initial_policy_version == 153
     # A replica following the trainer starts from whatever the trainer announces.

@@ -25,6 +25,7 @@ from libs.bus.connection import Bus
 from libs.bus.provision import provision
 from libs.nats_server import free_port
 from libs.policy import PolicyConfig
+from libs.serve.app import ServeConfig
 from libs.trainer.checkpoint import latest_checkpoint
 from services.rollout_worker.service import RolloutWorkerService
 from services.rollout_worker.settings import RolloutWorkerSettings
@@ -116,8 +117,7 @@ async def test_serve_mode_renders_the_folders_own_chat_template(
             policy=PolicyConfig(path=str(model_folder), device="cpu"),
             consume_tasks=False,
             follow_weights=False,
-            serve_port=port,
-            served_model_name="mine",
+            serve=ServeConfig(port=port, model_name="mine"),
             drain_timeout_s=5.0,
         )
     )

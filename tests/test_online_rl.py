@@ -47,7 +47,7 @@ from libs.trainer.metrics import read_step_samples
 from libs.trainer.mix import Stream, choose_stream, scheduled_stream
 from libs.trainer.online_step import OnlineConfig
 from libs.weights.handoff import stage_weights
-from libs.weights.receiver import WeightReceiver
+from libs.weights.receiver import ReceiverConfig, WeightReceiver
 from proto import streams, subjects
 from proto.messages import (
     DeadLetter,
@@ -439,9 +439,10 @@ async def test_a_serving_follower_applies_only_promoted_versions(bus: Bus, tmp_p
     engine = HFEngine(build_policy(PolicyConfig(seed=99)), TOKENIZER)
     follower = WeightsFollower(
         engine,
-        WeightReceiver(bus, fetch_timeout_s=5.0),
+        WeightReceiver(
+            bus, ReceiverConfig(fetch_timeout_s=5.0, promoted_only=True, decode_process=False)
+        ),
         GenerationBatcher(engine),
-        promoted_only=True,
         promoted_poll_s=0.05,
     )
     await follower.start(bus.js)

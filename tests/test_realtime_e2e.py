@@ -35,11 +35,13 @@ from libs.nats_server import free_port
 from libs.policy import PolicyConfig, build_policy, sequence_logprobs
 from libs.rollout.agent import AgentSettings
 from libs.rollout.evaluate import evaluate, mean_reward
+from libs.serve.app import ServeConfig
 from libs.service import Service
 from libs.tokenizer import ByteTokenizer
 from libs.trainer.eval_gate import EvalGateConfig, held_out_tasks
 from libs.trainer.metrics import read_step_samples
 from libs.trainer.online_step import OnlineConfig
+from libs.weights.receiver import ReceiverConfig
 from proto import streams
 from proto.messages import ChatMessage, OnlineSample, PromotionDecision, ServedGeneration
 from services.env_gateway.service import EnvGatewayService
@@ -104,9 +106,8 @@ async def pipeline(bus: Bus, tmp_path: Path) -> AsyncIterator[Pipeline]:
             # Not the trainer's init: serving must wait for its weights.
             policy=PolicyConfig(device="cpu", seed=SEED + 1),
             consume_tasks=False,
-            serve_port=serve_port,
-            served_model_name=MODEL,
-            weights_promoted_only=True,
+            serve=ServeConfig(port=serve_port, model_name=MODEL),
+            weights=ReceiverConfig(promoted_only=True),
             drain_timeout_s=5.0,
         )
     )

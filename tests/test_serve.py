@@ -87,7 +87,7 @@ async def start_serving(bus: Bus, engine: HFEngine) -> AsyncIterator[ServingFact
         runner = asyncio.create_task(batcher.run())
         recorder = GenerationRecorder(publisher or Publisher(bus.js))
         served = ServedPolicy(batcher.generate, TOKENIZER, score=batcher.score, recorder=recorder)
-        config.setdefault("served_model_name", MODEL)
+        config.setdefault("model_name", MODEL)
         config.setdefault("default_max_tokens", 16)
         api = OpenAIApi(served, TEMPLATE, lambda: engine.policy_version, ServeConfig(**config))
         server = ServeServer(create_app(api), "127.0.0.1", 0, graceful_s=2)
@@ -443,8 +443,7 @@ async def test_rollout_worker_serves_and_records(bus: Bus, tmp_path: Path) -> No
             worker_id="server-test",
             policy=PolicyConfig(device="cpu"),
             consume_tasks=False,
-            serve_port=port,
-            served_model_name=MODEL,
+            serve=ServeConfig(port=port, model_name=MODEL),
             drain_timeout_s=5.0,
         )
     )
@@ -478,7 +477,7 @@ async def test_rollout_worker_serves_and_records(bus: Bus, tmp_path: Path) -> No
 
 def test_a_worker_that_neither_consumes_nor_serves_is_refused() -> None:
     with pytest.raises(ValueError, match="SERVE_PORT"):
-        RolloutWorkerSettings(consume_tasks=False, serve_port=0)
+        RolloutWorkerSettings(consume_tasks=False, serve=ServeConfig(port=0))
 
 
 async def test_a_fixed_weights_replica_serves_at_once_and_ignores_new_versions(
@@ -491,7 +490,8 @@ async def test_a_fixed_weights_replica_serves_at_once_and_ignores_new_versions(
         RolloutWorkerSettings(
             worker_id="fixed-judge", policy=PolicyConfig(device="cpu", seed=3),
             consume_tasks=False,
-            follow_weights=False, serve_port=port, served_model_name=MODEL, drain_timeout_s=5.0,
+            follow_weights=False, serve=ServeConfig(port=port, model_name=MODEL),
+            drain_timeout_s=5.0,
         )
     )  # fmt: skip
     await worker.start(bus)

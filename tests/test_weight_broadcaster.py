@@ -27,7 +27,12 @@ from libs.weights.handoff import (
     staged_versions,
     write_staged_delta,
 )
-from libs.weights.receiver import VERSION_ATTEMPTS, WeightReceiver, latest_announcement
+from libs.weights.receiver import (
+    VERSION_ATTEMPTS,
+    ReceiverConfig,
+    WeightReceiver,
+    latest_announcement,
+)
 from libs.weights.tensors import as_raw
 from libs.weights.transport import chunk_subject, fetch_chunks
 from proto import streams
@@ -47,6 +52,9 @@ DEVICES = pytest.mark.parametrize(
         ),
     ],
 )
+
+# Receivers decode in this process, as a worker whose weights are on the CPU does.
+IN_PROCESS = ReceiverConfig(decode_process=False)
 SNAPSHOT_EVERY = 3  # versions 1 (first), 4, 7 are snapshot points
 
 DTYPES = [
@@ -172,7 +180,7 @@ async def harness(bus: Bus, tmp_path: Path) -> AsyncIterator[Harness]:
 async def assert_caught_up(harness: Harness, version: int) -> None:
     """A receiver starting from nothing reaches `version`, bit-exact with what was staged."""
     state: dict[str, Any] = {}
-    receiver = WeightReceiver(harness.bus)
+    receiver = WeightReceiver(harness.bus, IN_PROCESS)
     try:
         await receiver.catch_up(state, version=version, timeout_s=20)
     finally:
@@ -188,7 +196,7 @@ async def receive(receiver: WeightReceiver, state: dict[str, Any]) -> tuple[str,
 
 async def test_versions_arrive_bit_exact_and_in_place(harness: Harness) -> None:
     state: dict[str, Any] = {}
-    receiver = WeightReceiver(harness.bus, parallel=4)
+    receiver = WeightReceiver(harness.bus, ReceiverConfig(fetch_parallel=4, decode_process=False))
     kinds = []
     try:
         for version in range(1, 6):
@@ -228,7 +236,7 @@ async def test_a_late_joiner_catches_up_from_the_snapshot_and_old_chunks_are_gon
     assert announced.state.messages == 4  # delta 4, snapshot 4, delta 5, delta 6
 
     state: dict[str, Any] = {}
-    late = WeightReceiver(harness.bus, parallel=8)
+    late = WeightReceiver(harness.bus, ReceiverConfig(fetch_parallel=8))
     try:
         kinds = [(await receive(late, state))[0] for _ in range(3)]
     finally:
@@ -295,7 +303,7 @@ async def test_a_tampered_chunk_refuses_the_version_and_leaves_the_model_alone(
     harness: Harness,
 ) -> None:
     state: dict[str, Any] = {}
-    receiver = WeightReceiver(harness.bus, attempts=2)
+    receiver = WeightReceiver(harness.bus, IN_PROCESS, attempts=2)
     try:
         await harness.stage_until(1)
         await receive(receiver, state)
@@ -325,7 +333,7 @@ async def test_a_version_refused_for_a_damaged_read_is_read_again(harness: Harne
     comes through once its chunks read intact. Skipping it would leave the worker waiting for
     a snapshot that a trainer starved of its samples never makes."""
     state: dict[str, Any] = {}
-    receiver = WeightReceiver(harness.bus, attempts=1)
+    receiver = WeightReceiver(harness.bus, IN_PROCESS, attempts=1)
     try:
         await harness.stage_until(1)
         await receive(receiver, state)
@@ -354,7 +362,7 @@ async def test_a_worker_that_lost_a_delta_is_unblocked_by_an_idle_snapshot(
     harness = Harness(bus, tmp_path / "staging", snapshot_when_idle_s=1.0)
     await harness.start_broadcaster()
     state: dict[str, Any] = {}
-    receiver = WeightReceiver(harness.bus)
+    receiver = WeightReceiver(harness.bus, IN_PROCESS)
     try:
         await harness.stage_until(1)
         await receive(receiver, state)
@@ -393,7 +401,7 @@ async def test_a_missing_chunk_refuses_the_version_loudly(harness: Harness) -> N
     await harness.bus.js.purge_stream(streams.WEIGHT_CHUNKS.name, subject=subject)
 
     state: dict[str, Any] = {}
-    receiver = WeightReceiver(harness.bus)
+    receiver = WeightReceiver(harness.bus, IN_PROCESS)
     try:
         await receive(receiver, state)  # the snapshot of version 1
         with pytest.raises(MissingChunkError, match="not stored"):
@@ -407,8 +415,8 @@ async def test_a_missing_chunk_refuses_the_version_loudly(harness: Harness) -> N
 async def test_a_delta_on_another_base_is_refused(harness: Harness) -> None:
     await harness.stage_until(3)
     state: dict[str, Any] = {}
-    ahead = WeightReceiver(harness.bus)
-    behind = WeightReceiver(harness.bus)
+    ahead = WeightReceiver(harness.bus, IN_PROCESS)
+    behind = WeightReceiver(harness.bus, IN_PROCESS)
     try:
         await receive(ahead, state)  # holds version 1
         update_2 = await asyncio.wait_for(ahead.next_update(), 20)
@@ -437,7 +445,7 @@ async def test_deltas_found_on_a_torch_device_arrive_bit_exact_across_a_restart(
     harness = Harness(bus, tmp_path / "staging", diff_device=device)
     await harness.start_broadcaster()
     state: dict[str, Any] = {}
-    receiver = WeightReceiver(harness.bus, parallel=4)
+    receiver = WeightReceiver(harness.bus, ReceiverConfig(fetch_parallel=4, decode_process=False))
     kinds = []
     try:
         for version in range(1, 8):
@@ -471,7 +479,7 @@ async def test_deltas_the_trainer_encodes_arrive_bit_exact_with_snapshots_on_sch
     stager = harness.delta_stager()
     kinds, subscription = await staged_kinds(harness.bus)
     state: dict[str, Any] = {}
-    receiver = WeightReceiver(harness.bus)
+    receiver = WeightReceiver(harness.bus, IN_PROCESS)
     received = []
     try:
         for version in range(1, 8):
@@ -494,7 +502,7 @@ async def test_deltas_the_trainer_encodes_arrive_bit_exact_with_snapshots_on_sch
     snapshot = await latest_announcement(harness.bus.js, "snapshot")
     assert snapshot is not None and snapshot[1].version == 7
     late: dict[str, Any] = {}
-    joiner = WeightReceiver(harness.bus)
+    joiner = WeightReceiver(harness.bus, IN_PROCESS)
     try:
         assert (await receive(joiner, late))[0] == "snapshot"
     finally:

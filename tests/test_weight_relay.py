@@ -27,7 +27,7 @@ from libs.weights.broadcaster import WeightBroadcaster
 from libs.weights.encoder import EncodeOptions
 from libs.weights.handoff import stage_weights
 from libs.weights.hashing import state_hash
-from libs.weights.receiver import WeightReceiver
+from libs.weights.receiver import ReceiverConfig, WeightReceiver
 from libs.weights.relay import RegionalWeightReceiver, mirror_status, prune_region, setup_relay
 from libs.weights.tensors import raw_state
 from proto import streams
@@ -175,7 +175,7 @@ async def receive_until(
 async def region_worker(region: NatsServer, version: int) -> tuple[dict[str, Any], str, int]:
     """A worker connected only to the region: its state, the hash it holds, bytes fetched."""
     bus = await connect_bus(region.url, name="pytest-region-worker")
-    receiver = RegionalWeightReceiver(bus, parallel=4)
+    receiver = RegionalWeightReceiver(bus, ReceiverConfig(fetch_parallel=4, decode_process=False))
     state: dict[str, Any] = {}
     try:
         fetched = await receive_until(receiver, state, version)
@@ -248,7 +248,7 @@ async def test_the_region_serves_while_the_hub_is_away_and_resumes_after(relay: 
     await relay.publish_until(2)
     await relay.wait_mirrored()
     bus = await connect_bus(relay.region.url, name="pytest-region-follower")
-    follower = RegionalWeightReceiver(bus, parallel=4)
+    follower = RegionalWeightReceiver(bus, ReceiverConfig(fetch_parallel=4, decode_process=False))
     follower_state: dict[str, Any] = {}
     try:
         await receive_until(follower, follower_state, 2)
@@ -305,7 +305,9 @@ async def test_a_regional_receiver_waits_for_chunks_announced_before_they_arrive
     await relay.wait_mirrored(names=(streams.WEIGHTS_ANNOUNCE.name,))
     bus = await connect_bus(relay.region.url, name="pytest-region-worker")
     try:
-        regional = RegionalWeightReceiver(bus, fetch_timeout_s=1.0)
+        regional = RegionalWeightReceiver(
+            bus, ReceiverConfig(fetch_timeout_s=1.0, decode_process=False)
+        )
         state: dict[str, Any] = {}
         task = asyncio.create_task(receive_until(regional, state, 1))
         await asyncio.sleep(0.3)
@@ -322,7 +324,7 @@ async def test_a_rollout_worker_in_a_region_takes_its_weights_from_the_relay(
     relay: Relay, tmp_path: Path
 ) -> None:
     """The worker's service connection is the hub (tasks, rollouts, the trainer's state);
-    with `weights_nats_url` its weights come from the region's mirrors."""
+    with `weights.nats_url` its weights come from the region's mirrors."""
     from libs.policy import build_policy
     from services.rollout_worker.service import RolloutWorkerService
     from services.rollout_worker.settings import RolloutWorkerSettings
@@ -338,7 +340,7 @@ async def test_a_rollout_worker_in_a_region_takes_its_weights_from_the_relay(
     await state_trainer_policy(service_bus.js)
     settings = RolloutWorkerSettings(
         worker_id="region-worker", policy=PolicyConfig(device="cpu", seed=9),
-        weights_nats_url=relay.region.url,
+        weights=ReceiverConfig(nats_url=relay.region.url),
         fetch_timeout_s=0.2, drain_timeout_s=2.0, http_port=0,
     )  # fmt: skip
     worker = RolloutWorkerService(settings)

@@ -32,7 +32,7 @@ from libs.rollout.batcher import GenerationBatcher
 from libs.rollout.weights_follower import WeightsFollower
 from libs.tokenizer import ByteTokenizer
 from libs.weights.handoff import stage_weights
-from libs.weights.receiver import WeightReceiver
+from libs.weights.receiver import ReceiverConfig, WeightReceiver
 from libs.work_health import FailureWatch, LagWatch
 from proto import streams
 from services.weight_broadcaster.service import WeightBroadcasterService
@@ -156,7 +156,9 @@ async def test_a_worker_that_cannot_get_an_announced_version_says_why(
 
     engine = HFEngine(build_policy(PolicyConfig(preset="tiny", seed=1)), ByteTokenizer())
     follower = WeightsFollower(
-        engine, WeightReceiver(bus, fetch_timeout_s=2.0), GenerationBatcher(engine)
+        engine,
+        WeightReceiver(bus, ReceiverConfig(fetch_timeout_s=2.0, decode_process=False)),
+        GenerationBatcher(engine),
     )
     await follower.start(bus.js)
     following = asyncio.create_task(follower.run())

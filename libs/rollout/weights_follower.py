@@ -1,6 +1,6 @@
 """Keep an inference engine on the newest policy version of the bus, swapping in place.
 
-    follower = WeightsFollower(engine, WeightReceiver(bus), batcher)
+    follower = WeightsFollower(engine, WeightReceiver(bus, ReceiverConfig()), batcher)
     await follower.start(bus.js)                 # notes the newest version announced now
     asyncio.create_task(follower.run())          # fetch, verify, apply, forever
     await follower.wait_caught_up()              # holds that version (or the first one)
@@ -29,14 +29,14 @@ Health: while it follows, the follower polls the newest announced version every
 holds (or any, while it holds none) has been announced for over `WEIGHTS_STALL_S` without
 one being applied, with the last failure's reason (libs/work_health.py).
 
-Promoted versions only (`promoted_only=True`, for replicas serving product users): the
-engine takes a version only once the trainer's eval gate promoted it (KV key
+Promoted versions only (the receiver's `config.promoted_only`, for replicas serving product
+users): the engine takes a version only once the trainer's eval gate promoted it (KV key
 PROMOTED_VERSION_KEY of the state bucket, polled every `promoted_poll_s`). The chain is
 followed into a CPU shadow copy up to the promoted version (deltas apply in order, so the
 versions between promotions are applied to the shadow, never served), then the tensors
-changed since the last push go to the engine through `engine.update_weights` in one pause.
-A shadow that skipped past the promoted version (a gap repaired from a newer snapshot)
-waits for the next promotion. Costs one CPU copy of the weights; needs the trainer's gate on.
+changed since the last push go to the engine through `engine.update_weights` in one pause. A
+shadow that skipped past the promoted version (a gap repaired from a newer snapshot) waits
+for the next promotion. Costs one CPU copy of the weights; needs the trainer's gate on.
 """
 
 from __future__ import annotations
@@ -112,14 +112,13 @@ class WeightsFollower:
         batcher: GenerationBatcher,
         *,
         retry_delays_s: tuple[float, ...] = DEFAULT_RETRY_DELAYS_S,
-        promoted_only: bool = False,
         promoted_poll_s: float = 1.0,
     ) -> None:
         self.engine = engine
         self.receiver = receiver
         self.batcher = batcher
         self.retry_delays_s = retry_delays_s
-        self.promoted_only = promoted_only
+        self.promoted_only = promoted_only = receiver.config.promoted_only
         self.promoted_poll_s = promoted_poll_s
         live = engine.live_tensors()
         # Promoted-only needs the shadow: versions between promotions must not reach the model.

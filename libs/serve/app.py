@@ -22,7 +22,6 @@ from __future__ import annotations
 import hmac
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -30,6 +29,7 @@ import structlog
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from prometheus_client import Counter, Histogram
+from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from libs.chat.template import ChatTemplate
@@ -68,19 +68,30 @@ RECORDED_HEADER = "X-Generation-Recorded"
 Reply = tuple[dict[str, Any], dict[str, str]]
 
 
-@dataclass(frozen=True)
-class ServeConfig:
-    """What the API serves and accepts."""
+class ServeConfig(BaseModel):
+    """Where the OpenAI-compatible API listens, what it serves and accepts (the
+    rollout-worker's `serve`)."""
 
-    served_model_name: str = "rlpipe-policy"
-    api_key: str | None = None
-    """Required as `Authorization: Bearer <key>` when set; None: open."""
-    max_choices: int = 16
-    """Largest `n` of one request."""
-    default_max_tokens: int = 256
-    """Chat `max_completion_tokens` when the request sets none."""
-    max_body_bytes: int = 4 * 1024 * 1024
-    not_ready_retry_after_s: int = 1
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    port: int = Field(
+        0, ge=0, le=65535, description="Port of the OpenAI-compatible API; 0: serve mode off"
+    )
+    host: str = Field("127.0.0.1", description="Address the OpenAI-compatible API binds")
+    model_name: str = Field(
+        "rlpipe-policy", min_length=1, description="Model name the API serves (`model` field)"
+    )
+    api_key: str | None = Field(
+        None, description="Secret required as `Authorization: Bearer <key>`; unset: open"
+    )
+    max_choices: int = Field(16, ge=1, description="Largest `n` of one request")
+    default_max_tokens: int = Field(
+        256, ge=1, description="Chat completion tokens when a request sets no max"
+    )
+    max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024, description="Largest request body")
+    not_ready_retry_after_s: int = Field(
+        1, ge=0, description="Retry-After of a 503 while no weights are loaded"
+    )
 
 
 class OpenAIApi:
@@ -112,7 +123,7 @@ class OpenAIApi:
             )
 
     def models(self) -> dict[str, Any]:
-        return models_body(self.config.served_model_name, self.started, self.policy_version())
+        return models_body(self.config.model_name, self.started, self.policy_version())
 
     async def chat(self, body: Any) -> Reply:
         request = parse_request(ChatRequest, body)
@@ -148,7 +159,7 @@ class OpenAIApi:
 
     def _admit(self, request: CommonRequest) -> None:
         """404 for another model, 400 for too many choices, 503 without weights."""
-        name = self.config.served_model_name
+        name = self.config.model_name
         if request.model is not None and request.model != name:
             raise ApiError(
                 404,
@@ -170,7 +181,7 @@ class OpenAIApi:
         self, request: CommonRequest, prompt_ids: list[int], logprobs: bool
     ) -> BodyOptions:
         return BodyOptions(
-            model=self.config.served_model_name,
+            model=self.config.model_name,
             prompt_ids=prompt_ids,
             tokenizer=self.served.tokenizer,
             logprobs=logprobs,

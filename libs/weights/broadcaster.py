@@ -66,7 +66,7 @@ from libs.weights.handoff import (
     staged_versions,
 )
 from libs.weights.hashing import state_hash
-from libs.weights.receiver import WeightReceiver, announced_head
+from libs.weights.receiver import ReceiverConfig, WeightReceiver, announced_head
 from libs.weights.retention import purge_before_latest_snapshot
 from libs.weights.scan import Changes
 from libs.weights.tensors import RawTensor, check_dtype, torch_dtype
@@ -245,8 +245,9 @@ class WeightBroadcaster:
 
     async def _rebuild(self, head: ChainHead) -> dict[str, RawTensor] | None:
         """Decode head.version from the bus (latest snapshot + deltas); None if it cannot."""
+        config = ReceiverConfig(decode_threads=self.options.threads, decode_process=False)
         receiver = WeightReceiver(
-            self._bus, new_tensor_kind="raw", threads=self.options.threads,
+            self._bus, config, new_tensor_kind="raw",
             announce_stream=self._announce_stream, chunk_stream=self._chunk_stream,
         )  # fmt: skip
         state: dict[str, Any] = {}

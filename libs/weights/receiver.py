@@ -1,6 +1,6 @@
 """Receive weight versions from the bus and apply them in place: the rollout-worker's side.
 
-    receiver = WeightReceiver(bus, current=None)        # None: a new worker, no weights yet
+    receiver = WeightReceiver(bus, ReceiverConfig())    # holds nothing yet (current=None)
     while True:
         update = await receiver.next_update()             # fetched + verified, not applied
         await asyncio.to_thread(receiver.decode, update, state)   # optional, off the lock
@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import time
 from collections.abc import MutableMapping
 from dataclasses import dataclass, field
@@ -61,6 +62,7 @@ from nats.js import JetStreamContext
 from nats.js import api as js_api
 from nats.js.errors import NotFoundError
 from prometheus_client import Counter, Gauge, Histogram
+from pydantic import BaseModel, ConfigDict, Field
 
 from libs.bus import wire
 from libs.bus.connection import Bus
@@ -74,7 +76,6 @@ from libs.weights.tensors import kind_of, raw_state
 from libs.weights.transport import (
     DEFAULT_ATTEMPTS,
     DEFAULT_MAX_IN_FLIGHT_BYTES,
-    DEFAULT_PARALLEL,
     FetchResult,
     fetch_chunks,
 )
@@ -138,42 +139,74 @@ class PreparedUpdate:
         return self.fetch.chunks
 
 
+class ReceiverConfig(BaseModel):
+    """Where and how a worker receives weight versions (the rollout-worker's `weights`)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    nats_url: str | None = Field(
+        None,
+        description="NATS to fetch weights from: a region's relay server "
+        "(docs/weights-relay.md); unset: the service connection",
+    )
+    chunk_wait_s: float = Field(
+        600.0,
+        gt=0,
+        description="With nats_url: longest wait for a version's chunks to reach the "
+        "regional mirror",
+    )
+    fetch_parallel: int = Field(8, ge=1, description="Chunk fetches in flight")
+    fetch_timeout_s: float = Field(10.0, gt=0, description="Longest wait for one chunk")
+    # A 1 GB dense bf16 delta is ~1,000 chunks: their copies, zstd and numpy release the GIL.
+    decode_threads: int = Field(
+        default_factory=lambda: min(8, os.cpu_count() or 1),
+        ge=1,
+        description="Threads decoding a version's chunks (default: up to 8, one per core)",
+    )
+    # In the worker's own process the decode threads wait for the GIL its event loop holds.
+    decode_process: bool = Field(
+        True,
+        description="Decode deltas in a process of its own, against a host copy of the weights "
+        "in /dev/shm (off the worker's GIL and off the GPU; the rollout-worker uses it for "
+        "weights on a GPU); false: in this process's threads (also where /dev/shm cannot "
+        "hold the copy)",
+    )
+    verify_full: bool = Field(
+        True, description="Rehash the whole model after each swap (inside the pause)"
+    )
+    promoted_only: bool = Field(
+        False, description="Apply only versions the trainer's eval gate promoted (serving)"
+    )
+
+
 class WeightReceiver:
     """Follows weight announcements and turns them into in-place updates of a state."""
 
     def __init__(
         self,
         bus: Bus,
+        config: ReceiverConfig | None = None,
         *,
         current: VersionInfo | None = None,
-        parallel: int = DEFAULT_PARALLEL,
         max_in_flight_bytes: int = DEFAULT_MAX_IN_FLIGHT_BYTES,
         attempts: int = DEFAULT_ATTEMPTS,
-        fetch_timeout_s: float = 10.0,
-        verify_full: bool = True,
-        threads: int = 1,
         new_tensor_kind: str = "auto",
         announce_stream: str = streams.WEIGHTS_ANNOUNCE.name,
         chunk_stream: str = streams.WEIGHT_CHUNKS.name,
         poll_timeout_s: float = 1.0,
-        decode_process: bool = False,
     ) -> None:
         self._bus = bus
-        # Deltas are decoded in a process of its own (libs/weights/decode_process.py), off
-        # this process's GIL and off the GPU; snapshots (their ~1 GB of chunks would be
-        # copied through a pipe) and versions that add or remove tensors here.
+        self.config = config or ReceiverConfig()
+        # With config.decode_process, deltas are decoded in a process of its own
+        # (libs/weights/decode_process.py), started at the first delta of a torch state;
+        # snapshots (their ~1 GB of chunks would be copied through a pipe) and versions that
+        # add or remove tensors are decoded here.
         self._process: DecodeProcess | None = None
-        if decode_process:
-            from libs.weights.decode_process import DecodeProcess  # imports torch
-
-            self._process = DecodeProcess(threads)
         self._current = current
-        self._parallel = parallel
         self._max_in_flight_bytes = max_in_flight_bytes
         self._attempts = attempts
-        self._fetch_timeout_s = fetch_timeout_s
-        self.verify_full = verify_full
-        self._threads = threads
+        self.verify_full = self.config.verify_full
+        self._threads = self.config.decode_threads
         self._kind = new_tensor_kind
         self._announce_stream = announce_stream
         self._chunk_stream = chunk_stream
@@ -216,10 +249,10 @@ class WeightReceiver:
                     self._bus.nc,
                     announcement.manifest,
                     stream=self._chunk_stream,
-                    parallel=self._parallel,
+                    parallel=self.config.fetch_parallel,
                     max_in_flight_bytes=self._max_in_flight_bytes,
                     attempts=self._attempts,
-                    timeout_s=self._fetch_timeout_s,
+                    timeout_s=self.config.fetch_timeout_s,
                 )
             except CorruptDeltaError as exc:  # MissingChunkError included
                 UPDATES.labels(kind, "refused").inc()
@@ -389,8 +422,8 @@ class WeightReceiver:
         """Decode `update` against `state` without writing to it (blocking; a live model may
         keep serving meanwhile). `apply` does this itself when it was not done."""
         manifest = update.announcement.manifest
-        child = self._process
-        if child is not None and update.kind == "delta" and child.accepts(state, manifest):
+        child = self._decode_process(update, state)
+        if child is not None and child.accepts(state, manifest):
             base = self._checked_base(update)
             assert base is not None  # a delta's base is a version held
             timings = child.prepare(state, manifest, base, update.chunks)
@@ -405,6 +438,21 @@ class WeightReceiver:
         prepared = applier.prepare_all(update.chunks, self._threads)
         update.applier, update.decoded, update.decoded_for = applier, prepared.chunks, id(state)
         update.chunk_wall_s, update.chunk_cpu_s = prepared.wall_s, prepared.cpu_s
+
+    def _decode_process(
+        self, update: PreparedUpdate, state: MutableMapping[str, Any]
+    ) -> DecodeProcess | None:
+        """The decode process for a delta of a torch state (config.decode_process), started
+        at the first one; None for anything decoded here."""
+        if update.kind != "delta" or not self.config.decode_process:
+            return None
+        if self._process is None:
+            if not state or kind_of(next(iter(state.values()))) != "torch":
+                return None
+            from libs.weights.decode_process import DecodeProcess  # imports torch
+
+            self._process = DecodeProcess(self._threads)
+        return self._process
 
     def apply(self, update: PreparedUpdate, state: MutableMapping[str, Any]) -> float:
         """Write `update` into `state` in place; returns the pause in seconds (the time the

@@ -212,19 +212,15 @@ async def wait_for_chunks(
 
 class RegionalWeightReceiver(WeightReceiver):
     """A WeightReceiver for a regional server: before fetching a version it takes, it waits
-    (up to `chunk_wait_s`) for the chunk mirror to hold all of that version's chunks. After
-    the wait it fetches as usual; a chunk still missing then is refused as on the hub."""
-
-    def __init__(self, *args: Any, chunk_wait_s: float = 600.0, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.chunk_wait_s = chunk_wait_s
+    (up to `config.chunk_wait_s`) for the chunk mirror to hold all of that version's chunks.
+    After the wait it fetches as usual; a chunk still missing then is refused as on the hub."""
 
     async def _wanted(self, announcement: WeightAnnouncement) -> bool:
         if not await super()._wanted(announcement):
             return False
         await wait_for_chunks(
             self._bus.js, announcement.manifest, stream=self._chunk_stream,
-            timeout_s=self.chunk_wait_s,
+            timeout_s=self.config.chunk_wait_s,
         )  # fmt: skip
         return True
 

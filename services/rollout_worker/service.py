@@ -11,7 +11,7 @@ is acked, so a redelivered task stores nothing twice. A task tagged `min_policy_
 consumer's attempts, so a version that never comes holds no slot forever. `stop` stops pulling,
 lets in-flight tasks finish (drain_timeout_s), then ends the background loops.
 
-Serve mode (`serve_port` set): the same engine also answers an OpenAI-compatible API
+Serve mode (`serve.port` set): the same engine also answers an OpenAI-compatible API
 (libs.serve) on uvicorn in this loop; its requests go through the same batcher (batched with
 rollouts, never across a weight swap) and every served choice is recorded on
 `rl.serving.generations` before the answer. `consume_tasks=false` makes a replica that only
@@ -41,7 +41,7 @@ from libs.rollout.agent import AgentRunner, AgentSettings
 from libs.rollout.batcher import GenerationBatcher
 from libs.rollout.throughput import ThroughputMeter
 from libs.rollout.weights_follower import WeightsFollower
-from libs.serve.app import OpenAIApi, ServeConfig, create_app
+from libs.serve.app import OpenAIApi, create_app
 from libs.serve.generation import ServedPolicy
 from libs.serve.records import GenerationRecorder
 from libs.serve.server import ServeServer
@@ -85,7 +85,7 @@ class RolloutWorkerService(Service):
         self.batcher: GenerationBatcher | None = None
         self.follower: WeightsFollower | None = None
         self.receiver: WeightReceiver | None = None
-        # The region's relay server when weights come from there (weights_nats_url).
+        # The region's relay server when weights come from there (weights.nats_url).
         self.regional_bus: Bus | None = None
         self.runner: AgentRunner | None = None
         self.consumer: PullConsumer[Task] | None = None
@@ -114,10 +114,8 @@ class RolloutWorkerService(Service):
         weights_bus = await self._weights_bus(bus)
         # Deltas are decoded beside the engine in a process of its own where weights are on a GPU.
         on_gpu = any(t.is_cuda for t in (self.engine.live_tensors() or {}).values())
-        self.receiver = self._receiver(weights_bus, decode_process=on_gpu)
-        self.follower = WeightsFollower(
-            self.engine, self.receiver, self.batcher, promoted_only=s.weights_promoted_only
-        )
+        self.receiver = self._receiver(weights_bus, on_gpu=on_gpu)
+        self.follower = WeightsFollower(self.engine, self.receiver, self.batcher)
         # Announcements from where the weights come from; the promoted version from the
         # trainer's KV state on the service connection.
         await self.follower.start(weights_bus.js, state_js=bus.js)
@@ -135,7 +133,7 @@ class RolloutWorkerService(Service):
             concurrency=s.max_batch_tasks,
             fetch_timeout_s=s.fetch_timeout_s,
         )
-        if s.serve_port:
+        if s.serve.port:
             await self._start_serving(bus, tokenizer)
         self.status = "waiting for weights"
         self.detail = f"worker {s.worker_id}: following weight announcements"
@@ -208,7 +206,7 @@ class RolloutWorkerService(Service):
 
     async def _weights_bus(self, bus: Bus) -> Bus:
         """The connection weights come over: the service's, or the region's relay server."""
-        url = self.settings.weights_nats_url
+        url = self.settings.weights.nats_url
         if not url:
             return bus
         name = f"{self.settings.worker_id}-weights"
@@ -216,19 +214,14 @@ class RolloutWorkerService(Service):
         log.info("fetching weights from the regional relay", nats_url=redact_url(url))
         return self.regional_bus
 
-    def _receiver(self, weights_bus: Bus, *, decode_process: bool) -> WeightReceiver:
-        s = self.settings
-        options: dict[str, Any] = {
-            "parallel": s.weights_fetch_parallel,
-            "threads": s.weights_decode_threads,
-            "decode_process": s.weights_decode_process and decode_process,
-            "fetch_timeout_s": s.weights_fetch_timeout_s,
-            "verify_full": s.weights_verify_full,
-        }
+    def _receiver(self, weights_bus: Bus, *, on_gpu: bool) -> WeightReceiver:
+        config = self.settings.weights
+        if not on_gpu:  # the decode process keeps a host copy for weights on a GPU only
+            config = config.model_copy(update={"decode_process": False})
         if self.regional_bus is None:
-            return WeightReceiver(weights_bus, **options)
+            return WeightReceiver(weights_bus, config)
         # A mirror's announcement can arrive before its chunks: wait for them.
-        return RegionalWeightReceiver(weights_bus, chunk_wait_s=s.weights_chunk_wait_s, **options)
+        return RegionalWeightReceiver(weights_bus, config)
 
     async def _stop_consuming(self) -> None:
         if self.consumer is not None:
@@ -252,18 +245,12 @@ class RolloutWorkerService(Service):
         self.served = ServedPolicy(
             self.batcher.generate, tokenizer, score=self.batcher.score, recorder=recorder
         )
-        config = ServeConfig(
-            served_model_name=s.served_model_name,
-            api_key=s.serve_api_key,
-            max_choices=s.serve_max_choices,
-            default_max_tokens=s.serve_default_max_tokens,
-        )
         follower = self.follower
         api = OpenAIApi(
-            self.served, chat_template_for(tokenizer), lambda: follower.policy_version, config
+            self.served, chat_template_for(tokenizer), lambda: follower.policy_version, s.serve
         )
         self.serve_api = ServeServer(
-            create_app(api), s.serve_host, s.serve_port, graceful_s=s.drain_timeout_s
+            create_app(api), s.serve.host, s.serve.port, graceful_s=s.drain_timeout_s
         )
         await self.serve_api.start()
         if not s.record_generations:
