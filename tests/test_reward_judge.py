@@ -43,6 +43,7 @@ from libs.reward.judge import (
     build_judge,
     parse_verdicts,
 )
+from libs.settings import SettingsError, load_settings
 from proto import streams, subjects
 from proto.messages import (
     EPISODE_STAT_GENERATED_TOKENS,
@@ -294,7 +295,7 @@ async def test_a_refused_judge_request_is_not_retried(judge_server: JudgeServer)
     judge_server.default = lambda body: (401, {"error": "bad key"})
     scored = await score_rollout(judged_rubric(judge_server), calc_rollout(), CALC_TASK, now=1.0)
     assert not scored.scored and "HTTP 401" in scored.unscored_reason
-    assert "judge_api_key" in scored.unscored_reason
+    assert "judge.api_key" in scored.unscored_reason
     assert len(judge_server.bodies) == 1
 
 
@@ -429,17 +430,19 @@ def test_judge_settings_name_what_is_missing_and_mask_the_key(
 ) -> None:
     criteria = '[{"name": "helpful", "weight": 1, "description": "d"}]'
     monkeypatch.setenv("RLPIPE_REWARD_JUDGE_CRITERIA", criteria)
-    with pytest.raises(ValueError, match=r"RLPIPE_REWARD_JUDGE_URL.*RLPIPE_REWARD_JUDGE_API_KEY"):
-        RewardSettings(judge_model="m")
+    monkeypatch.setenv("RLPIPE_REWARD_JUDGE_MODEL", "m")
+    with pytest.raises(SettingsError, match=r"reward\.judge: .*set judge url, api_key"):
+        load_settings(RewardSettings)
     monkeypatch.setenv("RLPIPE_REWARD_JUDGE_API_KEY", "sk-secret")
-    settings = RewardSettings(judge_url="http://j/v1", judge_model="m")
-    assert settings.judge_criteria[0].name == "helpful"
+    monkeypatch.setenv("RLPIPE_REWARD_JUDGE_URL", "http://j/v1")
+    settings = load_settings(RewardSettings)
+    assert settings.judge.criteria[0].name == "helpful"
     logged = settings.redacted()
-    assert logged["judge_api_key"] == "***" and "sk-secret" not in str(logged)
-    config = settings.judge_config()
-    assert config is not None and config.api_key == "sk-secret"
-    monkeypatch.delenv("RLPIPE_REWARD_JUDGE_CRITERIA")
-    assert RewardSettings().judge_config() is None  # no criteria: no judge, no key needed
+    assert logged["judge"]["api_key"] == "***" and "sk-secret" not in str(logged)
+    assert settings.judge.api_key == "sk-secret" and settings.judge.model == "m"
+    for name in ("CRITERIA", "API_KEY", "URL", "MODEL"):
+        monkeypatch.delenv(f"RLPIPE_REWARD_JUDGE_{name}")
+    assert not RewardSettings().judge.criteria  # no criteria: no judge, no key needed
 
 
 # --- The service on a real nats-server -----------------------------------------------------
@@ -452,13 +455,17 @@ async def judged_service(bus: Bus, judge_server: JudgeServer) -> AsyncIterator[R
         fetch_timeout_s=0.2,
         group_timeout_s=2.0,
         shortest_correct_weight=0.1,
-        judge_url=judge_server.url,
-        judge_model="judge-m",
-        judge_api_key="",
-        judge_backoff_s=0.01,
-        judge_criteria=[
-            JudgeCriterionConfig(name="helpful", weight=0.2, description="Explains.", envs=["calc"])
-        ],
+        judge=JudgeConfig(
+            url=judge_server.url,
+            model="judge-m",
+            api_key="",
+            backoff_s=0.01,
+            criteria=[
+                JudgeCriterionConfig(
+                    name="helpful", weight=0.2, description="Explains.", envs=["calc"]
+                )
+            ],
+        ),
     )
     service = RewardService(settings)
     await service.start(bus)
@@ -560,7 +567,7 @@ async def test_a_judge_criterion_is_scored_over_http_by_the_projects_own_served_
     batcher.open.set()
     running = asyncio.create_task(batcher.run())
     served = ServedPolicy(batcher.generate, tokenizer, score=batcher.score)
-    config = ServeConfig(served_model_name="rlpipe-policy", api_key="sk-serve")
+    config = ServeConfig(model_name="rlpipe-policy", api_key="sk-serve")
     api = OpenAIApi(served, chat_template_for(tokenizer), lambda: engine.policy_version, config)
     server = ServeServer(create_app(api), "127.0.0.1", 0, graceful_s=2)
     await server.start()

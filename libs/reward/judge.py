@@ -32,12 +32,12 @@ import secrets
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, Self, TypeVar
 
 import httpx
 import structlog
 from prometheus_client import Counter, Histogram
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from libs.reward.rubric import CriterionSet
 from proto.messages import Rollout, Task
@@ -59,7 +59,7 @@ T = TypeVar("T")
 
 
 class JudgeCriterionConfig(BaseModel):
-    """One judge criterion as configured (`judge_criteria` of the reward settings)."""
+    """One judge criterion as configured (`judge.criteria` of the reward settings)."""
 
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$", description="Name in the breakdown")
     weight: float = Field(ge=0, description="Weight in the rubric")
@@ -68,23 +68,58 @@ class JudgeCriterionConfig(BaseModel):
     envs: list[str] = Field(default_factory=list, description="Envs it applies to; [] = all")
 
 
-@dataclass(frozen=True)
-class JudgeConfig:
-    """How to reach the judge and how hard to try."""
+class JudgeConfig(BaseModel):
+    """How to reach the judge, how hard to try, and its criteria (the reward service's
+    `judge`); off while `criteria` is empty."""
 
-    url: str  # base URL of the OpenAI-compatible API, e.g. http://host:8000/v1
-    model: str
-    api_key: str  # "" for local servers without auth
-    type: str = "openai"
-    verdict_mode: VerdictMode = "text"
-    choice_fields: ChoiceFields = "both"
-    timeout_s: float = 60.0
-    max_attempts: int = 3
-    backoff_s: float = 1.0
-    max_concurrent_requests: int = 8
-    max_tokens: int = 1024
-    temperature: float = 0.0
-    max_episode_chars: int = 32_000
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    type: str = Field("openai", description="Judge backend (JUDGE_TYPES: openai)")
+    url: str = Field(
+        "", description="Base URL of the judge's OpenAI-compatible API (http://host:8000/v1)"
+    )
+    model: str = Field("", description="Model name sent to the judge")
+    api_key: str | None = Field(
+        None, description="Bearer key of the judge; no default: set it, '' for no auth"
+    )
+    verdict_mode: VerdictMode = Field(
+        "text", description="Verdicts parsed from text, or constrained by guided_choice"
+    )
+    choice_fields: ChoiceFields = Field(
+        "both",
+        description="Body fields of a guided_choice verdict: vLLM's legacy guided_choice, "
+        "structured_outputs.choice, or both",
+    )
+    timeout_s: float = Field(60.0, gt=0, description="Timeout of one judge request")
+    max_attempts: int = Field(3, ge=1, description="Attempts per judge request")
+    backoff_s: float = Field(
+        1.0, ge=0, description="Wait before the 2nd attempt; doubles after each (max 30 s)"
+    )
+    max_concurrent_requests: int = Field(8, ge=1, description="Judge requests at once")
+    max_tokens: int = Field(1024, ge=1, description="Tokens the judge may write reasons in")
+    temperature: float = Field(0.0, ge=0, description="Sampling temperature of the judge")
+    max_episode_chars: int = Field(
+        32_000, ge=100, description="Episode text shown to the judge; the middle is cut beyond"
+    )
+    criteria: list[JudgeCriterionConfig] = Field(
+        default_factory=list, description="Judge criteria (name, weight, description, group, envs)"
+    )
+
+    @model_validator(mode="after")
+    def _reachable(self) -> Self:
+        """With criteria the judge is called: it needs its address, model, key and a backend."""
+        if not self.criteria:
+            return self
+        unset = [name for name in ("url", "model") if not getattr(self, name)]
+        if self.api_key is None:
+            unset.append("api_key (may be '' for a server without auth)")
+        if unset:
+            raise ValueError(f"judge criteria are set, so set judge {', '.join(unset)}")
+        if self.type not in JUDGE_TYPES:
+            raise ValueError(
+                f"judge type {self.type!r} is unknown; known: {', '.join(JUDGE_TYPES)}"
+            )
+        return self
 
 
 @dataclass(frozen=True)
@@ -214,8 +249,8 @@ class OpenAIChatJudge(Judge):
             JUDGE_REQUESTS.labels("failed").inc()
             raise JudgeError(
                 f"judge refused the request: HTTP {response.status_code} from "
-                f"{response.url}: {response.text[:300]} (check judge_url, judge_model, "
-                "judge_api_key)"
+                f"{response.url}: {response.text[:300]} (check judge.url, judge.model, "
+                "judge.api_key)"
             )
         JUDGE_REQUESTS.labels("ok").inc()
         try:
@@ -237,7 +272,7 @@ def build_judge(config: JudgeConfig) -> Judge:
     """The judge backend named by `config.type`."""
     if config.type not in JUDGE_TYPES:
         raise ValueError(
-            f"judge_type {config.type!r} is unknown; known: {', '.join(sorted(JUDGE_TYPES))}"
+            f"judge type {config.type!r} is unknown; known: {', '.join(sorted(JUDGE_TYPES))}"
         )
     return JUDGE_TYPES[config.type](config)
 

@@ -92,9 +92,8 @@ class RewardService(Service):
 
     async def start(self, bus: Bus) -> None:
         await super().start(bus)
-        judge_config = self.settings.judge_config()
-        if judge_config is not None:
-            self.judge = build_judge(judge_config)
+        if self.settings.judge.criteria:
+            self.judge = build_judge(self.settings.judge)
         self.publisher = Publisher(bus.js)
         self.consumer = PullConsumer(
             bus.js,
@@ -161,7 +160,7 @@ class RewardService(Service):
         sets = []
         if self.judge is not None:
             s = self.settings
-            sets = judge_criteria_sets(self.judge, s.judge_criteria, env, s.judge_max_episode_chars)
+            sets = judge_criteria_sets(self.judge, s.judge.criteria, env, s.judge.max_episode_chars)
         group = []
         if self.settings.shortest_correct_weight > 0 and rubric.correct_criterion is not None:
             bonus = shortest_correct(rubric.correct_criterion)
