@@ -4,6 +4,7 @@
     rlpipe config show trainer --json              # the same rows as JSON lines
     rlpipe config show trainer --set trainer.learning_rate=1e-4
     rlpipe config check                            # every service's variables and TOML
+    rlpipe config reference > docs/configuration.md  # every field, type, default, doc
 
 A value comes from, highest first: `--set` (carried to services as RLPIPE_SET), the
 service's variable (`RLPIPE_TRAINER_LEARNING_RATE`, or a shared one such as
@@ -23,8 +24,6 @@ import json
 import os
 import re
 import sys
-import types
-import typing
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -33,14 +32,15 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
+from apps.config_reference import reference, type_name
 from apps.launcher.recipe import WARM_START_TABLE
 from libs.settings import (
     CONFIG_VARIABLE,
     OVERRIDES_VARIABLE,
-    SECRET_WORDS,
     SHARED_FALLBACKS,
     ServiceSettings,
     SettingsError,
+    is_secret,
     load_settings,
     merge_overrides,
     nested_fields,
@@ -94,6 +94,8 @@ def add_config_parser(commands: argparse._SubParsersAction, services: tuple[str,
     show.add_argument("service", choices=services)
     show.add_argument("--json", action="store_true", help="one JSON object per field")
     check = actions.add_parser("check", help="validate every service's variables and TOML")
+    page = actions.add_parser("reference", help="print the configuration reference (Markdown)")
+    page.set_defaults(overrides=[])
     for parser in (show, check):
         add_set_argument(parser)
 
@@ -208,21 +210,6 @@ def _plain(value: Any) -> Any:
     return str(value)
 
 
-def type_name(annotation: Any) -> str:
-    """`int | None`, `Literal['a', 'b']` -> `'a' | 'b'`, `list[ApiKeyEntry]`, `Path`."""
-    origin = typing.get_origin(annotation)
-    if origin is typing.Literal:
-        return " | ".join(repr(arg) for arg in typing.get_args(annotation))
-    if origin in (typing.Union, types.UnionType):
-        return " | ".join(type_name(arg) for arg in typing.get_args(annotation))
-    if origin is not None:
-        args = ", ".join(type_name(arg) for arg in typing.get_args(annotation))
-        return f"{getattr(origin, '__name__', str(origin))}[{args}]"
-    if annotation is type(None):
-        return "None"
-    return getattr(annotation, "__name__", str(annotation))
-
-
 def show(service: str, classes: SettingsClasses, as_json: bool) -> int:
     cls = classes[service]()
     settings = load_settings(cls)
@@ -233,7 +220,7 @@ def show(service: str, classes: SettingsClasses, as_json: bool) -> int:
         return 0
     table = [("field", "type", "default", "value", "source")]
     for row in rows:
-        value = "***" if _is_secret(row.field) and row.value else _text(row.value)
+        value = "***" if is_secret(row.field) and row.value else _text(row.value)
         table.append((row.field, row.type, _text(row.default), value, row.source))
     widths = [min(max(len(r[i]) for r in table), limit) for i, limit in enumerate(WIDTHS)]
     for cells in table:
@@ -248,11 +235,6 @@ WIDTHS = (40, 28, 24, 24)
 
 def _clip(text: str, width: int) -> str:
     return text if len(text) <= width else text[: width - 1] + "…"
-
-
-def _is_secret(dotted: str) -> bool:
-    """Masked as in the start-up log: a top-level field named like a secret."""
-    return "." not in dotted and bool(SECRET_WORDS & set(dotted.split("_")))
 
 
 def _text(value: Any) -> str:
@@ -314,6 +296,9 @@ def run(args: argparse.Namespace, classes: SettingsClasses) -> int:
         apply_overrides(args.overrides, classes)
         if args.config_command == "show":
             return show(args.service, classes, args.json)
+        if args.config_command == "reference":
+            print(reference(classes), end="")
+            return 0
         return check(classes)
     except SettingsError as exc:
         for line in str(exc).splitlines():

@@ -94,7 +94,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 class PolicyConfig(BaseModel):
     """Which model to build, with which tokenizer, where, and in what precision."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
 
     preset: str = "tiny"
     """Name in POLICY_PRESETS; ignored when `path` is set."""

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from apps.cli import main
+from apps.cli import main, settings_classes
+from apps.config_cli import dotted_fields
 from libs.nats_server import free_port
 from libs.settings import SettingsError, load_settings, nested_fields
 from services.trainer.settings import TrainerSettings
@@ -194,3 +195,20 @@ def test_an_engine_that_is_not_built_is_refused_where_it_is_named(
         "error: rollout-worker.engine.type = 'vllm': Input should be 'hf' or 'paged' "
         f"(TOML {config})"
     ]
+
+
+def test_the_configuration_reference_is_current_and_documents_every_field(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, page, err = rlpipe_here(monkeypatch, capsys, "config", "reference")
+    assert code == 0, err
+    committed = (Path(__file__).parents[1] / "docs" / "configuration.md").read_text()
+    assert page == committed, "stale: run `rlpipe config reference > docs/configuration.md`"
+    for service, load in settings_classes().items():
+        cls = load()
+        assert f"## {service}\n" in page
+        rows = page.split(f"## {service}\n")[1].split("\n## ")[0].splitlines()
+        fields = {row.split("`")[1]: row for row in rows if row.startswith("| `")}
+        assert set(fields) == set(dotted_fields(cls)) - set(nested_fields(cls)), service
+        undocumented = [name for name, row in fields.items() if row.endswith("|  |")]
+        assert not undocumented, f"{service}: fields without a description: {undocumented}"

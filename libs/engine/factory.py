@@ -27,7 +27,7 @@ EngineType = Literal["hf", "paged"]
 class EngineConfig(BaseModel):
     """Which inference backend runs the policy, and how."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
 
     type: EngineType = "hf"
     """Backend: "hf" (torch/transformers, in process); "paged" (continuous batching, paged KV
