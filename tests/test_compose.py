@@ -21,6 +21,7 @@ import pytest
 
 from libs.nats_server import find_nats_server
 from libs.weights.handoff import default_staging_dir
+from proto.services import SERVICES as ALL_SERVICES
 from services.weight_broadcaster.settings import WeightBroadcasterSettings
 from tests.compose_support import (
     PASSWORDS,
@@ -105,14 +106,7 @@ def healthcheck_command(service: Config) -> str:
 
 def test_the_six_services_start_by_default_from_the_dockerfile(compose: Config) -> None:
     default_services = started_services(compose)
-    assert set(SERVICES.values()) == {
-        "trainer",
-        "rollout-worker",
-        "env-gateway",
-        "reward",
-        "weight-broadcaster",
-        "feedback-ingester",
-    }
+    assert set(SERVICES.values()) == set(ALL_SERVICES)
     for name, runs in SERVICES.items():
         assert name in default_services, f"{name} does not start with a plain `docker compose up`"
         service = compose["services"][name]

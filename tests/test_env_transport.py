@@ -4,8 +4,8 @@ in this process to the same handler (LocalEnvClient), errors and timeouts includ
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
-from typing import ClassVar
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any, ClassVar
 
 import pytest
 
@@ -83,35 +83,27 @@ async def failures(client: EnvClient, episode_id: str) -> list[str]:
     return kinds
 
 
-async def test_an_episode_reads_the_same_through_either_transport(
-    clients: dict[str, EnvClient],
-) -> None:
-    over_bus = await episode_replies(clients["bus"], "ep-bus")
-    in_process = await episode_replies(clients["local"], "ep-local")
+EPISODE = [("count to three", 7), ("turn 1: ok", False), ("turn 2: end", True)]
+FAILURES = [m.ENV_ERROR_UNKNOWN_ENV, m.ENV_ERROR_ENV_CRASHED, m.ENV_ERROR_UNKNOWN_EPISODE]
 
-    assert (
-        over_bus
-        == in_process
-        == [("count to three", 7), ("turn 1: ok", False), ("turn 2: end", True)]
-    )
+
+@pytest.mark.parametrize(
+    "conversation, expected",
+    [(episode_replies, EPISODE), (failures, FAILURES)],
+    ids=["an episode", "its failures"],
+)
+async def test_the_transports_answer_alike(
+    clients: dict[str, EnvClient],
+    conversation: Callable[..., Awaitable[list[Any]]],
+    expected: list[Any],
+) -> None:
+    """An episode's replies, and the kinds of its failures, are the same over the bus and
+    in process; neither client is left holding an episode."""
+    over_bus = await conversation(clients["bus"], "ep-bus")
+    in_process = await conversation(clients["local"], "ep-local")
+
+    assert over_bus == in_process == expected
     assert clients["bus"].num_open == clients["local"].num_open == 0
-
-
-async def test_failures_are_the_same_kinds_through_either_transport(
-    clients: dict[str, EnvClient],
-) -> None:
-    over_bus = await failures(clients["bus"], "ep-bus")
-    in_process = await failures(clients["local"], "ep-local")
-
-    assert (
-        over_bus
-        == in_process
-        == [
-            m.ENV_ERROR_UNKNOWN_ENV,
-            m.ENV_ERROR_ENV_CRASHED,
-            m.ENV_ERROR_UNKNOWN_EPISODE,
-        ]
-    )
 
 
 async def test_an_in_process_request_times_out_while_the_handler_finishes_it() -> None:
