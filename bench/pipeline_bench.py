@@ -9,8 +9,8 @@ Each scenario runs `rlpipe demo` twice through the launcher, each for the same b
          work at the same time.
 Scenarios:
 - arith:      the embedded default (two-token episodes, no stragglers);
-- heavy-tail: calc from its warm start (apps.launcher.warm_start), every tool call taking a
-              lognormal latency (median 1 s, sigma 1.2, capped at 20 s: libs.envs.latency),
+- heavy-tail: calc's recipe from its warm start (apps.launcher.warm_start), every tool call
+              taking a lognormal latency (median 1 s, sigma 1.2, capped at 20 s: libs.envs.latency),
               so episodes have the long, uneven durations of agent work.
 From each run's `trainer/steps.jsonl` it reports reward versus time, trained samples/s, the
 time to reach the scenario's reward thresholds, and the trainer's busy fraction; then the
@@ -32,20 +32,17 @@ from typing import Any
 
 from result_file import result_file
 
+from apps.launcher.arguments import domain_recipe
+from apps.launcher.recipe import WarmStart, load_recipe, merge_tables
 from apps.launcher.run import LaunchOptions, run_local
-from apps.launcher.warm_start import RL_LEARNING_RATE, default_cache_root
+from apps.launcher.warm_start import default_cache_root
 
 RESULTS = result_file("pipeline")
 
-MODES: dict[str, dict[str, dict[str, str]]] = {
-    "sync": {
-        "trainer": {"RLPIPE_TRAINER_MAX_STALENESS": "0"},
-        "env-gateway": {"RLPIPE_ENV_GATEWAY_FEEDER_MODE": "sync"},
-    },
-    "async": {
-        "trainer": {"RLPIPE_TRAINER_MAX_STALENESS": "4"},
-        "env-gateway": {"RLPIPE_ENV_GATEWAY_FEEDER_MODE": "async"},
-    },
+# Each mode's tables over the scenario's recipe.
+MODES: dict[str, dict[str, Any]] = {
+    "sync": {"trainer": {"max_staleness": 0}, "env_gateway": {"feeder": {"mode": "sync"}}},
+    "async": {"trainer": {"max_staleness": 4}, "env_gateway": {"feeder": {"mode": "async"}}},
 }
 
 
@@ -54,32 +51,26 @@ HEAVY_TAIL_LATENCY = "lognormal:median_s=1.0,sigma=1.2,max_s=20"
 
 @dataclass(frozen=True)
 class Scenario:
-    """A workload: services' variables on top of the mode's, and its reward thresholds."""
+    """A workload: a domain's recipe, tables over it (under the mode's), whether RL starts
+    from the recipe's warm start, and the scenario's reward thresholds."""
 
-    extra_env: dict[str, dict[str, str]]
+    domain: str
+    tables: dict[str, Any]
     thresholds: tuple[float, float]
-    warm_start_env: str | None = None
+    warm_start: bool = False
 
 
 SCENARIOS: dict[str, Scenario] = {
-    "arith": Scenario(extra_env={}, thresholds=(0.5, 0.8)),
+    "arith": Scenario(domain="arith", tables={}, thresholds=(0.5, 0.8)),
     "heavy-tail": Scenario(
-        extra_env={
-            "env-gateway": {
-                "RLPIPE_ENV_GATEWAY_ENV": "calc",
-                # Groups of 8 (the warm start's RL setting) when started from it; 4 otherwise.
-                "RLPIPE_ENV_GATEWAY_GROUP_SIZE": "4",
-                "RLPIPE_ENV_GATEWAY_TOOL_LATENCY": HEAVY_TAIL_LATENCY,
-            },
-            "trainer": {
-                "RLPIPE_TRAINER_BATCH_GROUPS": "2",
-                "RLPIPE_TRAINER_EVAL_EVERY_VERSIONS": "0",
-                "RLPIPE_TRAINER_LEARNING_RATE": RL_LEARNING_RATE,
-            },
+        domain="calc",
+        tables={
+            "env_gateway": {"tool_latency": HEAVY_TAIL_LATENCY},
+            "trainer": {"eval": {"every_versions": 0}},
         },
         # The warm start's mean reward is ~0.55 (success 0.44 held out); RL takes it past 0.85.
         thresholds=(0.7, 0.8),
-        warm_start_env="calc",
+        warm_start=True,
     ),
 }
 
@@ -88,21 +79,17 @@ def scenario_options(
     scenario: Scenario, mode: str, run_dir: Path, budget_s: float, policy_path: str | None = None
 ) -> LaunchOptions:
     """The launch of one mode; `policy_path` (a model folder) replaces the warm start."""
-    extra: dict[str, dict[str, str]] = {}
-    policy: dict[str, dict[str, str]] = {}
+    recipe = load_recipe(domain_recipe(scenario.domain))
+    warm = recipe.warm_start if scenario.warm_start else None
+    policy: dict[str, Any] = {}
     if policy_path:
-        policy = {
-            "trainer": {"RLPIPE_TRAINER_POLICY_PATH": policy_path},
-            "rollout-worker": {"RLPIPE_ROLLOUT_WORKER_POLICY_PATH": policy_path},
-        }
-    for layer in (MODES[mode], scenario.extra_env, policy):
-        for service, values in layer.items():
-            extra[service] = {**extra.get(service, {}), **values}
+        policy = {s: {"policy": {"path": policy_path}} for s in ("trainer", "rollout_worker")}
+    rl = warm.rl if warm else {}
     return LaunchOptions(
         run_dir=run_dir,
         duration_s=budget_s,
-        extra_env=extra,
-        warm_start_env=None if policy_path else scenario.warm_start_env,
+        recipe=merge_tables(recipe.tables, rl, MODES[mode], scenario.tables, policy),
+        warm_start=WarmStart(scenario.domain, warm) if warm and not policy_path else None,
         warm_start_root=default_cache_root(),
     )
 
@@ -247,7 +234,7 @@ def run_scenario(name: str, budget_s: float, policy_path: str | None) -> dict[st
     outcome = {
         "budget_s": budget_s,
         "policy_path": policy_path,
-        "env": scenario.extra_env,
+        "recipe": {"domain": scenario.domain, "over_it": scenario.tables},
         "modes": results,
         "ratios": ratios(results["sync"], results["async"]),
     }
