@@ -6,19 +6,20 @@ from __future__ import annotations
 
 import asyncio
 import re
-import textwrap
+import shutil
 from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 
 import pytest
 import torch
 
-from apps.launcher.warm_start import worker_harness_env
+from apps import domains_cli
+from apps.cli import build_parser
 from libs.bus import wire
 from libs.bus.connection import Bus
 from libs.bus.provision import provision
 from libs.bus.publisher import Publisher
-from libs.chat.template import chat_template_for, save_tokenizer
+from libs.chat.template import chat_template_for
 from libs.chat.tool_calls import format_tool_call
 from libs.domains import registry
 from libs.domains.recall.env import TOOL_NAME
@@ -45,93 +46,19 @@ TOKENIZER = ByteTokenizer()
 TEMPLATE = chat_template_for(TOKENIZER)
 BUILTINS = {"arith", "calc", "coding", "dataset", "recall"}
 
-# A toy domain as a user writes it: a folder of its own, nothing else.
-TOY_DOMAIN = {
-    "__init__.py": '''
-        """echo: say the word the task names."""
-
-        from pathlib import Path
-
-        from libs.domains.domain import Domain
-
-        from .env import EchoEnv
-        from .harness import echo_harness
-        from .rubric import echo_rubric
-
-        DOMAIN = Domain(
-            name="echo",
-            folder=Path(__file__).parent,
-            env=EchoEnv,
-            rubric=echo_rubric,
-            harness=echo_harness,
-        )
-    ''',
-    "env.py": """
-        from libs.envs.base import Environment, Episode, Opening, StepResult, TaskSource
-        from proto.messages import Task
-
-        WORDS = ("apple", "river", "stone")
+# A domain as a user writes it: a folder of its own (env, rubric, harness limits), nothing else.
+EXAMPLE_DOMAIN = Path(__file__).resolve().parent.parent / "examples" / "domains" / "echo"
 
 
-        class EchoTasks(TaskSource):
-            def __init__(self, group_size: int) -> None:
-                self.group_size = group_size
-
-            def task(self, index: int) -> Task:
-                word = WORDS[index % len(WORDS)]
-                return Task(
-                    task_id=f"echo-{index}",
-                    env="echo",
-                    prompt=f"Say {word}.",
-                    group_size=self.group_size,
-                    spec={"word": word},
-                )
-
-
-        class EchoEpisode(Episode):
-            def __init__(self, word: str) -> None:
-                self.word = word
-
-            async def step(self, action, tool_calls=()):
-                said = action.strip().rstrip(".").lower()
-                return StepResult(done=True, info={"said_it": said == self.word})
-
-
-        class EchoEnv(Environment):
-            name = "echo"
-
-            async def reset(self, task):
-                return EchoEpisode(task.spec["word"]), Opening(observation=task.prompt)
-
-            def task_source(self, *, difficulty, group_size, seed):
-                return EchoTasks(group_size)
-    """,
-    "rubric.py": """
-        from libs.reward.rubric import Criterion, Rubric
-
-
-        def said_it(rollout, task):
-            right = bool(rollout.env_info.get("said_it"))
-            return float(right), "said the word" if right else "did not say it"
-
-
-        def echo_rubric():
-            return Rubric([Criterion("said_it", 1.0, said_it)], correct_criterion="said_it")
-    """,
-    "harness.py": """
-        from libs.rollout.agent import AgentSettings
-
-
-        def echo_harness(template):
-            return AgentSettings(max_turns=1, context_budget_tokens=512)
-    """,
-}
+def toy_domain(tmp_path: Path) -> Path:
+    """The example domain, copied into a folder made in tmp_path."""
+    return Path(shutil.copytree(EXAMPLE_DOMAIN, tmp_path / "echo"))
 
 
 def write_domain(folder: Path, files: Mapping[str, str]) -> Path:
     folder.mkdir(parents=True)
     for name, text in files.items():
-        (folder / name).write_text(textwrap.dedent(text).lstrip())
+        (folder / name).write_text(text)
     return folder
 
 
@@ -148,7 +75,7 @@ def test_every_builtin_domain_is_found_in_its_own_folder() -> None:
 
 
 def test_a_domain_needs_no_recipe_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    folder = write_domain(tmp_path / "echo", TOY_DOMAIN)
+    folder = toy_domain(tmp_path)
     monkeypatch.setenv(registry.DOMAIN_PATHS_VAR, str(folder))
     echo = registry.domain("echo")
     assert echo.folder == folder and not echo.recipe_path.exists()
@@ -167,6 +94,17 @@ def test_a_folder_that_is_no_domain_is_refused_by_name(
         registry.domains()
 
 
+def test_rlpipe_domain_list_shows_a_folder_of_your_own(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv(registry.DOMAIN_PATHS_VAR, str(EXAMPLE_DOMAIN))
+    assert domains_cli.run(build_parser().parse_args(["domain", "list"])) == 0
+    lines = {line.split("\t")[0]: line for line in capsys.readouterr().out.splitlines()}
+    assert set(lines) == BUILTINS | {"echo"}
+    assert "expert=no" in lines["echo"] and "recipe=-" in lines["echo"]
+    assert "expert=yes" in lines["recall"]
+
+
 def test_an_unknown_domain_names_the_known_ones_and_the_way_to_add_one() -> None:
     with pytest.raises(registry.UnknownDomainError, match=r"known: .*recall.*RLPIPE_DOMAIN_PATHS"):
         registry.domain("chess")
@@ -178,7 +116,7 @@ async def echo_services(
 ) -> AsyncIterator[None]:
     """env-gateway feeding echo tasks and reward scoring them, the domain a folder in
     tmp_path named by RLPIPE_DOMAIN_PATHS."""
-    monkeypatch.setenv(registry.DOMAIN_PATHS_VAR, str(write_domain(tmp_path / "echo", TOY_DOMAIN)))
+    monkeypatch.setenv(registry.DOMAIN_PATHS_VAR, str(toy_domain(tmp_path)))
     await provision(bus.js)
     feeder = FeederConfig(mode="async", queue_depth_tasks=2, max_ahead_versions=None)
     services = [
@@ -263,21 +201,15 @@ class CodeReader(InferenceEngine):
         return format_tool_call(TOOL_NAME, {})
 
 
-async def test_the_recall_gate_rolls_out_under_the_workers_harness(
-    bus: Bus, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+async def test_the_recall_gate_rolls_out_under_the_workers_harness(bus: Bus) -> None:
     await provision(bus.js)
     config = EvalGateConfig(every_versions=1, num_tasks=2, env="recall")
     gate = EvalGate(config, PolicyConfig(preset="tiny"), TOKENIZER, EnvClient(bus.nc))
     engine = CodeReader()
 
-    # The workers' limits: the rollout-worker settings the demo gives recall's workers,
-    # counted in the tokens of the policy folder (here, one with the byte tokenizer).
-    policy = tmp_path / "policy"
-    save_tokenizer(TOKENIZER, policy)
-    for name, value in worker_harness_env("recall", policy).items():
-        monkeypatch.setenv(name, value)
-    workers = RolloutWorkerSettings()
+    # The workers' limits: the domain's, written into every rollout-worker's settings by the
+    # demo, in the tokens of the workers' policy (here the byte tokenizer, as the gate's).
+    workers = RolloutWorkerSettings(**registry.harness_for("recall", TEMPLATE).model_dump())
     limits = {name: getattr(workers, name) for name in AgentSettings.model_fields}
     assert gate.harness(engine).model_dump() == limits
     assert limits["max_turns"] > 8 and limits["context_budget_tokens"] < 4096

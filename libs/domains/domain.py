@@ -50,7 +50,6 @@ class Domain:
     rubric: Callable[[], Rubric]
     harness: Callable[[ChatTemplate], AgentSettings] = worker_harness
     expert: Callable[[float], Expert] | None = None
-    description: str = ""
 
     def __post_init__(self) -> None:
         if not self.name or any(c in self.name for c in _BAD_NAME_CHARS):

@@ -6,10 +6,4 @@ from libs.domains.arith.env import ENV_NAME, ArithmeticEnv
 from libs.domains.arith.rubric import arith_rubric
 from libs.domains.domain import Domain
 
-DOMAIN = Domain(
-    name=ENV_NAME,
-    folder=Path(__file__).resolve().parent,
-    env=ArithmeticEnv,
-    rubric=arith_rubric,
-    description="copy a digit or add two d-digit numbers; single turn, plain text",
-)
+DOMAIN = Domain(ENV_NAME, Path(__file__).resolve().parent, ArithmeticEnv, arith_rubric)

@@ -7,11 +7,4 @@ from libs.domains.calc.expert import CalcExpert
 from libs.domains.calc.rubric import calc_rubric
 from libs.domains.domain import Domain
 
-DOMAIN = Domain(
-    name=ENV_NAME,
-    folder=Path(__file__).resolve().parent,
-    env=CalcEnv,
-    rubric=calc_rubric,
-    expert=CalcExpert,
-    description="an expression worked out with add/subtract/multiply/divide tool calls",
-)
+DOMAIN = Domain(ENV_NAME, Path(__file__).resolve().parent, CalcEnv, calc_rubric, expert=CalcExpert)

@@ -7,13 +7,7 @@ from libs.domains.coding.rubric import coding_rubric
 from libs.domains.coding.tasks import ENV_NAME, CodingTask, CodingTasks, load_tasks
 from libs.domains.domain import Domain
 
-DOMAIN = Domain(
-    name=ENV_NAME,
-    folder=Path(__file__).resolve().parent,
-    env=CodingEnv,
-    rubric=coding_rubric,
-    description="small Python projects fixed with file and test tools, graded by hidden tests",
-)
+DOMAIN = Domain(ENV_NAME, Path(__file__).resolve().parent, CodingEnv, coding_rubric)
 
 __all__ = [
     "DOMAIN",

@@ -9,11 +9,10 @@ from libs.domains.recall.harness import recall_harness
 from libs.domains.recall.rubric import recall_rubric
 
 DOMAIN = Domain(
-    name=ENV_NAME,
-    folder=Path(__file__).resolve().parent,
-    env=RecallEnv,
-    rubric=recall_rubric,
-    expert=RecallExpert,
+    ENV_NAME,
+    Path(__file__).resolve().parent,
+    RecallEnv,
+    recall_rubric,
     harness=recall_harness,
-    description="a code read one digit per call; episodes outgrow one context segment",
+    expert=RecallExpert,
 )
