@@ -8,8 +8,8 @@ import torch
 class HostCopy:
     """Host buffers for copies of the trainer's tensors, kept from one copy to the next (the
     checkpoints written in the background, the weights handed to the stager): the first copy
-    allocates (and faults in) them, later ones copy into them (5.9 GB of byte-0.5b's fp32
-    weights and AdamW state: 28.5 s the first time, 0.9 s after, on the 2-core VM). A copy's
+    allocates (and faults in) them, about as slow as writing them out; later ones copy into
+    them at memory speed. A copy's
     buffers are overwritten by the next: use one before taking another."""
 
     def __init__(self) -> None:
