@@ -130,7 +130,8 @@ def on_demo(args: argparse.Namespace) -> int:
     import structlog
 
     from apps.launcher.arguments import options_from_args
-    from apps.launcher.run import recipe_in_use, run_local
+    from apps.launcher.recipe import recipe_in_use
+    from apps.launcher.run import run_local
 
     try:
         options = options_from_args(args)
@@ -140,7 +141,7 @@ def on_demo(args: argparse.Namespace) -> int:
         return 2
     # Every service's settings are checked here, as the recipe sets them: a typo or a bad
     # value is one line, now.
-    with recipe_in_use(options):
+    with recipe_in_use(options.recipe):
         if not with_overrides(args, options.services):
             return 2
 

@@ -17,8 +17,9 @@ from typing import Any
 
 import pytest
 
+from apps.launcher.harness import harness_table
 from apps.launcher.recipe import load_recipe
-from apps.launcher.warm_start import default_cache_root, harness_table, sft_stage
+from apps.launcher.warm_start import default_cache_root, sft_stage
 from libs.domains.registry import domain
 from libs.trainer.checkpoint import latest_checkpoint
 
@@ -79,7 +80,7 @@ def demo(
         "RLPIPE_ROLLOUT_WORKER_POLICY_PATH": str(model),
         **extra,
     }
-    harness = [f"rollout-worker.{k}={v}" for k, v in harness_table(env, model).items()]
+    harness = [f"rollout-worker.{k}={v}" for k, v in harness_table(env, str(model)).items()]
     stdout = run_command(
         [
             "apps.cli",

@@ -19,12 +19,17 @@ import pytest
 from apps.cli import main, settings_classes
 from apps.config_cli import check_services
 from apps.launcher.arguments import add_demo_arguments, options_from_args
-from apps.launcher.recipe import RecipeError, load_recipe, toml_text
-from apps.launcher.run import LaunchOptions, recipe_in_use, run_local, service_spec
+from apps.launcher.harness import harness_tables
+from apps.launcher.recipe import RecipeError, load_recipe, merge_tables, recipe_in_use, toml_text
+from apps.launcher.run import LaunchOptions, run_local, service_spec
 from apps.ray_deploy.cli import recipe_variables
 from apps.ray_deploy.plan import build_plan
+from libs.chat.template import chat_template_for
+from libs.domains.registry import harness_for
 from libs.settings import CONFIG_VARIABLE, OVERRIDES_VARIABLE, load_settings
+from libs.tokenizer import load_tokenizer
 from services.env_gateway.settings import EnvGatewaySettings
+from services.rollout_worker.settings import RolloutWorkerSettings
 from services.trainer.settings import TrainerSettings
 from tests.test_launcher import fake_commands, last_json_line
 
@@ -49,7 +54,7 @@ def no_settings_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_the_calc_demo_reads_its_recipe_file_into_every_service(tmp_path: Path) -> None:
     recipe = load_recipe(REPO / "libs" / "domains" / "calc" / "recipe.toml")
     options = demo_options(tmp_path, "--env", "calc", "--no-warm-start")
-    with recipe_in_use(options):
+    with recipe_in_use(options.recipe):
         trainer, gateway = load_settings(TrainerSettings), load_settings(EnvGatewaySettings)
     assert trainer.batch_groups == recipe.tables["trainer"]["batch_groups"] == 2
     assert (trainer.eval.env, trainer.eval.num_tasks) == ("calc", 4)
@@ -61,7 +66,7 @@ def test_rl_from_the_warm_start_applies_the_recipes_rl_tables(tmp_path: Path) ->
     options = demo_options(tmp_path, "--env", "recall")
     assert options.warm_start is not None and options.warm_start.env == "recall"
     assert options.warm_start.recipe.steps == 1100
-    with recipe_in_use(options):
+    with recipe_in_use(options.recipe):
         trainer, gateway = load_settings(TrainerSettings), load_settings(EnvGatewaySettings)
     assert (trainer.learning_rate, trainer.kl_coef) == (1e-4, 0.2)
     assert trainer.learning_rate_decay_steps == 1000
@@ -74,7 +79,7 @@ def test_variables_and_overrides_win_over_the_recipe(
     options = demo_options(tmp_path, "--env", "calc", "--no-warm-start")
     monkeypatch.setenv("RLPIPE_TRAINER_BATCH_GROUPS", "3")
     monkeypatch.setenv(OVERRIDES_VARIABLE, json.dumps({"env-gateway": {"group_size": 6}}))
-    with recipe_in_use(options):
+    with recipe_in_use(options.recipe):
         assert load_settings(TrainerSettings).batch_groups == 3
         assert load_settings(EnvGatewaySettings).group_size == 6
     assert CONFIG_VARIABLE not in os.environ, "the launcher's own environment is left as it was"
@@ -86,7 +91,7 @@ def test_a_file_named_by_rlpipe_config_is_layered_over_the_recipe(
     mine = tmp_path / "mine.toml"
     mine.write_text("[trainer]\nbatch_groups = 5\n")
     monkeypatch.setenv(CONFIG_VARIABLE, str(mine))
-    with recipe_in_use(demo_options(tmp_path, "--env", "calc", "--no-warm-start")):
+    with recipe_in_use(demo_options(tmp_path, "--env", "calc", "--no-warm-start").recipe):
         trainer = load_settings(TrainerSettings)
     assert (trainer.batch_groups, trainer.eval.env) == (5, "calc")
     assert os.environ[CONFIG_VARIABLE] == str(mine)
@@ -99,7 +104,7 @@ def test_every_shipped_recipe_is_valid_for_every_service(path: Path, tmp_path: P
         (tmp_path / "rows.jsonl").write_text('{"prompt": "2+2?", "answer": "4"}\n')
         flags += ["--dataset", str(tmp_path / "rows.jsonl")]
     options = demo_options(tmp_path / "run", *flags)
-    with recipe_in_use(options):
+    with recipe_in_use(options.recipe):
         check_services(settings_classes(), options.services)  # raises SettingsError
         written = Path(os.environ[CONFIG_VARIABLE]).read_text()
     assert tomllib.loads(written) == dict(options.recipe), "written as it is"
@@ -188,3 +193,20 @@ def test_a_ray_deployment_hands_a_recipe_to_every_service() -> None:
     assert {s.env[CONFIG_VARIABLE] for s in plan.services} == {str(gpu)}
     with pytest.raises(RecipeError, match=r"\[warm_start\] is built by `rlpipe demo`"):
         recipe_variables(REPO / "libs" / "domains" / "calc" / "recipe.toml")
+
+
+def test_the_workers_roll_a_domain_out_under_its_harness_limits(tmp_path: Path) -> None:
+    # The eval gate rolls recall out under recall's harness (libs.domains): so do the workers,
+    # counted in the tokens of the policy they load (here the byte tokenizer of the default).
+    options = demo_options(tmp_path, "--env", "recall", "--no-warm-start")
+    tables = harness_tables(options.recipe)
+    with recipe_in_use(merge_tables(options.recipe, tables)):
+        worker = load_settings(RolloutWorkerSettings)
+    harness = harness_for("recall", chat_template_for(load_tokenizer("byte")))
+    assert worker.max_turns == harness.max_turns == 24
+    assert (worker.context_budget_tokens, worker.summary_max_tokens, worker.max_summaries) == (
+        harness.context_budget_tokens,
+        harness.summary_max_tokens,
+        harness.max_summaries,
+    )
+    assert harness_tables({}) == {}, "a recipe that names no domain leaves the workers as they are"

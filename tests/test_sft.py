@@ -180,13 +180,9 @@ def test_recall_rl_decays_its_rate_more_slowly_and_both_keep_the_anchor() -> Non
     assert "learning_rate_decay_steps" not in calc, "calc: the trainer's 400"
 
 
-def test_the_workers_from_a_warm_start_get_its_domains_harness() -> None:
-    tables = warm_start.policy_tables("recall", Path("byte"))  # the byte tokenizer's "folder"
-    assert tables["trainer"]["policy"] == tables["rollout_worker"]["policy"] == {"path": "byte"}
-    harness = harness_for("recall", TEMPLATE)
-    worker = tables["rollout_worker"]
-    assert (worker["max_turns"], worker["max_summaries"]) == (24, harness.max_summaries)
-    assert worker["context_budget_tokens"] == harness.context_budget_tokens
+def test_rl_from_a_warm_start_starts_the_trainer_and_the_workers_from_it() -> None:
+    tables = warm_start.policy_tables(Path("model"))
+    assert tables["trainer"]["policy"] == tables["rollout_worker"]["policy"] == {"path": "model"}
 
 
 async def test_the_error_rate_knob_makes_experts_fail_that_often(tmp_path: Path) -> None:

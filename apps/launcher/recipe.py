@@ -16,16 +16,20 @@ variables set in the environment and `--set` still win over it.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import re
+import tempfile
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from libs.settings import CONFIG_VARIABLE, toml_document
 from proto.services import SERVICES
 
 RECIPE_FILE = "recipe.toml"
@@ -144,6 +148,28 @@ def merge_tables(*documents: Mapping[str, Any]) -> dict[str, Any]:
             else:
                 merged[key] = value
     return merged
+
+
+def run_recipe(tables: Mapping[str, Any]) -> dict[str, Any]:
+    """The tables a run's services read: `tables`, a file named by RLPIPE_CONFIG over them."""
+    return merge_tables(tables, toml_document())
+
+
+@contextlib.contextmanager
+def recipe_in_use(tables: Mapping[str, Any]) -> Iterator[None]:
+    """Inside the block, RLPIPE_CONFIG names a file of the run's recipe (`run_recipe(tables)`,
+    in a folder of its own: a run refused leaves no run folder), so that a service's settings
+    load as that service will load them: `rlpipe demo` checks them all before anything
+    starts."""
+    resolved, before = run_recipe(tables), os.environ.get(CONFIG_VARIABLE)
+    with tempfile.TemporaryDirectory(prefix="rlpipe-recipe-") as folder:
+        os.environ[CONFIG_VARIABLE] = str(write_recipe(resolved, Path(folder)))
+        try:
+            yield
+        finally:
+            os.environ.pop(CONFIG_VARIABLE)
+            if before is not None:
+                os.environ[CONFIG_VARIABLE] = before
 
 
 def write_recipe(tables: Mapping[str, Any], run_dir: Path) -> Path:

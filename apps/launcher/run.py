@@ -37,23 +37,29 @@ import json
 import os
 import signal
 import sys
-import tempfile
 import time
-from collections.abc import Awaitable, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from apps.launcher.episode_report import episode_report
+from apps.launcher.harness import harness_tables
 from apps.launcher.health import HealthMonitor
 from apps.launcher.nats_watch import NatsWatch
-from apps.launcher.recipe import RECIPE_FILE, WarmStart, merge_tables, write_recipe
+from apps.launcher.recipe import (
+    RECIPE_FILE,
+    WarmStart,
+    merge_tables,
+    run_recipe,
+    write_recipe,
+)
 from apps.launcher.status_view import Bound, LauncherLog, StatusView
 from apps.launcher.summary import build_summary, print_summary
 from apps.launcher.supervisor import Backoff, ChildSpec, Supervisor
 from libs.nats_server import NatsCluster, NatsServer, free_port
-from libs.settings import CONFIG_VARIABLE, OVERRIDES_VARIABLE, toml_document
+from libs.settings import CONFIG_VARIABLE, OVERRIDES_VARIABLE
 from proto.services import SERVICES
 
 EXIT_OK, EXIT_NATS_FAILED, EXIT_UNHEALTHY, EXIT_PROVISION_FAILED = 0, 2, 3, 4
@@ -115,29 +121,17 @@ def with_warm_start(options: LaunchOptions, log: LauncherLog) -> LaunchOptions:
     env, root = options.warm_start.env, options.warm_start_root
     root = root or warm_start.default_cache_root()
     path = warm_start.ensure_warm_start(env, root, options.warm_start.recipe, emit=log.info)
-    tables = merge_tables(options.recipe, warm_start.policy_tables(env, path))
+    tables = merge_tables(options.recipe, warm_start.policy_tables(path))
     return replace(options, recipe=tables)
 
 
-def run_recipe(options: LaunchOptions) -> dict[str, Any]:
-    """The tables the run's services read: the recipe, a file named by RLPIPE_CONFIG over it."""
-    return merge_tables(options.recipe, toml_document())
-
-
-@contextlib.contextmanager
-def recipe_in_use(options: LaunchOptions) -> Iterator[None]:
-    """Inside the block, RLPIPE_CONFIG names the run's recipe (in a folder of its own: a run
-    refused leaves no run folder), so that a service's settings load as that service will
-    load them: `rlpipe demo` checks them all before anything starts."""
-    tables, before = run_recipe(options), os.environ.get(CONFIG_VARIABLE)
-    with tempfile.TemporaryDirectory(prefix="rlpipe-recipe-") as folder:
-        os.environ[CONFIG_VARIABLE] = str(write_recipe(tables, Path(folder)))
-        try:
-            yield
-        finally:
-            os.environ.pop(CONFIG_VARIABLE)
-            if before is not None:
-                os.environ[CONFIG_VARIABLE] = before
+def with_harness(options: LaunchOptions) -> LaunchOptions:
+    """`options` with the workers under the harness limits of the recipe's domain
+    (apps.launcher.harness), unless no worker of the launcher's own is started."""
+    if "rollout-worker" not in options.services or "rollout-worker" in options.commands:
+        return options
+    tables = merge_tables(options.recipe, harness_tables(options.recipe))
+    return replace(options, recipe=tables)
 
 
 def run_local(options: LaunchOptions) -> int:
@@ -146,7 +140,7 @@ def run_local(options: LaunchOptions) -> int:
     if options.warm_start:
         cache = options.warm_start_root or "the default cache"
         log.info("warm start", env=options.warm_start.env, cache=str(cache))
-    options = with_warm_start(options, log)
+    options = with_harness(with_warm_start(options, log))
     return asyncio.run(LocalRun(options, log).run())
 
 
@@ -224,7 +218,7 @@ class LocalRun:
 
     async def run(self) -> int:
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
-        write_recipe(run_recipe(self.options), self.run_dir)
+        write_recipe(run_recipe(self.options.recipe), self.run_dir)
         self._install_signal_handlers()
         try:
             if await self._start_nats() and await self._provision():

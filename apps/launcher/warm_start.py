@@ -33,8 +33,6 @@ import torch
 
 from apps.launcher.recipe import WarmStartRecipe
 from apps.sft_cli import LogFn, run_with_progress
-from libs.chat.template import chat_template_for
-from libs.domains.registry import harness_for
 from libs.experts.demos import (
     DemoConfig,
     demonstrations_digest,
@@ -44,7 +42,6 @@ from libs.experts.demos import (
 from libs.policy import PolicyConfig
 from libs.sft.tokenizer import ensure_transcript_tokenizer
 from libs.sft.train import SftConfig, finished_result
-from libs.tokenizer import load_tokenizer
 
 DEMOS_FILE = "demos.jsonl"
 MODEL_DIR = "model"
@@ -141,23 +138,8 @@ def _ensure_demos(path: Path, demos: DemoConfig) -> None:
         partial.rename(path)
 
 
-def policy_tables(env: str, policy_path: Path) -> dict[str, Any]:
+def policy_tables(policy_path: Path) -> dict[str, Any]:
     """The recipe tables that make the trainer and the workers start from the policy folder
-    at `policy_path`, the workers under `env`'s harness limits in that policy's tokens."""
-    return {
-        "trainer": {"policy": {"path": str(policy_path)}},
-        "rollout_worker": {"policy": {"path": str(policy_path)}, **harness_table(env, policy_path)},
-    }
-
-
-def harness_table(env: str, policy_path: Path) -> dict[str, Any]:
-    """The rollout-worker fields that give `env`'s episodes the harness limits its domain is
-    made for (turns, context budget, summaries), counted in the policy folder's tokens."""
-    agent = harness_for(env, chat_template_for(load_tokenizer(str(policy_path))))
-    return {
-        "max_turns": agent.max_turns,
-        "context_budget_tokens": agent.context_budget_tokens,
-        "summarize": agent.summarize,
-        "summary_max_tokens": agent.summary_max_tokens,
-        "max_summaries": agent.max_summaries,
-    }
+    at `policy_path` (the workers' harness in its tokens: apps.launcher.harness)."""
+    policy = {"policy": {"path": str(policy_path)}}
+    return {"trainer": policy, "rollout_worker": policy}
