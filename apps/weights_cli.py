@@ -31,7 +31,7 @@ import numpy as np
 
 from libs.weights.applier import decode
 from libs.weights.container import read_delta_file, write_delta_file
-from libs.weights.encoder import DEFAULT_MAX_CHUNK_BYTES, EncodeOptions, encode, encode_snapshot
+from libs.weights.encoder import EncodeOptions, encode, encode_snapshot
 from libs.weights.errors import BaseMismatchError, CorruptDeltaError
 from libs.weights.safetensors_io import read_safetensors, write_safetensors
 from libs.weights.tensors import RawTensor
@@ -91,9 +91,10 @@ def _add_relay_parsers(commands: argparse._SubParsersAction) -> None:
 def _add_encode_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-o", "--output", type=Path, required=True)
     parser.add_argument("--version", type=int, default=None, help="target version (default base+1)")
-    parser.add_argument("--max-chunk-bytes", type=int, default=DEFAULT_MAX_CHUNK_BYTES)
-    parser.add_argument("--level", type=int, default=EncodeOptions.level, help="zstd level")
-    parser.add_argument("--threads", type=int, default=1)
+    defaults = EncodeOptions()
+    parser.add_argument("--max-chunk-bytes", type=int, default=defaults.max_chunk_bytes)
+    parser.add_argument("--level", type=int, default=defaults.level, help="zstd level")
+    parser.add_argument("--threads", type=int, default=defaults.threads)
 
 
 def _options(args: argparse.Namespace) -> EncodeOptions:

@@ -47,6 +47,7 @@ from libs.service import Service
 from libs.tokenizer import ByteTokenizer
 from libs.trainer.eval_gate import EvalGateConfig
 from libs.trainer.metrics import StepRecord, StepSamples, read_step_samples, read_steps
+from libs.weights.encoder import EncodeOptions
 from proto import messages as m
 from proto import streams
 from proto.messages import ScoredRollout, Task
@@ -94,7 +95,9 @@ class Pipeline:
         run_dir = self.run_dir
         await self.start(EnvGatewayService(EnvGatewaySettings(feeder=FeederConfig(mode="off"))))
         await self.start(
-            WeightBroadcasterService(WeightBroadcasterSettings(run_dir=run_dir, encode_threads=1))
+            WeightBroadcasterService(
+                WeightBroadcasterSettings(run_dir=run_dir, encode=EncodeOptions(threads=1))
+            )
         )
         await self.start(
             RolloutWorkerService(

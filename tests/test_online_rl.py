@@ -46,6 +46,7 @@ from libs.trainer.loop import Trainer
 from libs.trainer.metrics import read_step_samples
 from libs.trainer.mix import Stream, choose_stream, scheduled_stream
 from libs.trainer.online_step import OnlineConfig
+from libs.weights.encoder import EncodeOptions
 from libs.weights.handoff import stage_weights
 from libs.weights.receiver import ReceiverConfig, WeightReceiver
 from proto import streams, subjects
@@ -432,7 +433,7 @@ async def test_a_serving_follower_applies_only_promoted_versions(bus: Bus, tmp_p
     await provision(bus.js)
     staging = tmp_path / "staging"
     broadcaster = WeightBroadcasterService(
-        WeightBroadcasterSettings(staging_dir=staging, encode_threads=1)
+        WeightBroadcasterSettings(staging_dir=staging, encode=EncodeOptions(threads=1))
     )
     await broadcaster.start(bus)
     broadcasting = asyncio.create_task(broadcaster.run())

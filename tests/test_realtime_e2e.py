@@ -41,6 +41,7 @@ from libs.tokenizer import ByteTokenizer
 from libs.trainer.eval_gate import EvalGateConfig, held_out_tasks
 from libs.trainer.metrics import read_step_samples
 from libs.trainer.online_step import OnlineConfig
+from libs.weights.encoder import EncodeOptions
 from libs.weights.receiver import ReceiverConfig
 from proto import streams
 from proto.messages import ChatMessage, OnlineSample, PromotionDecision, ServedGeneration
@@ -98,7 +99,7 @@ async def pipeline(bus: Bus, tmp_path: Path) -> AsyncIterator[Pipeline]:
         )
     )
     broadcaster = WeightBroadcasterService(
-        WeightBroadcasterSettings(run_dir=tmp_path, encode_threads=1)
+        WeightBroadcasterSettings(run_dir=tmp_path, encode=EncodeOptions(threads=1))
     )
     worker = RolloutWorkerService(
         RolloutWorkerSettings(

@@ -22,6 +22,7 @@ from libs.envs.feeder import FeederConfig
 from libs.policy import PolicyConfig, build_policy
 from libs.service import Service
 from libs.tokenizer import ByteTokenizer
+from libs.weights.encoder import EncodeOptions
 from libs.weights.handoff import stage_weights
 from proto import streams
 from proto.messages import EPISODE_STAT_TRUNCATED_TURNS, DeadLetter, Rollout, Task
@@ -68,7 +69,9 @@ class Cluster:
     async def start_all(self, **worker_settings: Any) -> RolloutWorkerService:
         await state_trainer_policy(self.bus.js)  # this harness stands in for the trainer
         await self.start(EnvGatewayService(EnvGatewaySettings(feeder=FeederConfig(mode="off"))))
-        settings = WeightBroadcasterSettings(staging_dir=self.staging_dir, encode_threads=1)
+        settings = WeightBroadcasterSettings(
+            staging_dir=self.staging_dir, encode=EncodeOptions(threads=1)
+        )
         await self.start(WeightBroadcasterService(settings))
         self.worker = RolloutWorkerService(
             RolloutWorkerSettings(

@@ -34,6 +34,7 @@ from libs.serve.generation import ServedPolicy
 from libs.serve.records import GenerationRecorder
 from libs.serve.server import ServeServer
 from libs.tokenizer import ByteTokenizer
+from libs.weights.encoder import EncodeOptions
 from libs.weights.handoff import stage_weights
 from proto import streams
 from proto.messages import ChatMessage, ServedGeneration
@@ -435,7 +436,7 @@ async def test_rollout_worker_serves_and_records(bus: Bus, tmp_path: Path) -> No
     await provision(bus.js)
     await state_trainer_policy(bus.js)  # the test stages the trainer's weights itself
     broadcaster = WeightBroadcasterService(
-        WeightBroadcasterSettings(staging_dir=tmp_path / "staging", encode_threads=1)
+        WeightBroadcasterSettings(staging_dir=tmp_path / "staging", encode=EncodeOptions(threads=1))
     )
     port = free_port()
     worker = RolloutWorkerService(
@@ -504,7 +505,9 @@ async def test_a_fixed_weights_replica_serves_at_once_and_ignores_new_versions(
         before = {n: t.clone() for n, t in live.items()}
         # A new version on the bus: a fixed replica must not take it.
         broadcaster = WeightBroadcasterService(
-            WeightBroadcasterSettings(staging_dir=tmp_path / "staging", encode_threads=1)
+            WeightBroadcasterSettings(
+                staging_dir=tmp_path / "staging", encode=EncodeOptions(threads=1)
+            )
         )
         await broadcaster.start(bus)
         broadcasting = asyncio.create_task(broadcaster.run())

@@ -115,8 +115,7 @@ class Harness:
         settings = WeightBroadcasterSettings(
             staging_dir=self.staging_dir,
             snapshot_every_versions=SNAPSHOT_EVERY,
-            max_chunk_bytes=16 << 10,  # many chunks even for a small state
-            encode_threads=1,
+            encode=EncodeOptions(max_chunk_bytes=16 << 10, threads=1),  # many chunks
             **self.settings,
         )
         self.service = WeightBroadcasterService(settings)

@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
 
 from libs.weights.chunking import PiecePlan, TensorJob, plan_chunks, split_plan
 from libs.weights.encodings import (
@@ -73,15 +74,25 @@ def chunk_bytes_for(max_payload: int, wanted: int = DEFAULT_MAX_CHUNK_BYTES) -> 
     return min(wanted, max_payload - HEADROOM_BYTES // 16)
 
 
-@dataclass(frozen=True)
-class EncodeOptions:
-    """How to chunk and compress."""
+class EncodeOptions(BaseModel):
+    """How to chunk and compress (the weight-broadcaster's `encode`)."""
 
-    max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES  # hard limit of one msgpack-encoded chunk
-    target_chunk_bytes: int | None = None  # estimated fill; default max - 64 KiB
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    max_chunk_bytes: int = Field(
+        DEFAULT_MAX_CHUNK_BYTES,
+        ge=16 << 10,
+        le=8 << 20,
+        description="Largest stored chunk in bytes, msgpack-encoded (capped at the server's "
+        "max payload)",
+    )
+    target_chunk_bytes: int | None = Field(
+        None, ge=1, description="Estimated fill of a chunk; unset: max_chunk_bytes less 64 KiB"
+    )
     # zstd level 1: faster and smaller than 3 on weight streams (Huffman pays, match finding not).
-    level: int = 1
-    threads: int = 1  # threads for scanning, hashing and chunk encoding
+    level: int = Field(1, ge=1, le=19, description="zstd level of chunk payloads")
+    # zstd and numpy release the GIL: a second thread speeds a version's scan and encode.
+    threads: int = Field(2, ge=1, description="Threads for scanning, hashing and chunk encoding")
 
     def target(self) -> int:
         """The chunk fill target in bytes."""

@@ -17,7 +17,7 @@ from libs.bus.consumer import PullConsumer
 from libs.bus.publisher import Publisher
 from libs.service import Service
 from libs.weights.broadcaster import WeightBroadcaster
-from libs.weights.encoder import EncodeOptions, chunk_bytes_for
+from libs.weights.encoder import chunk_bytes_for
 from proto.messages import WeightsStaged
 from proto.streams import WEIGHT_BROADCASTER_STAGED
 from services.weight_broadcaster.settings import WeightBroadcasterSettings
@@ -40,11 +40,8 @@ class WeightBroadcasterService(Service):
         await super().start(bus)
         settings = self.settings
         publisher = Publisher(bus.js, max_in_flight=settings.publish_in_flight)
-        options = EncodeOptions(
-            max_chunk_bytes=chunk_bytes_for(bus.nc.max_payload, settings.max_chunk_bytes),
-            level=settings.zstd_level,
-            threads=settings.encode_threads,
-        )
+        chunk_bytes = chunk_bytes_for(bus.nc.max_payload, settings.encode.max_chunk_bytes)
+        options = settings.encode.model_copy(update={"max_chunk_bytes": chunk_bytes})
         staging_dir = settings.resolved_staging_dir()
         staging_dir.mkdir(parents=True, exist_ok=True)
         self.broadcaster = WeightBroadcaster(

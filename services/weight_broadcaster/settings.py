@@ -6,7 +6,8 @@ from typing import ClassVar
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
-from libs.settings import ServiceSettings, env_prefix
+from libs.settings import NESTED_SETTINGS, ServiceSettings, env_prefix
+from libs.weights.encoder import EncodeOptions
 from libs.weights.handoff import default_staging_dir
 
 
@@ -14,7 +15,9 @@ class WeightBroadcasterSettings(ServiceSettings):
     """Configuration of the weight-broadcaster service."""
 
     SERVICE: ClassVar[str] = "weight-broadcaster"
-    model_config = SettingsConfigDict(env_prefix=env_prefix("weight-broadcaster"), extra="ignore")
+    model_config = SettingsConfigDict(
+        env_prefix=env_prefix("weight-broadcaster"), **NESTED_SETTINGS
+    )
 
     http_port: int = Field(9105, ge=0, le=65535, description="Port of /healthz and /metrics")
     staging_dir: Path | None = Field(
@@ -32,16 +35,11 @@ class WeightBroadcasterSettings(ServiceSettings):
         "(workers that lost a delta wait for a snapshot; a trainer waiting for their samples "
         "stages none); 0: never",
     )
-    max_chunk_bytes: int = Field(
-        1 << 20,
-        ge=16 << 10,
-        le=8 << 20,
-        description="Largest stored chunk in bytes (capped at the server's max payload)",
+    encode: EncodeOptions = Field(
+        default_factory=EncodeOptions,
+        description="How versions are chunked and compressed (RLPIPE_WEIGHT_BROADCASTER_"
+        "ENCODE_MAX_CHUNK_BYTES, _ENCODE_LEVEL, _ENCODE_THREADS)",
     )
-    zstd_level: int = Field(
-        1, ge=1, le=19, description="zstd level of chunk payloads (1: smaller and faster than 3)"
-    )
-    encode_threads: int = Field(2, ge=1, description="Threads for scanning, hashing, encoding")
     diff_device: str | None = Field(
         None,
         description="torch device to find deltas on (e.g. cuda, where the broadcaster shares "
