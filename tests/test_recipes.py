@@ -132,6 +132,13 @@ def test_a_typo_in_a_recipe_is_refused_naming_the_field(
         recipe.write_text("[trainr]\nkl_coef = 0.2\n")
         load_recipe(recipe)
 
+    # arith has no scripted expert to record demonstrations with.
+    recipe.write_text(
+        '[env_gateway]\nenv = "arith"\n\n[warm_start]\nnum_tasks = 4\nerror_rate = 0.1\nsteps = 2\n'
+    )
+    assert main(["demo", "--recipe", str(recipe), "--run-dir", str(run_dir)]) == 2
+    assert "a [warm_start] needs a domain with a scripted expert" in capsys.readouterr().err
+
 
 def test_a_run_hands_its_recipe_to_every_service(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]

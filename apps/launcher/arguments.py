@@ -113,9 +113,7 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
     DatasetError naming the line and field of a bad row) before anything starts."""
     services = tuple(name.strip() for name in args.services.split(",") if name.strip())
     recipe = demo_recipe(args)
-    warm = recipe.warm_start if not args.no_warm_start else None
-    if warm is not None and recipe.env is None:
-        raise RecipeError(f"recipe {recipe.path}: a [warm_start] needs [env_gateway] env")
+    warm = None if args.no_warm_start else warm_start_of(recipe)
     commands = {}
     if args.trainer_ranks != 1:
         commands["trainer"] = trainer_command(args.trainer_ranks)
@@ -124,12 +122,27 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
         duration_s=args.duration_s,
         max_trainer_steps=args.max_trainer_steps,
         services=services,
-        recipe=merge_tables(recipe.tables, warm.rl if warm else {}),
-        warm_start=WarmStart(str(recipe.env), warm) if warm else None,
+        recipe=merge_tables(recipe.tables, warm.recipe.rl if warm else {}),
+        warm_start=warm,
         warm_start_root=args.warm_start_dir,
         nats_cluster=args.nats_cluster,
         commands=commands,
     )
+
+
+def warm_start_of(recipe: Recipe) -> WarmStart | None:
+    """The warm start `recipe` asks for; RecipeError when its domain has no scripted expert
+    to record demonstrations with."""
+    if recipe.warm_start is None:
+        return None
+    from libs.experts.demos import expert_domains
+
+    if recipe.env not in expert_domains():
+        raise RecipeError(
+            f"recipe {recipe.path}: a [warm_start] needs a domain with a scripted expert in "
+            f"[env_gateway] env ({', '.join(expert_domains())}; this one: {recipe.env})"
+        )
+    return WarmStart(str(recipe.env), recipe.warm_start)
 
 
 def demo_recipe(args: argparse.Namespace) -> Recipe:
