@@ -15,6 +15,8 @@ import torch
 
 from apps import domains_cli
 from apps.cli import build_parser
+from apps.launcher.harness import harness_tables
+from apps.launcher.recipe import load_recipe
 from libs.bus import wire
 from libs.bus.connection import Bus
 from libs.bus.provision import provision
@@ -207,9 +209,10 @@ async def test_the_recall_gate_rolls_out_under_the_workers_harness(bus: Bus) -> 
     gate = EvalGate(config, PolicyConfig(preset="tiny"), TOKENIZER, EnvClient(bus.nc))
     engine = CodeReader()
 
-    # The workers' limits: the domain's, written into every rollout-worker's settings by the
-    # demo, in the tokens of the workers' policy (here the byte tokenizer, as the gate's).
-    workers = RolloutWorkerSettings(**registry.harness_for("recall", TEMPLATE).model_dump())
+    # The workers' limits: the rollout-worker settings the demo gives recall's workers (its
+    # recipe with --no-warm-start: the embedded policy, the byte tokenizer, as the gate's).
+    recipe = load_recipe(registry.domain("recall").recipe_path).tables
+    workers = RolloutWorkerSettings(**harness_tables(recipe)["rollout_worker"])
     limits = {name: getattr(workers, name) for name in AgentSettings.model_fields}
     assert gate.harness(engine).model_dump() == limits
     assert limits["max_turns"] > 8 and limits["context_budget_tokens"] < 4096
