@@ -130,7 +130,8 @@ class Trainer:
                     await self._train(work)
         finally:
             await self._finish()
-        await asyncio.to_thread(self.learner.close)  # after a clean finish only
+        # Only after a clean finish: when rank 0 fails, torchrun stops the other ranks.
+        await asyncio.to_thread(self.learner.close)
 
     async def stop(self) -> None:
         self._stopping.set()
