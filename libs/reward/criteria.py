@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 
-from libs.reward.rubric import CriterionFn, final_assistant_text
+from libs.reward.rubric import Criterion, CriterionFn, final_assistant_text
 from proto.messages import (
     EPISODE_STAT_GENERATED_TOKENS,
     EPISODE_STAT_INVALID_TOOL_CALLS,
@@ -112,6 +112,21 @@ def turn_penalty(free_turns: int, penalty_per_turn: float) -> CriterionFn:
         return score, f"{num} turns, {free_turns} free, -{penalty_per_turn} per extra turn"
 
     return turns
+
+
+def tool_use_criteria(
+    *, budget_tokens: int, free_turns: int, penalty_per_turn: float
+) -> list[Criterion]:
+    """What a tool environment's rubric adds to its correctness criterion: tool_calls (0.1,
+    share of well-formed calls), length (0.05, 1 up to `budget_tokens` generated tokens, 0 at
+    twice that), turns (0.05, `turn_penalty`) and env_ok (0: shown in the breakdown, not
+    rewarded)."""
+    return [
+        Criterion("tool_calls", 0.1, tool_call_validity),
+        Criterion("length", 0.05, length_penalty(budget_tokens, ramp_tokens=budget_tokens)),
+        Criterion("turns", 0.05, turn_penalty(free_turns, penalty_per_turn)),
+        Criterion("env_ok", 0.0, env_ok),
+    ]
 
 
 def generated_tokens(rollout: Rollout) -> int:
