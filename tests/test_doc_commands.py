@@ -62,7 +62,8 @@ BIN = ROOT / ".venv" / "bin"
 
 
 def code_spans(text: str) -> list[str]:
-    return re.findall(rf"`({COMMAND_START}[^`]*)`", text)
+    """Inline code that starts with rlpipe; a span wrapped over lines reads as one line."""
+    return [" ".join(s.split()) for s in re.findall(rf"`({COMMAND_START}[^`]*)`", text)]
 
 
 def fenced_blocks(text: str) -> list[tuple[str, str]]:
@@ -99,7 +100,9 @@ def documented_commands() -> list[tuple[str, str]]:
 
 
 def strip_comment(command: str) -> str:
-    return re.sub(r"\s+#.*$", "", command).strip()
+    """The command without a trailing `# comment` or a `> file` redirection of its output."""
+    command = re.sub(r"\s+#.*$", "", command)
+    return re.sub(r"\s+\d?>>?\s*\S+$", "", command).strip()
 
 
 def is_synopsis(command: str) -> bool:
@@ -149,7 +152,14 @@ def check_overrides(texts: list[str]) -> None:
 
 
 def check_synopsis(command: str) -> None:
-    """Subcommands exist; each --option belongs to the subcommand it follows."""
+    """Subcommands exist; each --option belongs to the subcommand it follows. `run|demo`
+    (alternatives without spaces) is each of them in turn."""
+    words = command.split()
+    for i, word in enumerate(words):
+        if re.fullmatch(r"[a-z][a-z-]*(\|[a-z][a-z-]*)+", word):
+            for alternative in word.split("|"):
+                check_synopsis(" ".join([*words[:i], alternative, *words[i + 1 :]]))
+            return
     first, *alternatives = command.split(" | ")
     words = first.split()[1:]
     parser, path = build_parser(), ["rlpipe"]
@@ -588,6 +598,8 @@ def test_a_command_that_does_not_exist_is_caught() -> None:
         check_synopsis("rlpipe demo [--no-such-flag N]")
     with pytest.raises(AssertionError, match="no such field"):
         check_concrete("rlpipe demo --set trainer.learnin_rate=1e-4")
+    with pytest.raises(AssertionError, match="has no option"):
+        check_synopsis("rlpipe run|schema --set trainer.learning_rate=1e-4")
     with pytest.raises(AssertionError, match="no rule for 'frobnicate'"):
         check_shell_command("frobnicate --now")
     with pytest.raises(AssertionError, match="no profile"):
