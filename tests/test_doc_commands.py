@@ -187,6 +187,7 @@ RLPIPE_RUN = (
     "rlpipe schema --check",
     "rlpipe config show ",
     "rlpipe config check",
+    "rlpipe config reference",
     "rlpipe domain list",
 )
 # Why the other subcommands are only parsed.
