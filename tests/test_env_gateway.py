@@ -21,6 +21,7 @@ from libs.domains.domain import Domain
 from libs.envs.base import Environment, Episode, Opening, StepResult
 from libs.envs.client import EnvClient, EnvError
 from libs.envs.feeder import FeederConfig
+from libs.envs.server import ServerLimits
 from proto import messages as m
 from proto import streams
 from proto.messages import Task, ToolCall
@@ -124,7 +125,7 @@ async def test_a_multi_turn_episode_and_its_close(bus: Bus, start_gateway: Calla
 async def test_errors_are_typed_replies_and_the_gateway_keeps_serving(
     bus: Bus, start_gateway: Callable
 ) -> None:
-    gateway: EnvGatewayService = await start_gateway(step_timeout_s=0.3)
+    gateway: EnvGatewayService = await start_gateway(limits=ServerLimits(step_timeout_s=0.3))
     client = EnvClient(bus.nc)
 
     async def kind_of(call: object) -> str:

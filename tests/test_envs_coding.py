@@ -23,6 +23,7 @@ from libs.domains.coding.grading import copy_final_files, grade_files, restore_p
 from libs.domains.coding.tasks import TASKS_DIR, CodingTask
 from libs.domains.coding.tools import TOOLS, SandboxTools
 from libs.envs.feeder import FeederConfig
+from libs.envs.server import ServerLimits
 from libs.sandbox import SandboxConfig, SandboxLimits, build_sandbox_factory
 from libs.sandbox.limits import MIB
 from proto import messages as m
@@ -221,7 +222,9 @@ async def gateway(bus: Bus, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[En
     monkeypatch.setitem(registry._REGISTERED, "coding", configured)
     await provision(bus.js)
     service = EnvGatewayService(
-        EnvGatewaySettings(feeder=FeederConfig(mode="off"), step_timeout_s=20.0)
+        EnvGatewaySettings(
+            feeder=FeederConfig(mode="off"), limits=ServerLimits(step_timeout_s=20.0)
+        )
     )
     await service.start(bus)
     running = asyncio.create_task(service.run())

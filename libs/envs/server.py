@@ -27,6 +27,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from prometheus_client import Counter, Gauge
+from pydantic import BaseModel, ConfigDict, Field
 
 from libs.bus import wire
 from libs.envs.base import Environment, Episode, Opening, StepResult
@@ -60,13 +61,15 @@ class OpenEpisode:
     busy: asyncio.Lock = field(default_factory=asyncio.Lock)
 
 
-@dataclass(frozen=True)
-class ServerLimits:
-    """How long episodes and steps may run, and how many episodes one gateway holds."""
+class ServerLimits(BaseModel):
+    """How long episodes and steps may run, and how many episodes one gateway holds
+    (env-gateway's `limits`)."""
 
-    episode_timeout_s: float = 600.0
-    step_timeout_s: float = 30.0
-    max_open_episodes: int = 10_000
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    episode_timeout_s: float = Field(600.0, gt=0, description="Deadline of an episode")
+    step_timeout_s: float = Field(30.0, gt=0, description="Longest a reset or step may run")
+    max_open_episodes: int = Field(10_000, ge=1, description="Episodes one gateway holds at most")
 
 
 class EnvHandler:

@@ -12,7 +12,7 @@ from libs.domains.registry import domain_names, make_env
 from libs.envs.base import Environment
 from libs.envs.feeder import TaskFeeder
 from libs.envs.latency import parse_tool_latency, with_tool_latency
-from libs.envs.server import EnvServer, ServerLimits
+from libs.envs.server import EnvServer
 from libs.service import Service
 from services.env_gateway.settings import EnvGatewaySettings
 
@@ -35,8 +35,7 @@ class EnvGatewayService(Service):
         envs = {name: with_tool_latency(env, latency, s.seed) for name, env in self._envs().items()}
         if s.env not in envs:
             raise ValueError(f"env {s.env!r} is no domain; known: {', '.join(sorted(envs))}")
-        limits = ServerLimits(s.episode_timeout_s, s.step_timeout_s, s.max_open_episodes)
-        self.server = EnvServer(bus.nc, envs, limits)
+        self.server = EnvServer(bus.nc, envs, s.limits)
         if s.feeder.mode != "off":
             source = envs[s.env].task_source(
                 difficulty=s.difficulty, group_size=s.group_size, seed=s.seed

@@ -10,6 +10,7 @@ from libs.domains.dataset.env import ENV_NAME as DATASET_ENV
 from libs.domains.dataset.env import DatasetConfig, check_match, load_rows
 from libs.envs.feeder import FeederConfig
 from libs.envs.latency import parse_tool_latency
+from libs.envs.server import ServerLimits
 from libs.settings import NESTED_SETTINGS, ServiceSettings, env_prefix
 
 
@@ -29,9 +30,11 @@ class EnvGatewaySettings(ServiceSettings):
         "...); the batch size is the trainer's own, read from its state",
     )
     seed: int = Field(0, description="Seed of task generation")
-    episode_timeout_s: float = Field(600.0, gt=0, description="Deadline of an episode")
-    step_timeout_s: float = Field(30.0, gt=0, description="Longest a reset or step may run")
-    max_open_episodes: int = Field(10_000, ge=1, description="Episodes one gateway holds at most")
+    limits: ServerLimits = Field(
+        default_factory=ServerLimits,
+        description="Deadlines of episodes and steps, episodes held at once "
+        "(RLPIPE_ENV_GATEWAY_LIMITS_STEP_TIMEOUT_S, ...)",
+    )
     tool_latency: str = Field(
         "none",
         description="Latency of each tool call (libs.envs.latency): none, constant:seconds=S or "
