@@ -592,25 +592,25 @@ def test_a_documented_variable_is_read(where: str, name: str) -> None:
     assert known or name in NAMED_NOT_READ, f"{where} names {name}, which nothing reads"
 
 
-def test_a_command_that_does_not_exist_is_caught() -> None:
-    with pytest.raises(AssertionError, match="invalid choice: 'launch'"):
-        check_concrete("rlpipe launch")
-    with pytest.raises(AssertionError, match="no option"):
-        check_synopsis("rlpipe demo [--no-such-flag N]")
-    with pytest.raises(AssertionError, match="no such field"):
-        check_concrete("rlpipe demo --set trainer.learnin_rate=1e-4")
-    with pytest.raises(AssertionError, match="has no option"):
-        check_synopsis("rlpipe run|schema --set trainer.learning_rate=1e-4")
-    with pytest.raises(AssertionError, match="no rule for 'frobnicate'"):
-        check_shell_command("frobnicate --now")
-    with pytest.raises(AssertionError, match="no profile"):
-        check_shell_command("docker compose --profile nosuch up")
-    with pytest.raises(AssertionError, match="does not list"):
-        check_shell_command("nats-server -js --no-such-flag")
-    with pytest.raises(AssertionError, match="no service serves /nosuch"):
-        check_shell_command("curl -s localhost:9104/nosuch")
-    with pytest.raises(AssertionError, match="No rule to make target"):
-        check_shell_command("make nosuchtarget")
+MISTAKES = [
+    (check_concrete, "rlpipe launch", "invalid choice: 'launch'"),
+    (check_synopsis, "rlpipe demo [--no-such-flag N]", "no option"),
+    (check_concrete, "rlpipe demo --set trainer.learnin_rate=1e-4", "no such field"),
+    (check_synopsis, "rlpipe run|schema --set trainer.learning_rate=1e-4", "has no option"),
+    (check_shell_command, "frobnicate --now", "no rule for 'frobnicate'"),
+    (check_shell_command, "docker compose --profile nosuch up", "no profile"),
+    (check_shell_command, "nats-server -js --no-such-flag", "does not list"),
+    (check_shell_command, "curl -s localhost:9104/nosuch", "no service serves /nosuch"),
+    (check_shell_command, "make nosuchtarget", "No rule to make target"),
+]
+
+
+@pytest.mark.parametrize(("check", "command", "message"), MISTAKES, ids=[m[1] for m in MISTAKES])
+def test_a_command_that_does_not_exist_is_caught(
+    check: Callable[[str], None], command: str, message: str
+) -> None:
+    with pytest.raises(AssertionError, match=re.escape(message)):
+        check(command)
 
 
 def test_a_shell_block_splits_into_its_commands() -> None:
