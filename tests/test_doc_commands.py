@@ -592,6 +592,19 @@ def test_a_documented_variable_is_read(where: str, name: str) -> None:
     assert known or name in NAMED_NOT_READ, f"{where} names {name}, which nothing reads"
 
 
+def test_every_committed_result_is_on_the_benchmarks_page() -> None:
+    """docs/benchmarks.md names each bench/results/<machine>/<benchmark>.json in git, and only
+    those: a figure always says the file it comes from."""
+    page = (ROOT / "docs" / "benchmarks.md").read_text()
+    named = set(re.findall(r"`([a-z0-9-]+/[a-z0-9_]+\.json)`", page))
+    tracked = subprocess.run(
+        ["git", "ls-files", "bench/results"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.split()
+    committed = {path.removeprefix("bench/results/") for path in tracked}
+    assert named - committed == set(), "the page names results not in bench/results/"
+    assert committed - named == set(), "results the page does not name"
+
+
 MISTAKES = [
     (check_concrete, "rlpipe launch", "invalid choice: 'launch'"),
     (check_synopsis, "rlpipe demo [--no-such-flag N]", "no option"),
