@@ -24,6 +24,7 @@ from libs.bus.publisher import Publisher
 from libs.chat.template import chat_template_for
 from libs.chat.tool_calls import format_tool_call
 from libs.domains import registry
+from libs.domains.domain import Domain
 from libs.domains.recall.env import TOOL_NAME
 from libs.engine.base import Completion, InferenceEngine, SamplingParams
 from libs.envs.client import EnvClient
@@ -169,6 +170,25 @@ async def test_a_domain_from_a_folder_is_fed_served_and_scored(
     scored = wire.decode(ScoredRollout, raw.data or b"", raw.headers)
     assert scored.scored and scored.reward == 1.0
     assert [(c.name, c.reason) for c in scored.criteria] == [("said_it", "said the word")]
+
+
+async def test_a_domain_whose_env_is_a_process_of_its_own_is_left_to_that_process(
+    bus: Bus, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # examples/external_env.py serves `notes` over the wire protocol; its domain brings the
+    # rubric, and env-gateway must not answer on the same subjects.
+    notes = Domain("notes", EXAMPLE_DOMAIN, None, registry.domain("arith").rubric)
+    monkeypatch.setitem(registry._REGISTERED, "notes", notes)
+    assert registry.rubric_for("notes").criteria
+    with pytest.raises(ValueError, match="a process of its own"):
+        registry.make_env("notes")
+    await provision(bus.js)
+    gateway = EnvGatewayService(EnvGatewaySettings(feeder=FeederConfig(mode="off")))
+    await gateway.start(bus)
+    try:
+        assert "notes" not in gateway.detail and "recall" in gateway.detail
+    finally:
+        await gateway.stop()
 
 
 class CodeReader(InferenceEngine):

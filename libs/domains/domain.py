@@ -39,14 +39,17 @@ def worker_harness(template: ChatTemplate) -> AgentSettings:
 class Domain:
     """One domain: its environment, rubric, harness limits and (optionally) expert.
 
-    `harness` takes the policy's chat template because token budgets are counted in the
-    policy's own tokens. Everyone who rolls the domain out (the workers through the demo's
-    recipe, the eval gate, demonstrations, the SFT evaluation) asks it for its limits.
+    `env` is None for a domain whose environment is a process of its own speaking the wire
+    protocol (docs/environments.md): env-gateway leaves its subjects to that process, and
+    the domain brings the rest (its rubric, harness limits). `harness` takes the policy's
+    chat template because token budgets are counted in the policy's own tokens. Everyone who
+    rolls the domain out (the workers through the demo's recipe, the eval gate,
+    demonstrations, the SFT evaluation) asks it for its limits.
     """
 
     name: str
     folder: Path
-    env: Callable[[], Environment]
+    env: Callable[[], Environment] | None
     rubric: Callable[[], Rubric]
     harness: Callable[[ChatTemplate], AgentSettings] = worker_harness
     expert: Callable[[float], Expert] | None = None

@@ -119,8 +119,17 @@ def domain(name: str) -> Domain:
 
 
 def make_env(name: str) -> Environment:
-    """A new instance of domain `name`'s environment."""
-    return domain(name).env()
+    """A new instance of domain `name`'s environment (ValueError for a domain whose
+    environment runs in a process of its own)."""
+    factory = domain(name).env
+    if factory is None:
+        raise ValueError(f"domain {name!r}: its environment is a process of its own (env=None)")
+    return factory()
+
+
+def served_domains() -> list[str]:
+    """Names of the domains whose environment runs in env-gateway, sorted."""
+    return sorted(name for name, found in domains().items() if found.env is not None)
 
 
 def rubric_for(name: str) -> Rubric:

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from libs.chat.template import chat_template_for
-from libs.domains.registry import domain, domains
+from libs.domains.registry import domain, domains, make_env
 from libs.experts.record import record_episode
 from libs.sft.transcript import Transcript, render_transcript, transcript_to_json
 from libs.tokenizer import load_tokenizer
@@ -72,7 +72,7 @@ async def record_demonstrations(
         raise ValueError(
             f"no scripted expert for env {config.env!r}; experts: {', '.join(expert_domains())}"
         )
-    env = found.env()
+    env = make_env(config.env)
     expert = found.expert(config.error_rate)
     template = chat_template_for(load_tokenizer(config.tokenizer))
     source = env.task_source(difficulty=config.difficulty, group_size=1, seed=config.seed)

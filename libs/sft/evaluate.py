@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from libs.chat.template import chat_template_for
-from libs.domains.registry import domain
+from libs.domains.registry import domain, make_env
 from libs.engine.base import InferenceEngine
 from libs.envs.local_client import LocalEnvClient
 from libs.rollout.agent import AgentSettings
@@ -42,7 +42,7 @@ async def measure(
     """Figures of `num_tasks` x `group_size` episodes of `env` under `engine`'s policy, the
     environment served in this process (the one evaluator: libs.rollout.evaluate)."""
     found = domain(env)
-    environment = found.env()
+    environment = make_env(env)
     source = environment.task_source(difficulty=difficulty, group_size=group_size, seed=seed)
     tasks = [source.task(i) for i in range(num_tasks)]
     client = LocalEnvClient({env: environment})

@@ -8,7 +8,7 @@ from typing import Any
 from libs.bus.connection import Bus
 from libs.bus.publisher import Publisher
 from libs.domains.dataset.env import DatasetEnv
-from libs.domains.registry import domain_names, make_env
+from libs.domains.registry import make_env, served_domains
 from libs.envs.base import Environment
 from libs.envs.feeder import TaskFeeder
 from libs.envs.latency import parse_tool_latency, with_tool_latency
@@ -53,8 +53,9 @@ class EnvGatewayService(Service):
         self.detail = f"serving {', '.join(sorted(envs))}; feeder {s.feeder.mode}"
 
     def _envs(self) -> dict[str, Environment]:
-        """An environment of every domain; the dataset one serves the configured file."""
-        envs = {name: make_env(name) for name in domain_names()}
+        """An environment of every domain served here; the dataset one serves the configured
+        file."""
+        envs = {name: make_env(name) for name in served_domains()}
         dataset = self.settings.dataset_config()
         if dataset is not None:
             envs[DatasetEnv.name] = DatasetEnv(dataset)
