@@ -605,6 +605,31 @@ def test_every_committed_result_is_on_the_benchmarks_page() -> None:
     assert committed - named == set(), "results the page does not name"
 
 
+def heading_anchors(text: str) -> set[str]:
+    """GitHub's anchors of a page's headings: lower case, punctuation dropped, spaces as -."""
+    headings = re.findall(r"^#+\s+(.+?)\s*$", text, re.M)
+    return {re.sub(r"[^\w\- ]", "", h.lower()).replace(" ", "-") for h in headings}
+
+
+LINKS = [
+    (path, link)
+    for path in MARKDOWN
+    for link in re.findall(r"\]\(([^)\s]+)\)", path.read_text())
+    if not re.match(r"[a-z]+:", link)
+]
+
+
+@pytest.mark.parametrize(
+    ("path", "link"), LINKS, ids=[f"{p.relative_to(ROOT)}: {link}" for p, link in LINKS]
+)
+def test_a_link_between_pages_resolves(path: Path, link: str) -> None:
+    target, _, anchor = link.partition("#")
+    page = (path.parent / target).resolve() if target else path
+    assert page.exists(), f"{path.name} links to {target}, which does not exist"
+    if anchor and page.suffix == ".md":
+        assert anchor in heading_anchors(page.read_text()), f"{page.name} has no #{anchor}"
+
+
 MISTAKES = [
     (check_concrete, "rlpipe launch", "invalid choice: 'launch'"),
     (check_synopsis, "rlpipe demo [--no-such-flag N]", "no option"),
