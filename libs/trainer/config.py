@@ -57,16 +57,11 @@ class TrainerConfig(StepConfig):
         description="Samples older than this many versions are dropped (0: synchronous); "
         "unset: by model size (default_max_staleness)",
     )
-    # A crash loses the steps since the last checkpoint, and what workers generated on them
-    # is as many updates from the resumed weights: past max_staleness (4) it is all dropped.
-    # Every 10 steps, a trainer kill in the demo dropped 1,408-1,520 samples (28% until the
-    # next kill); a checkpoint of the tiny policy takes about 20 ms, in a thread.
+    # A crash drops what workers generated on the steps since the last checkpoint once those
+    # are past max_staleness; a checkpoint of the tiny policy costs milliseconds, in a thread.
     checkpoint_every_steps: int = Field(4, ge=1, description="Steps between checkpoints")
-    # Written in line, a promoted version's checkpoint (fp32 weights and AdamW state of
-    # byte-0.5b) stopped the trainer 5-7 s every tenth version on an H200. In the background
-    # the step waits only for a copy into host buffers kept for the next checkpoint (5.9 GB
-    # for byte-0.5b on the 2-core VM: 0.9 s once the buffers exist, 28.5 s the first time,
-    # against 25.2 s for the write in line).
+    # Written in line, a large model's checkpoint stalls the trainer seconds; in the background
+    # the step waits only for a copy into host buffers kept for the next one (host_memory.py).
     checkpoint_in_background: bool = Field(
         True,
         description="Write checkpoints beside training from a copy in host memory (holds "
@@ -82,9 +77,7 @@ class TrainerConfig(StepConfig):
     publish_every_steps: int = Field(
         1, ge=1, description="Stage weights for the broadcaster every N steps (sync mode: 1)"
     )
-    # Staged whole, a version of byte-0.5b took 0.3 s to write, 0.3-0.4 s waiting for the
-    # broadcaster and 0.8 s to read back and diff there, even when a few values changed
-    # (lr 1e-6: 1.86 s from the step to the worker's swap, median; one H200, 2026-11-26).
+    # Staged whole, a large model's version is written, read back and diffed even when few changed.
     weight_handover: WeightHandover = Field(
         "auto",
         description="How versions reach the weight-broadcaster: state (each whole, it "
@@ -122,21 +115,12 @@ class TrainerConfig(StepConfig):
         return self.model_copy(update=update) if update else self
 
 
-# Measured with bench/gpu_learning.py (synchronous GRPO on the demo's arith task, fp32 master
-# weights, decay over 400 steps, one NVIDIA H200, 2026-11-26; bench/results/h200/learning.json):
-# byte-0.5b (492M) reached a 10-step mean reward of 0.81 by step 100 at 1e-5, 0.77 at 3e-5,
-# 0.60 then a slide to 0.45 at 1e-4, and stayed under 0.11 at 3e-4; trained in bf16 alone at
-# 5e-4 it collapsed to 0. The tiny preset (821K) learns the task in ~300 steps at 5e-4 on CPU
-# (make demo).
+# The fastest to learn the demo task per model size (bench/results/h200/learning.json).
 SMALL_MODEL_PARAMETERS = 50_000_000
 SMALL_MODEL_LEARNING_RATE = 5e-4
 LARGE_MODEL_LEARNING_RATE = 1e-5
-# A version of a large model takes seconds to reach the workers while a step takes a
-# fraction of one, so samples are more versions old when they arrive, and the trainer
-# waits whenever its newest announced version is max_staleness - 1 behind. In the pipelined
-# loop on one H200 (bench/gpu_loop.sh, byte-0.5b, 180 s, 2026-11-26) a bound of 4 gave 60
-# steps, busy 0.29 and a reward of 0.47 at the end; a bound of 8 gave 120 steps, busy 0.40,
-# 13% dropped, and a 10-step mean reward above 0.8 at 153 s (0.86 at the end).
+# A large model's version takes seconds to reach the workers, so its samples arrive more
+# versions old: the trainer waits less at 8 (it waits whenever it is max_staleness - 1 ahead).
 SMALL_MODEL_MAX_STALENESS = 4
 LARGE_MODEL_MAX_STALENESS = 8
 
