@@ -29,10 +29,11 @@ system-tools:
 demo: $(INSTALLED)
 	$(BIN)/rlpipe demo $(DEMO_ARGS)
 
-# `make test` keeps under 15 minutes on 2 cores: two workers, the whole-pipeline tests one
-# after another on one of them (tests/marks.py), and the tests marked slow left out (each over
-# a minute: the Ray deployment, the NATS cluster and chaos runs, the agent RL runs);
-# `make test-slow` runs those, one at a time.
+# `make test` keeps under 15 minutes on 2 quiet cores: two workers, the whole-pipeline tests
+# one after another on one of them (tests/marks.py), and the tests marked slow left out (each
+# over a minute: the Ray deployment, the NATS cluster and chaos runs, the agent RL runs);
+# `make test-slow` runs those, one at a time. No test times itself (speed is bench/'s): beside
+# other work the suite takes longer and still passes.
 test: $(INSTALLED) system-tools
 	$(BIN)/python -m pytest -m "not slow" -n 2 --dist loadgroup $(PYTEST_ARGS)
 

@@ -85,7 +85,7 @@ class LaunchOptions:
     healthy_timeout_s: float = 180.0
     # A service that crashed this many times without ever answering healthy ends the run.
     max_restarts_unhealthy: int = 5
-    stop_grace_s: float = 30.0
+    stop_grace_s: float = 60.0  # a worker's drain (2 x drain_timeout_s) and exit, on busy cores
     backoff: Backoff = field(default_factory=Backoff)
     # The warm start the trainer and workers load (built when missing).
     warm_start: WarmStart | None = None

@@ -144,8 +144,9 @@ class Supervisor:
         self, grace_s: float = 15.0, first: Sequence[str] = (), finishing: Sequence[str] = ()
     ) -> None:
         """SIGTERM the `first` children and wait for them, then every other child's group;
-        SIGKILL what is left `grace_s` after the start. Stopping the producers of work first
-        (the rollout-worker) lets their in-flight work finish against services still up.
+        SIGKILL what is left `grace_s` after the last SIGTERM. Stopping the producers of work first
+        (the rollout-worker) lets their in-flight work finish against services still up; a
+        slow first stop leaves the others their whole grace (the trainer its checkpoint).
 
         `finishing` children are ending on their own (the trainer at its step bound): they
         get until halfway to the deadline before their SIGTERM. A signal would cut short
@@ -159,6 +160,7 @@ class Supervisor:
         early_tasks = [self._task_of[name] for name in early if name in self._task_of]
         if early_tasks:
             await asyncio.wait(early_tasks, timeout=grace_s)
+            deadline = loop.time() + grace_s
         waiting = [name for name in finishing if name in self.children and name not in early]
         for name, child in self.children.items():
             if name not in early and name not in waiting:
