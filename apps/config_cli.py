@@ -67,6 +67,10 @@ GLOBAL_VARIABLES = frozenset(
         "RLPIPE_NATS_FEEDBACK_API_PASSWORD",
         "RLPIPE_NATS_LEAF_PASSWORD",
         "RLPIPE_GRAFANA_ADMIN_PASSWORD",
+        # compose's choice of NATS server configuration (nats-secure.conf or cluster.conf)
+        "RLPIPE_NATS_CONFIG",
+        # Domain folders beyond the built-ins (libs.domains.registry, which imports torch).
+        "RLPIPE_DOMAIN_PATHS",
     }
 )
 # Compose's published ports (RLPIPE_NATS_HOST_PORT, ...) and the coding environment's own

@@ -84,6 +84,17 @@ def test_typos_in_variables_and_toml_name_the_nearest_field(
     assert out.startswith("ok: 6 services")
 
 
+def test_check_accepts_the_deployment_variables_the_docs_name(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # docs/domains.md has a user point RLPIPE_DOMAIN_PATHS at a folder of domains; compose
+    # reads RLPIPE_NATS_CONFIG to pick the server's configuration.
+    env = {"RLPIPE_DOMAIN_PATHS": str(tmp_path), "RLPIPE_NATS_CONFIG": "cluster.conf"}
+    code, out, err = rlpipe_here(monkeypatch, capsys, "config", "check", **env)
+    assert code == 0, err
+    assert out.startswith("ok: 6 services")
+
+
 def test_show_gives_every_field_with_its_value_and_source(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
