@@ -112,7 +112,7 @@ def test_the_kustomization_applies_every_manifest_of_its_folder(overlay: str) ->
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_every_secret_a_pod_needs_comes_from_the_overlays_generator(overlay: str) -> None:
     """The generated Secret holds every key a container reads (optional ones aside), and the
-    example env file the README tells users to copy lists exactly those keys."""
+    example env file docs/deployment.md tells users to copy lists exactly those keys."""
     kustomization = yaml.safe_load((K8S / overlay / "kustomization.yaml").read_text())
     generated = {g["name"]: g["envs"] for g in kustomization["secretGenerator"]}
     example_keys = {

@@ -56,7 +56,7 @@ def test_the_demo_trains_a_model_folder_with_its_own_tokenizer(
     run_dir = tmp_path / "run"
     env = {
         **os.environ,
-        # The README's command for a local model folder, with the eval gate on.
+        # docs/gpu.md's command for a local model folder, with the eval gate on.
         "RLPIPE_TRAINER_POLICY_PATH": str(model_folder),
         "RLPIPE_ROLLOUT_WORKER_POLICY_PATH": str(model_folder),
         "RLPIPE_ROLLOUT_WORKER_POLICY_TOKENIZER": str(model_folder),
