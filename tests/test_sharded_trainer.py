@@ -220,7 +220,7 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--np
 
 
 def trainer_ranks(num_ranks: int, env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
-    """The trainer service as `num_ranks` gloo ranks, as docs/deployment.md tells a user to run it."""
+    """The trainer service as `num_ranks` gloo ranks, as docs/deployment.md runs it."""
     with open(log, "ab") as out:
         return subprocess.Popen(
             [*TORCHRUN, str(num_ranks), "-m", "services.trainer"],
