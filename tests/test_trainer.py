@@ -32,7 +32,7 @@ from libs.trainer.cursor import ConsumedCursor
 from libs.trainer.eval_gate import EvalGateConfig
 from libs.trainer.groups import GroupBuffer
 from libs.trainer.lineage import Lineage
-from libs.trainer.loop import Trainer
+from libs.trainer.loop import Trainer, checkpoint_dir
 from libs.trainer.metrics import read_step_samples
 from libs.trainer.schedule import learning_rate_at
 from libs.trainer.step import StepConfig, train_step
@@ -338,7 +338,16 @@ async def test_trainer_killed_mid_run_resumes_without_losing_or_repeating_sample
         [sys.executable, "-m", "services.trainer"], env=env, stderr=subprocess.DEVNULL
     )
     try:
-        await wait_for(lambda: len(read_steps(tmp_path)) >= 5, timeout_s=240, what="five steps")
+        # A checkpoint is written in the background: on a busy machine step 5 can come before
+        # step 3's checkpoint is in place, and then there is nothing to resume from.
+        await wait_for(
+            lambda: (
+                len(read_steps(tmp_path)) >= 5
+                and latest_checkpoint(checkpoint_dir(tmp_path)) is not None
+            ),
+            timeout_s=240,
+            what="five steps and a checkpoint",
+        )
     finally:
         first.send_signal(signal.SIGKILL)
         first.wait()
