@@ -2,7 +2,9 @@
 
     libs/domains/coding/tasks/<name>/
         task.toml           prompt = "...", difficulty = 1..3, protected = [...] (optional)
-        files/              the agent's starting working folder (code and visible tests)
+        files/              the agent's starting working folder (code and visible tests);
+                            its functions are stubs that raise NotImplementedError on
+                            purpose: writing them is the task
         reference/          a reference solution: files that replace the starting ones
         hidden_tests/cases.toml
                             setup = "from solution import f"; [[case]] name, code (an
