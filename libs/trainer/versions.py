@@ -53,7 +53,8 @@ class VersionPublisher:
         self._state = state
         config = learner.config
         assert config.max_staleness is not None, "the learner sizes the config"
-        self._max_staleness = config.max_staleness
+        # The bound the feeder reads; the trainer's pacer moves it (libs.trainer.pacing).
+        self.max_staleness = config.max_staleness
         self._stager = WeightStager(
             publisher, staging_dir, deltas=self._hands_over_deltas(),
             options=EncodeOptions(
@@ -101,7 +102,7 @@ class VersionPublisher:
             kv = await self._bus.js.key_value(streams.STATE.bucket)
             await kv.put(streams.POLICY_VERSION_KEY, str(state.version).encode())
             await kv.put(streams.GROUPS_TAKEN_KEY, str(state.groups_taken).encode())
-            await kv.put(streams.MAX_STALENESS_KEY, str(self._max_staleness).encode())
+            await kv.put(streams.MAX_STALENESS_KEY, str(self.max_staleness).encode())
             await kv.put(streams.BATCH_GROUPS_KEY, str(self._learner.config.batch_groups).encode())
 
         await ride_through(write, "trainer progress")
