@@ -134,9 +134,10 @@ class ScoredRollout(Message, kw_only=True):
 # Hashes are XXH3-128 (16 bytes), as lowercase hex ("xxh3-128"): integrity against
 # corruption, not against forgery. Format 1 used sha256 truncated to 16 bytes; format 3 adds
 # the dense_add piece encoding (format 2 readers would meet it mid-version: they refuse it
-# at the manifest instead).
+# at the manifest instead); format 4 stores a stream uncompressed where zstd does not pay
+# (its size equal to its raw size) and splits dense pieces into one stream per byte plane.
 
-WEIGHT_FORMAT_VERSION = 3
+WEIGHT_FORMAT_VERSION = 4
 WEIGHT_HASH_NAME = "xxh3-128"
 
 # same: identical to the base (costs this entry only); delta: patched from the base;

@@ -288,7 +288,8 @@ def _check_base(
 
 def _split_payload(chunk: Chunk) -> list[list[np.ndarray]]:
     """Decompressed streams of each piece of a chunk, checking the sizes add up."""
-    header, payload = chunk.header, chunk.payload
+    header = chunk.header
+    payload = memoryview(chunk.payload)  # stored streams are decoded as views of it: no copy
     if sum(sum(p.stream_sizes) for p in header.pieces) != len(payload):
         raise CorruptDeltaError(f"chunk {header.index}: payload size differs from its header")
     out, at = [], 0

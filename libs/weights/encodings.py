@@ -18,6 +18,14 @@ is exact integer arithmetic or XOR, so decoding reproduces every bit pattern.
 - dense_xor: byte planes of (new ^ old) over the whole range (wins when most elements change).
 - raw: byte planes of new (new or reshaped tensors, snapshots).
 
+The dense encodings keep each byte plane as a stream of its own, and every stream is
+zstd-compressed only where that pays: a stream zstd would not shrink by STORED_UNLESS_SAVES
+(a bf16 mantissa plane of a snapshot or of a large step is noise) is stored as it is, which
+its header says by a compressed size equal to its raw size (a compressed stream is always
+smaller: `pack_stream`). A stored stream costs neither side a zstd pass, and decodes as a
+view of the payload. Above SAMPLE_BYTES a stream is first judged on a sample, so a noise
+plane is not compressed whole only to be thrown away.
+
 The encoder measures the candidates and keeps the smallest; dense ones are only tried when
 more than 1/8 of the elements changed, below which the sparse forms always won in our runs.
 """
@@ -39,6 +47,11 @@ from libs.weights.targets import ElementRange
 from libs.weights.tensors import unsigned_dtype
 
 DENSE_TRY_FRACTION = 1 / 8
+# A stream is stored uncompressed unless zstd saves at least this fraction of its bytes: on
+# the 16 cores of an H200 host zstd level 1 runs at about 0.6-0.9 GB/s per core each way, so
+# a stream it shrinks by less costs more in coding than it saves on the bus.
+STORED_UNLESS_SAVES = 1 / 8
+SAMPLE_BYTES = 64 << 10  # judged on 4 spread slices of 16 KiB first, when 4x longer than this
 # zstd level of dense_add pieces. On the planes of a demo-rate bf16 step (lr 5e-4, 8M
 # params) level 1 kept level 3's ratio (2.92 vs 2.88) at 1.4 GB/s instead of 0.23.
 DENSE_ZSTD_LEVEL = 1
@@ -57,7 +70,7 @@ class EncodedPiece:
     """Compressed streams of one piece and what it writes (for the chunk's output hash)."""
 
     encoding: Encoding
-    streams: list[bytes]
+    streams: list[bytes | memoryview]  # compressed, or stored (as long as the raw stream)
     raw_sizes: list[int]
     num_changed: int
 
@@ -105,10 +118,46 @@ def compress(data: np.ndarray, level: int) -> bytes:
     return _CONTEXTS.compressor(level).compress(data.data)
 
 
-def decompress(data: bytes, raw_size: int) -> np.ndarray:
-    """zstd-decompress to exactly `raw_size` bytes, or raise CorruptDeltaError."""
-    if raw_size == 0 and not data:
-        return np.zeros(0, dtype=np.uint8)
+def pack_stream(data: np.ndarray, level: int) -> bytes | memoryview:
+    """A stream's bytes in the payload: zstd-compressed where that saves at least
+    STORED_UNLESS_SAVES of them, else the bytes as they are (stored: as long as the raw
+    stream, which no compressed stream kept here is)."""
+    if data.size == 0:
+        return b""
+    if data.size >= 4 * SAMPLE_BYTES and not _pays(_sample(data), level):
+        return _stored(data)
+    packed = compress(data, level)
+    if len(packed) <= data.size * (1 - STORED_UNLESS_SAVES):
+        return packed
+    return _stored(data)
+
+
+def _stored(data: np.ndarray) -> memoryview:
+    """The stream's bytes as they are (a view: the chunk's join is their one copy)."""
+    return np.ascontiguousarray(data, dtype=np.uint8).data.cast("B")
+
+
+def _sample(data: np.ndarray) -> np.ndarray:
+    """Four slices of SAMPLE_BYTES / 4 spread over the stream, concatenated."""
+    part = SAMPLE_BYTES // 4
+    starts = np.linspace(0, data.size - part, 4).astype(np.int64)
+    return np.concatenate([data[start : start + part] for start in starts])
+
+
+def _pays(sample: np.ndarray, level: int) -> bool:
+    return len(compress(sample, level)) <= sample.size * (1 - STORED_UNLESS_SAVES)
+
+
+def is_stored(stream_size: int, raw_size: int) -> bool:
+    """Whether a stream of a piece is stored uncompressed (see the module docstring)."""
+    return stream_size == raw_size
+
+
+def decompress(data: bytes | memoryview, raw_size: int) -> np.ndarray:
+    """The stream's `raw_size` bytes: itself when stored (a read-only view, no copy), else
+    zstd-decompressed to exactly that size, or CorruptDeltaError."""
+    if is_stored(len(data), raw_size):
+        return np.frombuffer(data, dtype=np.uint8)
     try:
         out = _CONTEXTS.decompressor.decompress(data, max_output_size=raw_size)
     except zstandard.ZstdError as exc:
@@ -124,6 +173,25 @@ def to_planes(values: np.ndarray) -> np.ndarray:
     if width == 1:
         return values.view(np.uint8)
     return np.ascontiguousarray(values.view(np.uint8).reshape(-1, width).T).reshape(-1)
+
+
+def plane_streams(values: np.ndarray) -> list[np.ndarray]:
+    """Each byte plane of the values as a stream of its own (one for 1-byte elements)."""
+    planes = to_planes(values)
+    count = values.size
+    return [planes[i * count : (i + 1) * count] for i in range(values.dtype.itemsize)]
+
+
+def from_plane_streams(streams: list[np.ndarray], width: int, count: int) -> np.ndarray:
+    """Inverse of plane_streams: `count` little-endian uints of `width` bytes."""
+    if len(streams) != width or any(s.size != count for s in streams):
+        sizes = [int(s.size) for s in streams]
+        raise CorruptDeltaError(f"plane streams of {sizes} bytes for {count} elements of {width}")
+    values = np.empty(count, dtype=unsigned_dtype(width))
+    out_bytes = values.view(np.uint8)
+    for plane, stream in enumerate(streams):
+        out_bytes[plane::width] = stream
+    return values
 
 
 def from_planes(planes: np.ndarray, width: int) -> np.ndarray:
@@ -216,13 +284,13 @@ def decode_add_values(old: np.ndarray, packed: np.ndarray, escape_planes: np.nda
 
 
 def _pack(encoding: Encoding, raw: list[np.ndarray], num_changed: int, level: int) -> EncodedPiece:
-    streams = [compress(r, level) for r in raw]
+    streams = [pack_stream(r, level) for r in raw]
     return EncodedPiece(encoding, streams, [int(r.size) for r in raw], num_changed)
 
 
 def encode_whole(new: np.ndarray, level: int) -> EncodedPiece:
     """A piece sent in full: byte planes of the new elements."""
-    return _pack("raw", [to_planes(new)], new.size, level)
+    return _pack("raw", plane_streams(new), new.size, level)
 
 
 def encode_dense_add(old: np.ndarray, new: np.ndarray, level: int) -> EncodedPiece:
@@ -230,7 +298,7 @@ def encode_dense_add(old: np.ndarray, new: np.ndarray, level: int) -> EncodedPie
     compressed at zstd level at most DENSE_ZSTD_LEVEL."""
     codes = zigzag(new - old)
     num_changed = int(np.count_nonzero(codes))
-    return _pack("dense_add", [to_planes(codes)], num_changed, min(level, DENSE_ZSTD_LEVEL))
+    return _pack("dense_add", plane_streams(codes), num_changed, min(level, DENSE_ZSTD_LEVEL))
 
 
 def encode_delta(
@@ -252,37 +320,37 @@ def encode_delta(
     GPU path keeps no base copy).
     """
     pos_raw = encode_positions(positions)
-    pos_streams = [compress(s, level) for s in pos_raw]
+    pos_streams = [pack_stream(s, level) for s in pos_raw]
     value_forms: dict[Encoding, Callable[[np.ndarray, np.ndarray], list[np.ndarray]]] = {
         "sparse_add": lambda o, n: encode_add_values(o, n),
         "sparse_xor": lambda o, n: [to_planes(o ^ n)],
     }
     sample = slice(0, SAMPLE_CHANGES)
-    measured: dict[Encoding, tuple[list[np.ndarray], list[bytes]]] = {}
+    measured: dict[Encoding, tuple[list[np.ndarray], list[bytes | memoryview]]] = {}
     for form, encode_values in value_forms.items():
         raw = encode_values(old_vals[sample], new_vals[sample])
-        measured[form] = (raw, [compress(r, level) for r in raw])
+        measured[form] = (raw, [pack_stream(r, level) for r in raw])
     best = min(measured, key=lambda e: sum(len(c) for c in measured[e][1]))
     value_raw, value_streams = measured[best]
     if positions.size > SAMPLE_CHANGES:  # the sample was a prefix: the whole range, once
         value_raw = value_forms[best](old_vals, new_vals)
-        value_streams = [compress(r, level) for r in value_raw]
+        value_streams = [pack_stream(r, level) for r in value_raw]
     candidates = [_sparse(best, pos_raw, pos_streams, value_raw, value_streams)]
     if positions.size > new.size * DENSE_TRY_FRACTION:
         if old is None:
             old = new.copy()
             old[positions] = old_vals
-        candidates.append(_pack("dense_xor", [to_planes(old ^ new)], positions.size, level))
-        candidates.append(_pack("raw", [to_planes(new)], positions.size, level))
+        candidates.append(_pack("dense_xor", plane_streams(old ^ new), positions.size, level))
+        candidates.append(_pack("raw", plane_streams(new), positions.size, level))
     return min(candidates, key=lambda c: c.num_bytes)
 
 
 def _sparse(
     encoding: Encoding,
     pos_raw: list[np.ndarray],
-    pos_streams: list[bytes],
+    pos_streams: list[bytes | memoryview],
     value_raw: list[np.ndarray],
-    value_streams: list[bytes],
+    value_streams: list[bytes | memoryview],
 ) -> EncodedPiece:
     sizes = [int(r.size) for r in pos_raw + value_raw]
     return EncodedPiece(encoding, pos_streams + value_streams, sizes, int(pos_raw[0].size))
@@ -292,12 +360,13 @@ def piece_positions(
     encoding: Encoding, raw: list[np.ndarray], size: int, num_changed: int
 ) -> np.ndarray | None:
     """The relative positions a piece writes (None: every element of a dense encoding),
-    decoded from its streams and checked against the piece's size and change count."""
-    expected = 1 if encoding in DENSE_ENCODINGS else 4 if encoding == "sparse_add" else 3
-    if len(raw) != expected:
-        raise CorruptDeltaError(f"{encoding} piece has {len(raw)} streams, expected {expected}")
+    decoded from its streams and checked against the piece's size and change count (a
+    dense piece's stream count, one per byte plane, is checked by `decode_piece`)."""
     if encoding in DENSE_ENCODINGS:
         return None
+    expected = 4 if encoding == "sparse_add" else 3
+    if len(raw) != expected:
+        raise CorruptDeltaError(f"{encoding} piece has {len(raw)} streams, expected {expected}")
     positions = decode_positions(raw[0], raw[1], size)
     if positions.size != num_changed:
         raise CorruptDeltaError("decoded change count differs from the piece header")
@@ -316,9 +385,7 @@ def decode_piece(
     if positions is None:
         positions = piece_positions(encoding, raw, target.size, num_changed)
     if encoding in DENSE_ENCODINGS:
-        values = from_planes(raw[0], target.width)
-        if values.size != target.size:
-            raise CorruptDeltaError(f"piece holds {values.size} elements, expected {target.size}")
+        values = from_plane_streams(raw, target.width, target.size)
         if encoding == "raw":
             return Written(None, values)
         if encoding == "dense_xor":
