@@ -35,7 +35,7 @@ import asyncio
 import base64
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -161,12 +161,16 @@ async def fetch_chunks(
     attempts: int = DEFAULT_ATTEMPTS,
     timeout_s: float = 10.0,
     batch: bool = True,
+    on_chunk: Callable[[Chunk], None] | None = None,
 ) -> FetchResult:
     """Fetch and verify every chunk of `manifest`; raises MissingChunkError or
     CorruptDeltaError (and fetches nothing more) when one cannot be had intact.
 
     `parallel` requests are in flight at a time; with `batch` each asks for a group of chunks
     at once (batch direct get, `multi_last`), else for one chunk (direct get by subject).
+    `on_chunk(chunk)` is called on the event loop with each chunk as soon as it is verified
+    (its payload hash matches the manifest), so its decode can start while the rest are
+    fetched (libs/weights/pipelined.py).
     """
     if parallel < 1 or attempts < 1:
         raise ValueError("parallel and attempts must be >= 1")
@@ -181,9 +185,13 @@ async def fetch_chunks(
     async def work() -> None:
         for refs_group in todo:  # one shared iterator: each group goes to one worker
             if len(refs_group) == 1:
-                results[refs_group[0].index] = await fetcher.fetch(refs_group[0])
+                got = {refs_group[0].index: await fetcher.fetch(refs_group[0])}
             else:
-                results.update(await fetcher.fetch_group(refs_group))
+                got = await fetcher.fetch_group(refs_group)
+            results.update(got)
+            if on_chunk is not None:
+                for chunk in got.values():
+                    on_chunk(chunk)
 
     started = time.perf_counter()
     tasks = [asyncio.create_task(work()) for _ in range(workers if refs else 0)]
