@@ -67,6 +67,21 @@ POLICY_PRESETS: dict[str, dict[str, Any]] = {
         "rms_norm_eps": 1e-6,
         "tie_word_embeddings": True,
     },
+    # The Qwen2.5-3B layer shape over the byte vocabulary (2.77B params, 5.5 GB in bf16),
+    # random init: the size at which the weight path must keep up (issue #29).
+    "byte-3b": {
+        "model_type": "qwen2",
+        "vocab_size": BYTE_VOCAB_SIZE,
+        "hidden_size": 2048,
+        "intermediate_size": 11008,
+        "num_hidden_layers": 36,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 4096,
+        "rope_theta": 1_000_000.0,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": True,
+    },
     # The shape of Qwen2.5-0.5B (494M params with its 151,936-token vocabulary), for a GPU
     # run from random init; pair with that tokenizer or set vocab_size to your own.
     "qwen2-0.5b": {
