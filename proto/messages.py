@@ -552,24 +552,3 @@ class EnvCloseReply(Message, kw_only=True):
     closed: bool = False
     error: str = ""
     error_message: str = ""
-
-
-ALL_MESSAGES: tuple[type[Message], ...] = (
-    Task,
-    Rollout,
-    ScoredRollout,
-    WeightAnnouncement,
-    WeightsStaged,
-    ServedGeneration,
-    FeedbackEvent,
-    OnlineSample,
-    PromotionDecision,
-    PolicyIdentity,
-    DeadLetter,
-    EnvResetRequest,
-    EnvResetReply,
-    EnvStepRequest,
-    EnvStepReply,
-    EnvCloseRequest,
-    EnvCloseReply,
-)

@@ -14,9 +14,52 @@ from pathlib import Path
 import msgspec
 
 from proto import streams
-from proto.messages import ALL_MESSAGES, Message
+from proto.messages import (
+    DeadLetter,
+    EnvCloseReply,
+    EnvCloseRequest,
+    EnvResetReply,
+    EnvResetRequest,
+    EnvStepReply,
+    EnvStepRequest,
+    FeedbackEvent,
+    Message,
+    OnlineSample,
+    PolicyIdentity,
+    PromotionDecision,
+    Rollout,
+    ScoredRollout,
+    ServedGeneration,
+    Task,
+    WeightAnnouncement,
+    WeightsStaged,
+)
+from proto.same_host import SameHostShelf, SameHostVersion
 
 SCHEMA_DIR = Path(__file__).parent / "schema"
+
+# Every message type on the wire.
+ALL_MESSAGES: tuple[type[Message], ...] = (
+    Task,
+    Rollout,
+    ScoredRollout,
+    WeightAnnouncement,
+    WeightsStaged,
+    ServedGeneration,
+    FeedbackEvent,
+    OnlineSample,
+    PromotionDecision,
+    PolicyIdentity,
+    DeadLetter,
+    EnvResetRequest,
+    EnvResetReply,
+    EnvStepRequest,
+    EnvStepReply,
+    EnvCloseRequest,
+    EnvCloseReply,
+    SameHostShelf,
+    SameHostVersion,
+)
 
 
 def message_schema(message_type: type[Message]) -> dict[str, object]:

@@ -12,7 +12,6 @@ import pytest
 from libs.bus import wire
 from proto import schema, subjects
 from proto.messages import (
-    ALL_MESSAGES,
     ChunkRef,
     CriterionScore,
     DeadLetter,
@@ -38,6 +37,8 @@ from proto.messages import (
     WeightManifest,
     WeightsStaged,
 )
+from proto.same_host import SameHostShelf, SameHostVersion, SharedSlot, SharedTensor
+from proto.schema import ALL_MESSAGES
 
 TASK = Task(task_id="t1", env="add", prompt="12+30=", group_size=8, spec={"answer": 42})
 ROLLOUT = Rollout(
@@ -95,6 +96,16 @@ EXAMPLES: list[Message] = [
         encoded_bytes=10,
     ),
     WeightsStaged(version=8, file_name="v8.safetensors", num_bytes=1234),
+    SameHostShelf(
+        shelf_id="5f0c",
+        host_id="gpu-node-1a2b3c4d",
+        kind="posix_shm",
+        slots=[SharedSlot(size_bytes=4352, shm_name="rlpipe_5f0c_0")],
+        tensors=[
+            SharedTensor(name="lm_head.weight", dtype="bfloat16", shape=[32, 64], offset_bytes=0)
+        ],
+    ),
+    SameHostVersion(shelf_id="5f0c", version=9, slot=1, checksum=-12345, step=9, published_at=1.5),
     EnvResetRequest(episode_id="ep1", task=TASK),
     EnvResetReply(episode_id="ep1", observation="12+30=", max_tokens=3, stop=["\n"]),
     EnvStepRequest(episode_id="ep1", action="42"),

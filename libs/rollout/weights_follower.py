@@ -37,11 +37,20 @@ versions between promotions are applied to the shadow, never served), then the t
 changed since the last push go to the engine through `engine.update_weights` in one pause. A
 shadow that skipped past the promoted version (a gap repaired from a newer snapshot) waits
 for the next promotion. Costs one CPU copy of the weights; needs the trainer's gate on.
+
+On the trainer's host (`same_host`, libs/weights/same_host_link.py) the engine takes each
+version straight from the trainer's memory instead: the slot is copied into the live weights
+in the pause (milliseconds on a card), with no fetch or decode. While versions come that way
+the delta chain is not followed (its next delta would start from a version the engine no
+longer holds); when none came for `fallback_after_s` while the chain announces a newer one,
+the receiver starts over from the chain's next snapshot above what the engine holds (older
+versions of the chain are skipped, never written back).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import MutableMapping
 from typing import Any
@@ -56,7 +65,10 @@ from prometheus_client import Counter, Gauge
 from libs.engine.base import InferenceEngine
 from libs.rollout.batcher import GenerationBatcher
 from libs.weights.errors import CorruptDeltaError, WeightsError
+from libs.weights.format import VersionInfo
 from libs.weights.receiver import PreparedUpdate, WeightReceiver, latest_announcement
+from libs.weights.same_host import ChecksumMismatchError, TornCopyError
+from libs.weights.same_host_link import SameHostTaker
 from libs.work_health import LagWatch
 from proto import streams
 
@@ -113,6 +125,7 @@ class WeightsFollower:
         *,
         retry_delays_s: tuple[float, ...] = DEFAULT_RETRY_DELAYS_S,
         promoted_poll_s: float = 1.0,
+        same_host: SameHostTaker | None = None,
     ) -> None:
         self.engine = engine
         self.receiver = receiver
@@ -137,6 +150,11 @@ class WeightsFollower:
         self._announce_js: JetStreamContext | None = None
         self.lag = LagWatch("weights", limit_s=WEIGHTS_STALL_S)
         self.last_error = ""
+        # Versions from the trainer's memory (never for promoted-only replicas: they take
+        # promoted versions, not every one).
+        self.same_host = None if promoted_only else same_host
+        self._write_lock = asyncio.Lock()  # one writer at a time: the chain or same-host
+        self._chain_parked = False  # the receiver's chain left behind by same-host versions
 
     @property
     def in_place(self) -> bool:
@@ -172,6 +190,9 @@ class WeightsFollower:
         async with asyncio.TaskGroup() as group:
             group.create_task(self._follow())
             group.create_task(self._watch_lag())
+            if self.same_host is not None:
+                await self.same_host.start()
+                group.create_task(self._follow_same_host())
 
     def problem(self) -> str | None:
         """Why the engine is stuck behind the announced versions, or None."""
@@ -199,6 +220,8 @@ class WeightsFollower:
                 if self.promoted_only:
                     await self._serve_next_promotion()
                     continue
+                if self.same_host is not None:
+                    await self._while_same_host_serves()
                 update = await self.receiver.next_update()
                 await self.apply(update)
             except (WeightsError, ValueError) as exc:
@@ -208,12 +231,20 @@ class WeightsFollower:
             failures = 0
 
     async def apply(self, update: PreparedUpdate) -> float:
-        """Verify and decode `update` off the lock, then write it; returns the pause in s."""
+        """Verify and decode `update` off the lock, then write it; returns the pause in s
+        (0.0 for a version of the chain older than a same-host one the engine holds)."""
+        if self._behind_same_host(update.version):
+            return 0.0
         state = self._state_for(update)
         started_s = time.monotonic()
+        taken = self.same_host.num_applied if self.same_host is not None else 0
         await asyncio.to_thread(self.receiver.decode, update, state)  # generation goes on
         decoded_s = time.monotonic()
-        async with self.batcher.gate:
+        async with self._write_lock, self.batcher.gate:
+            if self.same_host is not None and self.same_host.num_applied != taken:
+                # Decoded against weights a same-host version has since replaced.
+                self._park_chain()
+                return 0.0
             # Entered once the engine calls running now have finished (gate_wait_s).
             gate_wait_s = time.monotonic() - decoded_s
             try:
@@ -252,6 +283,80 @@ class WeightsFollower:
             **{name: round(value, 4) for name, value in (timings or {}).items()},
         )
         self._notify()
+
+    # ---- versions from the trainer's memory ------------------------------------------------
+
+    async def _follow_same_host(self) -> None:
+        """Copy each version the host's trainer shares into the engine, newest first."""
+        taker = self.same_host
+        assert taker is not None
+        failures = 0
+        while True:
+            notice = await taker.next_notice(after=self.policy_version)
+            reader = await taker.reader_for(notice)
+            if reader is None:
+                await asyncio.sleep(self.retry_delays_s[0])  # the next notice may be mappable
+                continue
+            live = self.engine.live_tensors()
+            assert live is not None, "same-host needs the engine's live tensors"
+            copy = functools.partial(reader.copy_into, live, notice, taker.config.verify)
+            waited_s = time.monotonic()
+            async with self._write_lock, self.batcher.gate:
+                waited_s = time.monotonic() - waited_s
+                try:
+                    _, pause_s = await asyncio.to_thread(
+                        self.engine.write_in_place, copy, notice.version
+                    )
+                except (TornCopyError, ChecksumMismatchError, ValueError) as exc:
+                    # The weights may be half written: nothing generates until a whole copy.
+                    self._set_unusable()
+                    failures += 1
+                    await self._on_failure(exc, failures)
+                    continue
+            failures = 0
+            taker.applied()
+            self._park_chain()
+            self._swapped(
+                notice.version,
+                "same_host",
+                pause_s,
+                {
+                    "gate_wait_s": waited_s,
+                    "since_published_s": time.time() - notice.published_at,
+                },
+            )
+
+    async def _while_same_host_serves(self) -> None:
+        """Return once the chain is the way to follow: same-host versions never came, or
+        none came for `fallback_after_s` while the chain announces a newer version (then
+        the receiver starts over from a snapshot above the engine's version)."""
+        taker = self.same_host
+        assert taker is not None and self._announce_js is not None
+        while self._chain_parked:
+            quiet_s = taker.quiet_for(time.monotonic())
+            if quiet_s is not None and quiet_s > taker.config.fallback_after_s:
+                announced = await latest_announced_version(self._announce_js)
+                if announced is not None and announced > (self.policy_version or -1):
+                    log.warning("no same-host version for a while: following the delta chain",
+                                quiet_s=round(quiet_s, 1), announced=announced,
+                                held=self.policy_version)  # fmt: skip
+                    self._chain_parked = False
+                    # The version held, off the chain (its chain hash unknown): the receiver
+                    # skips the chain up to it and starts again from a newer snapshot.
+                    held = self.policy_version
+                    chain = None if held is None else VersionInfo(version=held, hash="")
+                    self.receiver.reset(chain)
+                    return
+            await asyncio.sleep(1.0)
+
+    def _park_chain(self) -> None:
+        """The engine holds a version the receiver's chain does not know: stop following it."""
+        self._chain_parked = True
+
+    def _behind_same_host(self, version: int) -> bool:
+        """True for a chain version at or below a same-host version the engine holds."""
+        taken = self.same_host is not None and self.same_host.num_applied > 0
+        return taken and self.usable and version <= self.engine.policy_version
 
     # ---- promoted versions only -------------------------------------------------------------
 

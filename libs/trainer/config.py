@@ -24,6 +24,7 @@ from libs.trainer.eval_gate import EvalGateConfig
 from libs.trainer.online_step import OnlineConfig
 from libs.trainer.precision import MasterWeights
 from libs.trainer.step import StepConfig
+from libs.weights.same_host import SameHostShareConfig
 
 WeightHandover = Literal["auto", "state", "delta"]
 
@@ -88,6 +89,11 @@ class TrainerConfig(StepConfig):
     )
     handover_threads: int = Field(
         8, ge=1, description="Threads hashing and compressing the deltas the trainer encodes"
+    )
+    same_host: SameHostShareConfig = Field(
+        default_factory=SameHostShareConfig,
+        description="Versions shared in memory with this host's workers "
+        "(libs/weights/same_host.py)",
     )
     max_steps: int | None = Field(None, ge=1, description="Stop after this many steps")
     incomplete_group_timeout_s: float = Field(

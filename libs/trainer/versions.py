@@ -31,6 +31,7 @@ from libs.trainer.checkpoint import TrainerState
 from libs.trainer.learner import Learner
 from libs.trainer.staging import WeightStager
 from libs.weights.encoder import EncodeOptions, chunk_bytes_for
+from libs.weights.same_host_link import SameHostSharer
 from proto import streams
 from proto.messages import PolicyIdentity
 
@@ -62,6 +63,7 @@ class VersionPublisher:
                 threads=config.handover_threads,
             ),
         )  # fmt: skip
+        self._sharer = SameHostSharer(bus, config.same_host) if config.same_host.enabled else None
 
     def _hands_over_deltas(self) -> bool:
         """Whether the stager encodes deltas itself (config.weight_handover)."""
@@ -86,12 +88,15 @@ class VersionPublisher:
         await self._stager.flush()
 
     async def publish(self) -> None:
-        """Record the version as taken (KV), then hand a copy of the weights to the stager,
-        which stages it in the background (a version still waiting is replaced: the newest
-        ships first, libs/trainer/staging.py)."""
+        """Record the version as taken (KV), share a copy of the weights with this host's
+        workers, then hand it to the stager, which stages it in the background (a version
+        still waiting is replaced: the newest ships first, libs/trainer/staging.py)."""
         await self.record_progress()
+        state = self._state
         weights = await asyncio.to_thread(self._learner.published_state)
-        await self._stager.offer(weights, self._state.version, step=self._state.step)
+        if self._sharer is not None:
+            await self._sharer.share(weights, state.version, step=state.step)
+        await self._stager.offer(weights, state.version, step=state.step)
 
     async def record_progress(self) -> None:
         """Publish the version, the groups taken, the staleness bound and the batch size to the
@@ -120,5 +125,9 @@ class VersionPublisher:
         self._stager.raise_if_failed()
 
     async def close(self) -> None:
-        """Stage the newest version offered, then stop staging."""
-        await self._stager.close()
+        """Stage the newest version offered, then stop staging and sharing."""
+        try:
+            await self._stager.close()
+        finally:
+            if self._sharer is not None:
+                await self._sharer.close()

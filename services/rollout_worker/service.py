@@ -49,6 +49,7 @@ from libs.service import Service
 from libs.tokenizer import Tokenizer
 from libs.weights.receiver import WeightReceiver
 from libs.weights.relay import RegionalWeightReceiver
+from libs.weights.same_host_link import SameHostTaker
 from proto import messages as m
 from proto.messages import PolicyIdentity, Task
 from proto.streams import ROLLOUT_WORKER_TASKS
@@ -115,7 +116,9 @@ class RolloutWorkerService(Service):
         # Deltas are decoded beside the engine in a process of its own where weights are on a GPU.
         on_gpu = any(t.is_cuda for t in (self.engine.live_tensors() or {}).values())
         self.receiver = self._receiver(weights_bus, on_gpu=on_gpu)
-        self.follower = WeightsFollower(self.engine, self.receiver, self.batcher)
+        self.follower = WeightsFollower(
+            self.engine, self.receiver, self.batcher, same_host=self._same_host_taker(bus)
+        )
         # Announcements from where the weights come from; the promoted version from the
         # trainer's KV state on the service connection.
         await self.follower.start(weights_bus.js, state_js=bus.js)
@@ -145,6 +148,8 @@ class RolloutWorkerService(Service):
         finally:
             if self.receiver is not None:
                 await self.receiver.close()
+            if self.follower is not None and self.follower.same_host is not None:
+                await self.follower.same_host.close()
             if self.regional_bus is not None:
                 await self.regional_bus.close()
 
@@ -213,6 +218,15 @@ class RolloutWorkerService(Service):
         self.regional_bus = await connect_bus(url, name=name)
         log.info("fetching weights from the regional relay", nats_url=redact_url(url))
         return self.regional_bus
+
+    def _same_host_taker(self, bus: Bus) -> SameHostTaker | None:
+        """Versions from the trainer's memory, where this engine's weights can be written in
+        place (its live tensors are exposed) and it follows every version."""
+        s = self.settings
+        assert self.engine is not None, "the engine is built first"
+        if not (s.same_host.enabled and s.follow_weights) or self.engine.live_tensors() is None:
+            return None
+        return SameHostTaker(bus, s.same_host)
 
     def _receiver(self, weights_bus: Bus, *, on_gpu: bool) -> WeightReceiver:
         config = self.settings.weights

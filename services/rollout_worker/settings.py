@@ -13,6 +13,7 @@ from libs.serve.app import ServeConfig
 from libs.settings import NESTED_SETTINGS, ServiceSettings, env_prefix
 from libs.trainer.checkpoint import checkpoint_version
 from libs.weights.receiver import ReceiverConfig
+from libs.weights.same_host import SameHostTakeConfig
 
 
 class RolloutWorkerSettings(ServiceSettings, RunnerSettings, AgentSettings):
@@ -55,6 +56,11 @@ class RolloutWorkerSettings(ServiceSettings, RunnerSettings, AgentSettings):
         default_factory=ReceiverConfig,
         description="How the trainer's versions are received (RLPIPE_ROLLOUT_WORKER_WEIGHTS_"
         "NATS_URL, _FETCH_PARALLEL, _DECODE_THREADS, _DECODE_PROCESS, _VERIFY_FULL, ...)",
+    )
+    same_host: SameHostTakeConfig = Field(
+        default_factory=SameHostTakeConfig,
+        description="Versions taken from the trainer's memory when it runs on this host "
+        "(RLPIPE_ROLLOUT_WORKER_SAME_HOST_ENABLED, _VERIFY, ...)",
     )
     follow_weights: bool = Field(
         True,
