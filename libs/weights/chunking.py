@@ -18,9 +18,19 @@ MAX_PIECE_UNITS = (1 << 32) - 1  # gap escapes are uint32, so a piece stays belo
 PIECE_HEADER_BYTES = 48  # msgpack overhead of a PieceHeader besides its name
 
 
-# Estimated encoded bytes per element of a dense delta, as a fraction of its width: the
-# demo's bf16 steps compress about 2.7x (bench/weights_codec_bench.py, --lr 5e-4).
+# Estimated encoded bytes per element of a dense delta, as a fraction of its width, at most:
+# the demo's bf16 steps compress about 2.7x (bench/weights_codec_bench.py, --lr 5e-4).
 DENSE_BYTES_PER_WIDTH = 0.5
+
+
+def dense_bytes_per_width(density: float) -> float:
+    """Estimated encoded bytes per element of a dense delta whose sampled fraction of changed
+    elements is `density`, as a fraction of its width. Most changes of a step are a unit or
+    two in the last place: a bf16 step with 14.5% changed (lr 1e-5) codes to 0.2 bytes per
+    element (0.1 of the width), one with 91% (lr 5e-4) to 0.68 (0.34), so this errs a little
+    high: an estimate of half the width made byte-3b's chunks a fifth of the target (2,825
+    chunks of 200 KB for 560 MB), each a message to store and fetch."""
+    return min(DENSE_BYTES_PER_WIDTH, 0.05 + 0.6 * density)
 
 
 @dataclass(frozen=True)
@@ -33,6 +43,7 @@ class TensorJob:
     numel: int
     changes: Changes | None
     dense: bool = False
+    dense_cost: float = DENSE_BYTES_PER_WIDTH  # a dense delta's estimate (dense_bytes_per_width)
 
     @property
     def positions(self) -> np.ndarray | None:
@@ -47,7 +58,7 @@ class TensorJob:
         return int(right - left)
 
     def _element_bytes(self) -> float:
-        return self.width * DENSE_BYTES_PER_WIDTH if self.dense else self.width
+        return self.width * self.dense_cost if self.dense else self.width
 
     def estimate(self, start: int, stop: int) -> float:
         """Estimated encoded bytes of the range [start, stop)."""

@@ -21,7 +21,13 @@ from dataclasses import dataclass
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from libs.weights.chunking import PiecePlan, TensorJob, plan_chunks, split_plan
+from libs.weights.chunking import (
+    PiecePlan,
+    TensorJob,
+    dense_bytes_per_width,
+    plan_chunks,
+    split_plan,
+)
 from libs.weights.encodings import (
     encode_delta,
     encode_dense_add,
@@ -176,9 +182,11 @@ def _classify(
             jobs.append(TensorJob(name, tensor.width, tensor.numel, None))
             changes[name] = "whole"
             continue
-        if sampled_density(before, tensor) >= DENSE_FRACTION:
+        density = sampled_density(before, tensor)
+        if density >= DENSE_FRACTION:
             # No scan: nearly every element is sent anyway (encode_dense_add).
-            jobs.append(TensorJob(name, tensor.width, tensor.numel, None, dense=True))
+            cost = dense_bytes_per_width(density)
+            jobs.append(TensorJob(name, tensor.width, tensor.numel, None, True, cost))
             changes[name] = "delta"
             continue
         if scan is None:

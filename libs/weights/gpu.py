@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from libs.weights.chunking import TensorJob
+from libs.weights.chunking import DENSE_BYTES_PER_WIDTH, TensorJob, dense_bytes_per_width
 from libs.weights.encoder import (
     DENSE_FRACTION,
     DENSITY_SAMPLE,
@@ -221,7 +221,8 @@ def device_jobs(
     tensor's change, the fresh copies, and the jobs in manifest order, as `encode` plans them.
     The mirror is patched in place; `encode_device` adopts the copies into it afterwards."""
     target, changes = _host_targets(base, new, mirror)
-    dense = _dense_deltas(base, new, target, changes)
+    costs: dict[str, float] = {}
+    dense = _dense_deltas(base, new, target, changes, costs)
     copies = _host_copies(new, [n for n in target if changes.get(n) != "whole"], dense, spare)
     target.update({name: as_raw(copy) for name, copy in copies.items()})
     found = device_diff(base, new, [n for n in new if n not in changes])
@@ -232,7 +233,8 @@ def device_jobs(
                 raw.units()[found[name].positions] = found[name].new
             changes[name] = "delta" if found[name].positions.size else "same"
         if changes[name] != "same":
-            jobs.append(TensorJob(name, raw.width, raw.numel, found.get(name), name in dense))
+            cost = costs.get(name, DENSE_BYTES_PER_WIDTH)
+            jobs.append(TensorJob(name, raw.width, raw.numel, found.get(name), name in dense, cost))
     return dense, target, changes, copies, jobs
 
 
@@ -241,16 +243,18 @@ def _dense_deltas(
     new: Mapping[str, torch.Tensor],
     target: dict[str, RawTensor],
     changes: dict[str, Change],
+    costs: dict[str, float],
 ) -> dict[str, RawTensor]:
     """The tensors `encode` sends as dense deltas (sampled density, compared on the device),
-    marked in `changes`: every element crosses to the host anyway. Returns their bases, the
-    mirror's bytes (`target` still holds them), by name."""
+    marked in `changes`, their size estimates in `costs`: every element crosses to the host
+    anyway. Returns their bases, the mirror's bytes (`target` still holds them), by name."""
     densities = _device_densities(base, new, [n for n in new if n not in changes])
     bases: dict[str, RawTensor] = {}
     for name, density in densities.items():
         if density >= DENSE_FRACTION:
             bases[name] = target[name]
             changes[name] = "delta"
+            costs[name] = dense_bytes_per_width(density)
     return bases
 
 
