@@ -22,6 +22,7 @@ from libs.weights import (
     gpu_apply,
 )
 from libs.weights.encoder import EncodeTimes
+from libs.weights.encodings import plane_streams, unzigzag
 from libs.weights.format import Chunk, encode_chunk, encode_manifest
 from libs.weights.gpu import device_changes, encode_device, on_device
 from libs.weights.gpu_apply import DeviceDeltaApplier
@@ -310,9 +311,38 @@ def test_a_chunk_of_many_pieces_crosses_in_one_copy_each_way_per_step(
     state = {name: tensor.clone() for name, tensor in base.items()}
     applier = DeviceDeltaApplier(state, manifest, reuse_whole=True)
     prepared = applier.prepare(chunks[0])
-    # positions up, old values down, new values up: once each for the whole chunk
+    # positions (and the planes of dense pieces decoded there) up, old values (and those
+    # pieces' new ones) down, the other new values up: once each for the whole chunk
     assert len(uploads) == 2 and len(downloads) == 1
-    assert uploads[1] == len(chunks[0].header.pieces)
+    width = {name: tensor.element_size() for name, tensor in new.items()}
+    pieces = chunks[0].header.pieces
+    there = [p for p in pieces if gpu_apply.decoded_on_device(p.encoding, width[p.name])]
+    assert there, "the test needs a dense piece decoded on the device"
+    assert uploads[1] == len(pieces) - len(there)
     applier.commit(prepared)
     applier.finish(verify_full=True)
     assert_same_bits(state, new)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("width", [2, 4])
+@pytest.mark.parametrize("encoding", ["dense_add", "dense_xor"])
+def test_dense_pieces_decoded_on_the_device_wrap_exactly_as_the_host_decode(
+    device: str, width: int, encoding: str
+) -> None:
+    rng = np.random.default_rng(width)
+    kind = {2: np.uint16, 4: np.uint32}[width]
+    # every 16-bit pattern (NaN payloads, -0.0, inf, subnormals) or f32 specials, and codes
+    # up to the full range, so additions wrap around 2^bits both ways
+    old = np.arange(1 << 16, dtype=kind) if width == 2 else rng.integers(0, 1 << 32, 1 << 16)
+    old = np.asarray(old, dtype=kind)
+    if width == 4:
+        old[: len(SPECIAL_F32)] = SPECIAL_F32
+    values = rng.integers(0, 1 << (8 * width), old.size, dtype=np.uint64).astype(kind)
+    values[:8] = [0, 1, 2, 3, np.iinfo(kind).max, np.iinfo(kind).max - 1, 4, 5]
+    want = old + unzigzag(values) if encoding == "dense_add" else old ^ values
+    planes = [torch.from_numpy(p.copy()).to(device) for p in plane_streams(values)]
+    old_bits = torch.from_numpy(old.view(f"<i{width}").copy()).to(device)
+    got = gpu_apply.dense_on_device(encoding, planes, old_bits)
+    assert got.dtype == old_bits.dtype
+    assert np.array_equal(got.cpu().numpy().view(kind), want)

@@ -22,7 +22,7 @@ from libs.weights.transport import store_chunks
 SMALL = EncodeOptions(max_chunk_bytes=16 << 10)
 
 
-def bf16_step(seed: int, numel: int = 60_000) -> tuple[dict, dict]:
+def bf16_step(seed: int, numel: int = 150_000) -> tuple[dict, dict]:
     """A base of bf16 values (NaN payloads and -0.0 among them) and a step moving some of
     them by one unit in the last place, others to a special pattern."""
     rng = np.random.default_rng(seed)

@@ -29,9 +29,22 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from libs.weights.encodings import decode_piece, decompress, hash_written, piece_positions
+from libs.weights.encodings import (
+    Written,
+    decode_piece,
+    decompress,
+    hash_written,
+    piece_positions,
+)
 from libs.weights.errors import BaseMismatchError, CorruptDeltaError, MissingChunkError
-from libs.weights.format import Chunk, Manifest, TensorEntry, VersionInfo, check_format
+from libs.weights.format import (
+    Chunk,
+    Encoding,
+    Manifest,
+    TensorEntry,
+    VersionInfo,
+    check_format,
+)
 from libs.weights.hashing import digest, new_hasher, state_hash
 from libs.weights.targets import CpuRange
 from libs.weights.tensors import RawTensor, State, as_raw, empty_raw, kind_of, like_kind, raw_state
@@ -139,11 +152,11 @@ class DeltaApplier:
             for piece, raw, target in zip(header.pieces, streams, ranges, strict=True)
         ]  # fmt: skip
         encodings = [piece.encoding for piece in header.pieces]
-        targets = self._read_targets(ranges, positions, encodings)
+        targets = self._read_targets(ranges, positions, encodings, streams)
         hasher = new_hasher()
         writes = []
         for piece, raw, target, at in zip(header.pieces, streams, targets, positions, strict=True):
-            written = _decoding(header.index, piece.name, decode_piece,
+            written = _decoding(header.index, piece.name, self._decode_piece,
                                 piece.encoding, raw, target, piece.num_changed, at)  # fmt: skip
             hash_written(hasher, piece.name, piece.start, written)
             writes.append((target, written))
@@ -154,10 +167,26 @@ class DeltaApplier:
         return self._prepared(header.index, writes)
 
     def _read_targets(
-        self, ranges: list[Any], positions: list[np.ndarray | None], encodings: list[str]
+        self,
+        ranges: list[Any],
+        positions: list[np.ndarray | None],
+        encodings: list[str],
+        streams: list[list[np.ndarray]],
     ) -> list[Any]:
-        """The ranges the chunk's pieces decode against (a subclass may read ahead)."""
+        """The ranges the chunk's pieces decode against (a subclass may read ahead, or
+        decode pieces from their `streams` itself)."""
         return ranges
+
+    def _decode_piece(
+        self,
+        encoding: Encoding,
+        raw: list[np.ndarray],
+        target: Any,
+        num_changed: int,
+        positions: np.ndarray | None,
+    ) -> Written:
+        """What one piece writes into `target` (a subclass may decode on its device)."""
+        return decode_piece(encoding, raw, target, num_changed, positions)
 
     def _prepared(self, index: int, writes: list[tuple[Any, Any]]) -> PreparedChunk:
         """The prepared chunk from its decoded writes (a subclass may stage them)."""

@@ -23,8 +23,9 @@ import numpy as np
 import torch
 
 from libs.weights.applier import DeltaApplier, PreparedChunk
+from libs.weights.encodings import Written, decode_piece
 from libs.weights.errors import BaseMismatchError, CorruptDeltaError
-from libs.weights.format import Manifest, TensorEntry, VersionInfo
+from libs.weights.format import Encoding, Manifest, TensorEntry, VersionInfo
 from libs.weights.gpu import INT_VIEWS, device_state_hash, host_bytes, int_view
 from libs.weights.tensors import _torch_dtypes, unsigned_dtype
 
@@ -97,6 +98,44 @@ class StagedWrite:
     values: torch.Tensor
 
 
+# Dense deltas of these element widths (bf16, fp16, fp32) are decoded on the device: the
+# host only decompresses their byte planes and hashes what they write; the planes go up,
+# the new values are computed there and come down once for the output hash. On the host
+# numpy's subtract, zigzag and plane shuffle cost more than zstd (bench/codec_threads.py).
+DEVICE_DECODED_WIDTHS = (2, 4)
+_WIDER = {2: torch.int32, 4: torch.int64}  # room for an unsigned element and a difference
+
+
+def decoded_on_device(encoding: str, width: int) -> bool:
+    """Whether `DeviceDeltaApplier` decodes a piece of this encoding and width on its device."""
+    return encoding in ("dense_add", "dense_xor") and width in DEVICE_DECODED_WIDTHS
+
+
+def dense_on_device(encoding: str, planes: list[torch.Tensor], old: torch.Tensor) -> torch.Tensor:
+    """The new bits of a dense piece from its byte planes (uint8 device tensors, one per byte
+    of the element) and the old bits `old` (a signed integer view): old ^ values, or old +
+    unzigzag(values) modulo 2^bits. Exact integer arithmetic in a wider type, so no step
+    relies on how a narrow signed type overflows."""
+    width = old.element_size()
+    values = torch.stack(planes, dim=1).reshape(-1).view(old.dtype)  # little-endian elements
+    if encoding == "dense_xor":
+        return old ^ values
+    wide, bits = _WIDER[width], 8 * width
+    mask, half = (1 << bits) - 1, 1 << (bits - 1)
+    codes = values.to(wide) & mask
+    delta = (codes >> 1) ^ -(codes & 1)
+    unsigned = (old.to(wide) + delta) & mask
+    return ((unsigned + half) & mask).sub_(half).to(old.dtype)
+
+
+@dataclass(frozen=True)
+class _DeviceWritten(Written):
+    """What a piece decoded on the device writes: the bits there (`values` holds them on the
+    host, for the output hash)."""
+
+    device_values: torch.Tensor | None = None
+
+
 @dataclass(frozen=True)
 class _Fetched:
     """A GpuRange with the old values a piece decodes against, read ahead with the rest of
@@ -107,6 +146,8 @@ class _Fetched:
     positions: np.ndarray | None
     device_positions: torch.Tensor | None
     old: np.ndarray | None
+    decoded: torch.Tensor | None = None  # a piece decoded on the device: its new bits there
+    decoded_host: np.ndarray | None = None  # and on the host, for the output hash
 
     @property
     def width(self) -> int:
@@ -127,6 +168,14 @@ class _Fetched:
         if self.positions is None and self.old is not None:
             return self.old
         return self.range.read_all()
+
+
+def _checked_planes(raw: list[np.ndarray], target: GpuRange) -> list[np.ndarray]:
+    """A dense piece's plane streams, one of the range's size per byte of its elements."""
+    if len(raw) != target.width or any(stream.size != target.size for stream in raw):
+        sizes = [int(stream.size) for stream in raw]
+        raise CorruptDeltaError(f"plane streams of {sizes} bytes for {target.size} elements")
+    return raw
 
 
 def upload(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
@@ -239,44 +288,86 @@ class DeviceDeltaApplier(DeltaApplier):
         return GpuRange(target.bits, start, stop)  # type: ignore[attr-defined]
 
     def _read_targets(
-        self, ranges: list[Any], positions: list[np.ndarray | None], encodings: list[str]
+        self,
+        ranges: list[Any],
+        positions: list[np.ndarray | None],
+        encodings: list[str],
+        streams: list[list[np.ndarray]],
     ) -> list[Any]:
         """The chunk's ranges with the old values its pieces decode against, read from the
-        device together: the positions go up in one copy, the values come down in one."""
+        device together, and its dense pieces of a device-decoded width decoded there: the
+        positions and those pieces' planes go up in one copy, the old values and those
+        pieces' new values (for the output hash) come down in one."""
         if not ranges:
             return []
-        on_device = upload([p for p in positions if p is not None], self.device)
-        staged = iter(on_device)
+        on_device = [decoded_on_device(e, r.width) for r, e in zip(ranges, encodings, strict=True)]
+        planes: list[np.ndarray] = []
+        for target, raw, decoded in zip(ranges, streams, on_device, strict=True):
+            if decoded:
+                planes += _checked_planes(raw, target)
+        staged = iter(upload([p for p in positions if p is not None] + planes, self.device))
         device_positions = [
             None if p is None else next(staged).view(torch.int64) for p in positions
         ]
+        news = [
+            dense_on_device(e, [next(staged) for _ in range(t.width)], t._view()) if d else None
+            for t, e, d in zip(ranges, encodings, on_device, strict=True)
+        ]
         reads: list[torch.Tensor] = []
-        for target, at, encoding in zip(ranges, device_positions, encodings, strict=True):
+        for target, at, encoding, new in zip(
+            ranges, device_positions, encodings, news, strict=True
+        ):
             if at is not None:
                 reads.append(target._view()[at])
-            elif encoding != "raw":  # a dense delta decodes against the whole range
+            elif new is not None:
+                reads.append(new)
+            elif encoding != "raw":  # a dense delta decoded on the host reads its whole range
                 reads.append(target._view())
-        olds = iter(_download(reads))
-        return [
-            _Fetched(target, host, at, None if at is None and encoding == "raw" else next(olds))
-            for target, host, at, encoding in zip(
-                ranges, positions, device_positions, encodings, strict=True
-            )
-        ]
+        hosts = iter(_download(reads))
+        fetched = []
+        for target, host, at, encoding, new in zip(
+            ranges, positions, device_positions, encodings, news, strict=True
+        ):
+            read = next(hosts) if at is not None or encoding != "raw" else None
+            if new is not None:
+                fetched.append(_Fetched(target, host, at, None, new, read))
+            else:
+                fetched.append(_Fetched(target, host, at, read))
+        return fetched
+
+    def _decode_piece(
+        self,
+        encoding: Encoding,
+        raw: list[np.ndarray],
+        target: Any,
+        num_changed: int,
+        positions: np.ndarray | None,
+    ) -> Written:
+        """A piece decoded on the device by `_read_targets` as it is there; the rest on the
+        host."""
+        if isinstance(target, _Fetched) and target.decoded is not None:
+            assert target.decoded_host is not None
+            return _DeviceWritten(None, target.decoded_host, target.decoded)
+        return decode_piece(encoding, raw, target, num_changed, positions)
 
     def _prepared(self, index: int, writes: list[tuple[Any, Any]]) -> DevicePreparedChunk:
         """Stage the decoded writes on the device, every piece's values in one copy (the
         positions are there already)."""
-        values = upload([written.values for _, written in writes], self.device)
+        on_host = [w.values for _, w in writes if not isinstance(w, _DeviceWritten)]
+        uploaded = iter(upload(on_host, self.device))
         staged: list[tuple[Any, Any]] = []
-        for (fetched, written), bits in zip(writes, values, strict=True):
+        for fetched, written in writes:
             target = fetched.range
+            if isinstance(written, _DeviceWritten) and written.device_values is not None:
+                bits = written.device_values  # decoded there: not uploaded again
+            else:
+                bits = next(uploaded).view(INT_VIEWS[target.width])
             positions = None
             if written.positions is not None:
                 positions = fetched.device_positions
                 if written.positions is not fetched.positions:  # not what was read ahead
                     positions = _to_device(written.positions, self.device)
-            staged.append((target, StagedWrite(positions, bits.view(INT_VIEWS[target.width]))))
+            staged.append((target, StagedWrite(positions, bits)))
         if self.device.type == "cuda":  # the staging copies are done before commit
             torch.cuda.current_stream(self.device).synchronize()
         return DevicePreparedChunk(index, staged)
