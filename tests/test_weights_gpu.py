@@ -346,3 +346,20 @@ def test_dense_pieces_decoded_on_the_device_wrap_exactly_as_the_host_decode(
     got = gpu_apply.dense_on_device(encoding, planes, old_bits)
     assert got.dtype == old_bits.dtype
     assert np.array_equal(got.cpu().numpy().view(kind), want)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_dense_planes_made_on_the_device_encode_byte_identical_to_the_host(device: str) -> None:
+    gen = torch.Generator().manual_seed(7)
+    master = torch.randn(70_000, generator=gen) * 0.02
+    master[:4] = torch.tensor([0.0, -0.0, float("nan"), float("-inf")])
+    base, new = {}, {}
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        moved = master + torch.randn(70_000, generator=gen) * 1e-3  # most elements change
+        base[str(dtype)] = master.to(dtype).to(device)
+        new[str(dtype)] = moved.to(dtype).to(device)
+    new[str(torch.float32)][5] = float("nan")  # a NaN payload among the dense changes
+    want = encode(host(base), host(new), base_version=1, version=2, options=SMALL)
+    got = encode_device(base, new, host(base), base_version=1, version=2, options=SMALL)
+    assert_same_delta(got, want)
+    assert {p.encoding for c in got[1] for p in c.header.pieces} == {"dense_add"}

@@ -14,7 +14,7 @@ the manifest's target hash covers every byte of the target version (hashing.py).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -29,6 +29,7 @@ from libs.weights.chunking import (
     split_plan,
 )
 from libs.weights.encodings import (
+    DensePlanes,
     encode_delta,
     encode_dense_add,
     encode_whole,
@@ -69,6 +70,9 @@ HEADROOM_BYTES = 64 << 10  # room for the chunk header and estimate error below 
 DENSE_FRACTION = 1 / 8
 DENSITY_SAMPLE = 1 << 16  # elements compared to estimate a tensor's changed fraction
 
+
+# The base of each tensor the chunks patch, or a dense delta's planes made on a device.
+Sources = Mapping[str, RawTensor | DensePlanes]
 
 # Finds the changed elements of one tensor: (name, old, new) -> Changes.
 Scan = Callable[[str, RawTensor, RawTensor], Changes]
@@ -210,7 +214,7 @@ def sampled_density(old: RawTensor, new: RawTensor) -> float:
 
 
 def _finish(
-    old: dict[str, RawTensor],
+    old: Sources,
     new: dict[str, RawTensor],
     jobs: list[TensorJob],
     changes: dict[str, Change],
@@ -255,7 +259,7 @@ def _finish(
 
 
 def _encode_bodies(
-    old: dict[str, RawTensor],
+    old: Sources,
     new: dict[str, RawTensor],
     plans: list[list[PiecePlan]],
     opts: EncodeOptions,
@@ -274,7 +278,7 @@ def _encode_bodies(
 
 
 def _encode_fitting(
-    old: dict[str, RawTensor], new: dict[str, RawTensor], plan: list[PiecePlan], opts: EncodeOptions
+    old: Sources, new: dict[str, RawTensor], plan: list[PiecePlan], opts: EncodeOptions
 ) -> list[_Body]:
     body = _encode_body(old, new, plan, opts.level)
     # Size with the largest index/version fields the chunk can get: an upper bound.
@@ -286,7 +290,7 @@ def _encode_fitting(
 
 
 def _encode_body(
-    old: dict[str, RawTensor], new: dict[str, RawTensor], plan: list[PiecePlan], level: int
+    old: Sources, new: dict[str, RawTensor], plan: list[PiecePlan], level: int
 ) -> _Body:
     """Encode the pieces of one chunk and hash what they write."""
     headers, streams = [], []
@@ -295,7 +299,11 @@ def _encode_body(
         name, start, stop = piece.job.name, piece.start, piece.stop
         new_units = new[name].units()[start:stop]
         if piece.job.dense:
-            encoded = encode_dense_add(old[name].units()[start:stop], new_units, level)
+            source = old[name]
+            if isinstance(source, DensePlanes):  # the planes were made on the device
+                encoded = source.encode(start, stop, level)
+            else:
+                encoded = encode_dense_add(source.units()[start:stop], new_units, level)
             written = written_by(new_units, encoded, new_units[:0], new_units[:0])
         elif piece.job.changes is None:
             encoded = encode_whole(new_units, level)
@@ -303,6 +311,7 @@ def _encode_body(
         else:
             positions, old_vals, new_vals = _relative(piece.job.changes, start, stop)
             base = old.get(name)  # None: rebuilt from the target if needed (GPU path)
+            assert not isinstance(base, DensePlanes), f"{name} is not a dense delta"
             old_units = None if base is None else base.units()[start:stop]
             encoded = encode_delta(old_units, new_units, positions, old_vals, new_vals, level)
             written = written_by(new_units, encoded, positions, new_vals)

@@ -301,6 +301,24 @@ def encode_dense_add(old: np.ndarray, new: np.ndarray, level: int) -> EncodedPie
     return _pack("dense_add", plane_streams(codes), num_changed, min(level, DENSE_ZSTD_LEVEL))
 
 
+@dataclass(frozen=True)
+class DensePlanes:
+    """The streams of a tensor's dense_add pieces made elsewhere (on its GPU:
+    `libs.weights.gpu.dense_add_planes`): row p holds byte p of zigzag(new - old) of every
+    element, uint8 [width, numel], exactly what `encode_dense_add` computes on the host."""
+
+    planes: np.ndarray
+
+    def encode(self, start: int, stop: int, level: int) -> EncodedPiece:
+        """The dense_add piece of elements [start, stop), as `encode_dense_add` makes it."""
+        streams = [row[start:stop] for row in self.planes]
+        changed = streams[0] != 0
+        for row in streams[1:]:
+            changed |= row != 0
+        num_changed = int(np.count_nonzero(changed))
+        return _pack("dense_add", streams, num_changed, min(level, DENSE_ZSTD_LEVEL))
+
+
 def encode_delta(
     old: np.ndarray | None,
     new: np.ndarray,

@@ -33,6 +33,7 @@ from libs.weights.encoder import (
     EncodeTimes,
     _finish,
 )
+from libs.weights.encodings import DensePlanes
 from libs.weights.format import Change, Chunk, Manifest
 from libs.weights.hashing import state_hash
 from libs.weights.scan import Changes
@@ -197,11 +198,59 @@ def encode_device(
     removed = [name for name in base if name not in new]
     for name in removed:
         mirror.pop(name, None)
-    encoded = _finish(dense, target, jobs, changes, removed, base_version, base_hash, version, opts)
+    sources: dict[str, RawTensor | DensePlanes] = {**dense, **device_planes(base, new, dense)}
+    encoded = _finish(
+        sources, target, jobs, changes, removed, base_version, base_hash, version, opts
+    )
     if spare is not None:  # the base bytes of the dense tensors are free for the next copy
         spare.update({n: mirror[n] for n in copies if isinstance(mirror[n], torch.Tensor)})
     mirror.update(copies)  # the mirror now holds the target of every tensor
     return encoded
+
+
+# Widths whose dense_add planes are made on the device (bf16, fp16, fp32), and the integer
+# type wide enough for an element's difference there.
+_WIDER = {2: torch.int32, 4: torch.int64}
+
+
+def dense_add_planes(base: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """The byte planes of zigzag(new - base) (uint8 [width, numel], where the tensors are),
+    byte for byte what `encodings.encode_dense_add` computes on the host; computed in a wider
+    integer type, so no step relies on how a narrow signed type overflows."""
+    old_bits, new_bits = int_view(base.contiguous()), int_view(new.contiguous())
+    width = old_bits.element_size()
+    wide, bits = _WIDER[width], 8 * width
+    mask, half = (1 << bits) - 1, 1 << (bits - 1)
+    diff = (new_bits.to(wide) - old_bits.to(wide)) & mask
+    signed = ((diff + half) & mask) - half
+    codes = (signed << 1) ^ (signed >> (bits - 1))  # zigzag: in [0, 2^bits)
+    return torch.stack([((codes >> (8 * p)) & 0xFF).to(torch.uint8) for p in range(width)])
+
+
+def device_planes(
+    base: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor], names: Mapping[str, Any]
+) -> dict[str, DensePlanes]:
+    """`dense_add_planes` of the named tensors of a width in _WIDER, in one host buffer
+    (pinned from a GPU: the copies run while the next tensor's planes are made, one wait per
+    device). The host then only compresses them: numpy's subtract, zigzag and plane shuffle
+    cost more than zstd there."""
+    chosen = [n for n in names if new[n].element_size() in _WIDER and new[n].numel()]
+    if not chosen:
+        return {}
+    sizes = [new[n].numel() * new[n].element_size() for n in chosen]
+    pinned = any(new[n].is_cuda for n in chosen)
+    host = torch.empty(sum(sizes), dtype=torch.uint8, pin_memory=pinned)
+    out: dict[str, DensePlanes] = {}
+    at = 0
+    for name, size in zip(chosen, sizes, strict=True):
+        planes = dense_add_planes(base[name], new[name])
+        part = host[at : at + size].view(planes.shape)
+        part.copy_(planes, non_blocking=pinned and planes.is_cuda)
+        out[name] = DensePlanes(part.numpy())
+        at += size
+    for device in {new[n].device for n in chosen if new[n].is_cuda}:
+        torch.cuda.synchronize(device)
+    return out
 
 
 def device_jobs(
