@@ -27,6 +27,7 @@ from libs.weights import (
     pack_delta,
     unpack_delta,
 )
+from libs.weights.encoder import encoded_size
 from libs.weights.encodings import compress, decompress
 from libs.weights.format import Chunk, encode_chunk
 from libs.weights.tensors import DTYPE_WIDTHS
@@ -325,3 +326,11 @@ def test_each_thread_compresses_with_its_own_kept_context_to_the_bytes_of_a_fres
     with pytest.raises(CorruptDeltaError, match="does not decompress"):
         decompress(fresh[1][:-3], buffers[1].size)
     assert np.array_equal(decompress(fresh[1], buffers[1].size), buffers[1])  # still usable
+
+
+@pytest.mark.parametrize("payload_bytes", [0, 1, 255, 256, 65_535, 65_536, 1 << 20])
+def test_a_chunks_encoded_size_is_counted_without_encoding_its_payload(payload_bytes: int) -> None:
+    manifest, chunks = encode_snapshot({"w": np.zeros(4, np.float32)}, version=1)
+    chunk = Chunk(header=chunks[0].header, payload=b"\x07" * payload_bytes)
+    assert encoded_size(chunk) == len(encode_chunk(chunk))
+    assert manifest.chunks[0].num_bytes == len(encode_chunk(chunks[0]))
