@@ -181,18 +181,21 @@ def handoff(staging: Path, manifest: Manifest, chunks: list[Chunk]) -> tuple[Man
 
 async def sequential_receive(
     path: VersionPair, bus: Bus, manifest: Manifest, threads: int
-) -> float:
-    """Fetch every chunk, then decode them all, then apply: the receive without overlap."""
+) -> dict[str, float]:
+    """Fetch every chunk, then decode them all, then apply: the receive without overlap,
+    each part alone (the fetch's rate with no decode beside it)."""
     receiver = {n: t.clone() for n, t in path.base.items()}
     started = time.perf_counter()
     fetched = await fetch_chunks(bus.nc, manifest)
+    fetch_s = time.perf_counter() - started
     applier = DeviceDeltaApplier(receiver, manifest, VersionInfo(version=2, hash=path.base_hash))
     prepared = await asyncio.to_thread(applier.prepare_all, fetched.chunks, threads)
+    decode_s = time.perf_counter() - started - fetch_s
     applier.commit_all(prepared.chunks, threads)
     applier.finish()
     seconds = time.perf_counter() - started
     assert exact(receiver, path.new), "the sequential receive is not bit-exact"
-    return seconds
+    return {"total": seconds, "fetch": fetch_s, "decode": decode_s}
 
 
 def exact(got: State, want: State) -> bool:
@@ -202,7 +205,10 @@ def exact(got: State, want: State) -> bool:
 
 def summarize(rows: list[dict[str, Any]], model_bytes: int) -> dict[str, Any]:
     median = {p: statistics.median(r[p] for r in rows) for p in (*PARTS, "total")}
-    sequential = statistics.median(r["sequential_receive"] for r in rows)
+    sequential = {
+        part: statistics.median(r["sequential_receive"][part] for r in rows)
+        for part in ("total", "fetch", "decode")
+    }
     last = rows[-1]
     return {
         "model_bytes": model_bytes,
@@ -278,7 +284,9 @@ def main() -> None:
         cells = " ".join(f"{result['seconds'][p]:>11.3f}" for p in PARTS)
         print(f"{key:>8} {result['state_gbps']:>6.2f} {result['ratio']:>6.1f} {cells}")
         print(f"{'':>8} total {result['seconds']['total']:.3f} s, exact {result['exact']}, "
-              f"sequential receive {result['receive_sequential_s']:.3f} s")  # fmt: skip
+              f"sequential receive {result['receive_sequential_s']['total']:.3f} s (fetch "
+              f"{result['receive_sequential_s']['fetch']:.3f}, decode "
+              f"{result['receive_sequential_s']['decode']:.3f})")  # fmt: skip
     print(f"wrote {out}")
 
 
