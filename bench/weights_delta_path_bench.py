@@ -23,7 +23,7 @@ GB/s are bytes of the bf16 state per second of the whole path (encode .. apply, 
 swap's wait for generation calls (bench/version_latency.py measures those in a run); the
 worker decodes in a process of its own (libs/weights/decode_process.py), here in threads.
 
-    python bench/weights_delta_path_bench.py --preset byte-3b          # a CUDA device
+    python bench/weights_delta_path_bench.py          # byte-0.5b and byte-3b on a CUDA device
     .venv/bin/python bench/weights_delta_path_bench.py --preset tiny --device cpu --out /tmp/x.json
 
 Writes bench/results/<card>/weights_delta_path.json (or --out) and prints a table.
@@ -53,7 +53,7 @@ from libs.nats_server import NatsServer
 from libs.policy import POLICY_PRESETS
 from libs.weights import EncodeOptions, VersionInfo
 from libs.weights.container import read_delta_file, write_delta_file
-from libs.weights.encoder import EncodeTimes, chunk_bytes_for
+from libs.weights.encoder import DEFAULT_MAX_CHUNK_BYTES, EncodeTimes, chunk_bytes_for
 from libs.weights.format import Chunk, Manifest
 from libs.weights.gpu import encode_device, int_view
 from libs.weights.gpu_apply import DeviceDeltaApplier
@@ -155,7 +155,7 @@ async def one_run(
     applier.commit_all(receipt.prepared, threads)
     applier.finish()
     applied = time.perf_counter()
-    row = {
+    row: dict[str, Any] = {
         "encode": encoded - started, "diff": times.diff_s, "handoff": handed - encoded,
         "store": stored - handed, "receive": received - stored, "fetch": receipt.fetch_s,
         "decode_tail": receipt.tail_s, "apply": applied - received, "total": applied - started,
@@ -225,7 +225,7 @@ def summarize(rows: list[dict[str, Any]], model_bytes: int) -> dict[str, Any]:
 
 
 async def measure(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
-    shapes = preset_shapes(args.preset)
+    """Every preset at every learning rate, keyed `<preset>/lr_<lr>`."""
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="delta-path-bench-") as folder:
         server = NatsServer(store_dir=Path(folder) / "nats")
@@ -236,17 +236,17 @@ async def measure(args: argparse.Namespace, device: torch.device) -> dict[str, A
             max_chunk = chunk_bytes_for(bus.nc.max_payload, args.chunk_mib << 20)
             options = EncodeOptions(max_chunk_bytes=max_chunk, threads=args.threads)
             version = 2
-            for lr in args.lr:
-                base, new = training_step(shapes, device, lr, seed=0)
+            for preset, lr in [(p, lr) for p in args.preset for lr in args.lr]:
+                base, new = training_step(preset_shapes(preset), device, lr, seed=0)
                 path = VersionPair(base, new, device)
                 model_bytes = sum(t.numel() * t.element_size() for t in new.values())
                 rows = []
                 for i in range(args.repeats + 1):
                     version += 1
                     row = await one_run(path, bus, options, args.threads, Path(folder), version)
-                    print(f"lr {lr:g} run {i}: {json.dumps(rounded(row))}", flush=True)
+                    print(f"{preset} lr {lr:g} run {i}: {json.dumps(rounded(row))}", flush=True)
                     rows.append(row)
-                results[f"lr_{lr:g}"] = summarize(rows[1:] or rows, model_bytes)
+                results[f"{preset}/lr_{lr:g}"] = summarize(rows[1:] or rows, model_bytes)
                 del path, base, new
             await bus.close()
         finally:
@@ -260,11 +260,15 @@ def rounded(row: dict[str, Any]) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--preset", default="byte-3b", choices=sorted(POLICY_PRESETS))
+    parser.add_argument(
+        "--preset", nargs="+", default=["byte-0.5b", "byte-3b"], choices=sorted(POLICY_PRESETS)
+    )
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--lr", type=float, nargs="+", default=[1e-5, 1e-6])
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
-    parser.add_argument("--chunk-mib", type=int, default=1, help="largest chunk, MiB")
+    parser.add_argument(
+        "--chunk-mib", type=int, default=DEFAULT_MAX_CHUNK_BYTES >> 20, help="largest chunk, MiB"
+    )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
@@ -272,18 +276,18 @@ def main() -> None:
     card = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     results = asyncio.run(measure(args, device))
     report = {
-        "card": card, "preset": args.preset, "threads": args.threads,
+        "card": card, "presets": args.preset, "threads": args.threads,
         "cpu_count": os.cpu_count(), "chunk_mib": args.chunk_mib, "torch": torch.__version__,
         "python": platform.python_version(), "repeats": args.repeats, **results,
     }  # fmt: skip
     out = args.out or result_file("weights_delta_path", card)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1) + "\n")
-    print(f"{'lr':>8} {'GB/s':>6} {'ratio':>6} " + " ".join(f"{p:>11}" for p in PARTS))
+    print(f"{'version':>18} {'GB/s':>6} {'ratio':>6} " + " ".join(f"{p:>11}" for p in PARTS))
     for key, result in results.items():
         cells = " ".join(f"{result['seconds'][p]:>11.3f}" for p in PARTS)
-        print(f"{key:>8} {result['state_gbps']:>6.2f} {result['ratio']:>6.1f} {cells}")
-        print(f"{'':>8} total {result['seconds']['total']:.3f} s, exact {result['exact']}, "
+        print(f"{key:>18} {result['state_gbps']:>6.2f} {result['ratio']:>6.1f} {cells}")
+        print(f"{'':>18} total {result['seconds']['total']:.3f} s, exact {result['exact']}, "
               f"sequential receive {result['receive_sequential_s']['total']:.3f} s (fetch "
               f"{result['receive_sequential_s']['fetch']:.3f}, decode "
               f"{result['receive_sequential_s']['decode']:.3f})")  # fmt: skip
