@@ -82,7 +82,8 @@ fi
 python3 -m apps.cli demo --recipe "$recipe" --duration-s "$seconds" --run-dir "$run" "${sets[@]}" \
   ${DEMO_ARGS:-} > "$out/summary.json" || true
 cp "$run/trainer/steps.jsonl" "$out/steps.jsonl" || true
-# Version latency (optimizer step end -> swapped in the worker), part by part.
+# Version latency (optimizer step end -> swapped in the worker), part by part, over the delta
+# chain and from the trainer's memory (a worker on its host).
 python3 bench/version_latency.py "$run" --json "$out/version_latency.json" || true
 if [ "${KEEP_LOGS:-1}" = 1 ]; then
   for s in trainer rollout-worker weight-broadcaster; do
@@ -138,7 +139,9 @@ summary = {
 }
 latency = out / "version_latency.json"
 if latency.exists():
-    summary["version_latency"] = json.loads(latency.read_text()).get("summary")
+    parts = json.loads(latency.read_text())
+    summary["version_latency"] = parts.get("summary")  # over the delta chain
+    summary["version_latency_same_host"] = parts.get("same_host")  # from the trainer's memory
 (out / "loop_summary.json").write_text(json.dumps(summary, indent=1))
 result.write_text(json.dumps(summary, indent=1))
 print(f"summary: {result}, run: {out}", file=sys.stderr)

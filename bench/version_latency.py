@@ -26,6 +26,15 @@ and two figures inside `decode`: decode_chunk_wall and decode_chunk_cpu, the wal
 CPU time of the chunks' decodes summed over chunks (the worker decodes on several threads;
 wall well above CPU says the decode threads waited, for the GIL or a lock).
 
+Versions a worker took from the trainer's memory on the same host (docs/weights.md, "On the
+trainer's host") skip the chain's parts; they are summed up apart, under `same_host`:
+
+    share     optimizer step end -> the version written into the trainer's shelf and announced
+    notify    announced -> the worker starts on it
+    gate_wait the engine calls running then finish
+    apply     the swap pause: the slot copied into the live weights (and its checksum)
+    total     optimizer step end -> swapped in the worker
+
     .venv/bin/python bench/version_latency.py RUN_DIR [--json OUT]
 
 Prints the median, p90 and max of each part over the versions found in every log, and the
@@ -97,6 +106,29 @@ def step_ends(run_dir: Path) -> dict[int, float]:
     return ends
 
 
+SAME_HOST_PARTS = ("share", "notify", "gate_wait", "apply", "total")
+
+
+def same_host_rows(run_dir: Path) -> list[dict[str, float]]:
+    """One row per version the worker took from the trainer's memory."""
+    ends = step_ends(run_dir)
+    swapped = log_events(run_dir / "logs" / "rollout-worker.log", "weights swapped")
+    rows = []
+    for version in sorted(set(ends) & set(swapped)):
+        line = swapped[version]
+        if line.get("kind") != "same_host":
+            continue
+        total = timestamp(line) - ends[version]
+        taken = float(line["since_published_s"])  # announced -> swapped
+        gate_wait, apply = float(line.get("gate_wait_s", 0.0)), float(line["pause_s"])
+        rows.append({
+            "version": version, "step_end": ends[version], "share": total - taken,
+            "notify": taken - gate_wait - apply, "gate_wait": gate_wait, "apply": apply,
+            "total": total,
+        })  # fmt: skip
+    return rows
+
+
 def version_rows(run_dir: Path) -> list[dict[str, float]]:
     """One row of part durations (seconds) per version seen at every stage."""
     logs = run_dir / "logs"
@@ -149,12 +181,12 @@ def row(
     }
 
 
-def summarize(rows: list[dict[str, float]]) -> dict[str, Any]:
+def summarize(rows: list[dict[str, float]], parts: tuple[str, ...] = PARTS) -> dict[str, Any]:
     """Median, p90 and max of every part, in seconds."""
     if not rows:
         return {"versions": 0}
     summary: dict[str, Any] = {"versions": len(rows)}
-    for part in PARTS:
+    for part in parts:
         values = sorted(r[part] for r in rows)
         p90 = values[min(len(values) - 1, int(0.9 * len(values)))]
         summary[part] = {
@@ -187,18 +219,29 @@ def main() -> None:
     parser.add_argument("run_dir", type=Path)
     parser.add_argument("--json", type=Path, help="write the summary and rows here")
     args = parser.parse_args()
-    rows = version_rows(args.run_dir)
-    summary = summarize(rows)
-    print(f"version latency over {summary['versions']} versions (seconds: median / p90 / max)")
-    for part in PARTS if rows else ():
+    rows, local = version_rows(args.run_dir), same_host_rows(args.run_dir)
+    summary, same_host = summarize(rows), summarize(local, SAME_HOST_PARTS)
+    print_summary("version latency over the delta chain", summary, PARTS)
+    print_summary("version latency from the trainer's memory", same_host, SAME_HOST_PARTS)
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        document = {
+            "summary": summary,
+            "same_host": same_host,
+            "rows": rows,
+            "same_host_rows": local,
+        }
+        args.json.write_text(json.dumps(document, indent=2) + "\n")
+
+
+def print_summary(title: str, summary: dict[str, Any], parts: tuple[str, ...]) -> None:
+    print(f"{title}: {summary['versions']} versions (seconds: median / p90 / max)")
+    for part in parts if summary["versions"] else ():
         figures = summary[part]
         median, p90, most = figures["median_s"], figures["p90_s"], figures["max_s"]
         print(f"  {part:<10} {median:>8.3f} {p90:>8.3f} {most:>8.3f}")
-    if rows:
+    if summary["versions"]:
         print(f"  total, median by {WINDOW_S:.0f} s of the run: {summary['total_median_by_30s']}")
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"summary": summary, "rows": rows}, indent=2) + "\n")
 
 
 if __name__ == "__main__":
