@@ -22,7 +22,7 @@ from libs.weights import (
     gpu_apply,
 )
 from libs.weights.encoder import EncodeTimes
-from libs.weights.encodings import plane_streams, unzigzag
+from libs.weights.encodings import pack_codes, plane_streams, unzigzag
 from libs.weights.format import Chunk, encode_chunk, encode_manifest
 from libs.weights.gpu import device_changes, encode_device, on_device
 from libs.weights.gpu_apply import DeviceDeltaApplier
@@ -342,15 +342,21 @@ def test_dense_pieces_decoded_on_the_device_wrap_exactly_as_the_host_decode(
     top = (1 << (8 * width)) - 1
     values[:8] = [0, 1, 2, 3, top, top - 1, 4, 5]
     want = old + unzigzag(values) if encoding == "dense_add" else old ^ values
-    planes = [torch.from_numpy(p.copy()).to(device) for p in plane_streams(values)]
+    if encoding == "dense_add":
+        packed, escapes = pack_codes(values)
+        streams = [packed, *plane_streams(escapes)]
+    else:
+        streams = plane_streams(values)
+    gpu_apply.checked_streams(encoding, streams, old.size, width)
+    on_device = [torch.from_numpy(p.copy()).to(device) for p in streams]
     old_bits = torch.from_numpy(old.view(f"<i{width}").copy()).to(device)
-    got = gpu_apply.dense_on_device(encoding, planes, old_bits)
+    got = gpu_apply.dense_on_device(encoding, on_device, old_bits)
     assert got.dtype == old_bits.dtype
     assert np.array_equal(got.cpu().numpy().view(kind), want)
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_dense_planes_made_on_the_device_encode_byte_identical_to_the_host(device: str) -> None:
+def test_dense_codes_packed_on_the_device_encode_byte_identical_to_the_host(device: str) -> None:
     gen = torch.Generator().manual_seed(7)
     master = torch.randn(70_000, generator=gen) * 0.02
     master[:4] = torch.tensor([0.0, -0.0, float("nan"), float("-inf")])

@@ -15,6 +15,9 @@ import numpy as np
 from libs.weights.scan import Changes
 
 MAX_PIECE_UNITS = (1 << 32) - 1  # gap escapes are uint32, so a piece stays below 2^32 elements
+# A dense delta's pieces start at multiples of this many elements: its 2-bit symbols are
+# packed 4 per byte, and a tensor packed whole on its GPU is cut into pieces on byte bounds.
+ALIGN = 4
 PIECE_HEADER_BYTES = 48  # msgpack overhead of a PieceHeader besides its name
 
 
@@ -26,11 +29,11 @@ DENSE_BYTES_PER_WIDTH = 0.5
 def dense_bytes_per_width(density: float) -> float:
     """Estimated encoded bytes per element of a dense delta whose sampled fraction of changed
     elements is `density`, as a fraction of its width. Most changes of a step are a unit or
-    two in the last place: a bf16 step with 14.5% changed (lr 1e-5) codes to 0.2 bytes per
-    element (0.1 of the width), one with 91% (lr 5e-4) to 0.68 (0.34), so this errs a little
-    high: an estimate of half the width made byte-3b's chunks a fifth of the target (2,825
-    chunks of 200 KB for 560 MB), each a message to store and fetch."""
-    return min(DENSE_BYTES_PER_WIDTH, 0.05 + 0.6 * density)
+    two in the last place: a bf16 step with 14.5% changed (lr 1e-5) codes to about 0.15
+    bytes per element (0.07 of the width), so this errs a little high: an estimate of half
+    the width made byte-3b's chunks a fifth of the target (2,825 chunks of 200 KB for
+    560 MB), each a message to store and fetch."""
+    return min(DENSE_BYTES_PER_WIDTH, 0.04 + 0.45 * density)
 
 
 @dataclass(frozen=True)
@@ -68,8 +71,12 @@ class TensorJob:
         return overhead + self.count(start, stop) * (0.25 + self.width / 2)
 
     def fit(self, start: int, room: float) -> int:
-        """The largest stop (> start) whose range is estimated to fit in `room` bytes."""
+        """The largest stop (> start) whose range is estimated to fit in `room` bytes; a
+        dense delta's pieces start at multiples of ALIGN elements."""
         limit = min(self.numel, start + MAX_PIECE_UNITS)
+        if self.dense:
+            count = int(room // self._element_bytes()) // ALIGN * ALIGN
+            return min(self.numel, start + min(max(ALIGN, count), MAX_PIECE_UNITS // ALIGN * ALIGN))
         if self.positions is None:
             return min(limit, start + max(1, int(room // self._element_bytes())))
         allowed = max(1, int(room // (0.25 + self.width / 2)))
@@ -124,6 +131,8 @@ def split_plan(plan: list[PiecePlan]) -> tuple[list[PiecePlan], list[PiecePlan]]
 
 def _middle(piece: PiecePlan) -> int:
     positions = piece.job.positions
+    if piece.job.dense:
+        return piece.start + (piece.stop - piece.start) // 2 // ALIGN * ALIGN
     if positions is None:
         return (piece.start + piece.stop) // 2
     left, right = np.searchsorted(positions, [piece.start, piece.stop])

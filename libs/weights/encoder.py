@@ -29,7 +29,7 @@ from libs.weights.chunking import (
     split_plan,
 )
 from libs.weights.encodings import (
-    DensePlanes,
+    DenseCodes,
     encode_delta,
     encode_dense_add,
     encode_whole,
@@ -74,8 +74,8 @@ DENSE_FRACTION = 1 / 8
 DENSITY_SAMPLE = 1 << 16  # elements compared to estimate a tensor's changed fraction
 
 
-# The base of each tensor the chunks patch, or a dense delta's planes made on a device.
-Sources = Mapping[str, RawTensor | DensePlanes]
+# The base of each tensor the chunks patch, or a dense delta's codes packed on a device.
+Sources = Mapping[str, RawTensor | DenseCodes]
 
 # Finds the changed elements of one tensor: (name, old, new) -> Changes.
 Scan = Callable[[str, RawTensor, RawTensor], Changes]
@@ -303,7 +303,7 @@ def _encode_body(
         new_units = new[name].units()[start:stop]
         if piece.job.dense:
             source = old[name]
-            if isinstance(source, DensePlanes):  # the planes were made on the device
+            if isinstance(source, DenseCodes):  # packed on the device
                 encoded = source.encode(start, stop, level)
             else:
                 encoded = encode_dense_add(source.units()[start:stop], new_units, level)
@@ -314,7 +314,7 @@ def _encode_body(
         else:
             positions, old_vals, new_vals = _relative(piece.job.changes, start, stop)
             base = old.get(name)  # None: rebuilt from the target if needed (GPU path)
-            assert not isinstance(base, DensePlanes), f"{name} is not a dense delta"
+            assert not isinstance(base, DenseCodes), f"{name} is not a dense delta"
             old_units = None if base is None else base.units()[start:stop]
             encoded = encode_delta(old_units, new_units, positions, old_vals, new_vals, level)
             written = written_by(new_units, encoded, positions, new_vals)

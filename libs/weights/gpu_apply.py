@@ -99,9 +99,9 @@ class StagedWrite:
 
 
 # Dense deltas of these element widths (bf16, fp16, fp32) are decoded on the device: the
-# host only decompresses their byte planes and hashes what they write; the planes go up,
-# the new values are computed there and come down once for the output hash. On the host
-# numpy's subtract, zigzag and plane shuffle cost more than zstd (bench/codec_threads.py).
+# host only decompresses their streams and hashes what they write; the streams go up, the
+# new values are computed there and come down once for the output hash. On the host numpy's
+# unpacking, unzigzag and add cost more than zstd (bench/codec_threads.py).
 DEVICE_DECODED_WIDTHS = (2, 4)
 _WIDER = {2: torch.int32, 4: torch.int64}  # room for an unsigned element and a difference
 
@@ -111,21 +111,50 @@ def decoded_on_device(encoding: str, width: int) -> bool:
     return encoding in ("dense_add", "dense_xor") and width in DEVICE_DECODED_WIDTHS
 
 
-def dense_on_device(encoding: str, planes: list[torch.Tensor], old: torch.Tensor) -> torch.Tensor:
-    """The new bits of a dense piece from its byte planes (uint8 device tensors, one per byte
-    of the element) and the old bits `old` (a signed integer view): old ^ values, or old +
-    unzigzag(values) modulo 2^bits. Exact integer arithmetic in a wider type, so no step
-    relies on how a narrow signed type overflows."""
+def dense_on_device(encoding: str, streams: list[torch.Tensor], old: torch.Tensor) -> torch.Tensor:
+    """The new bits of a dense piece from its streams (uint8 device tensors, checked by
+    `checked_streams`) and the old bits `old` (a signed integer view): old ^ the byte planes
+    (dense_xor), or old + unzigzag(codes) modulo 2^bits, the codes unpacked from the 2-bit
+    symbols and escape planes (dense_add). Exact integer arithmetic in a wider type, so no
+    step relies on how a narrow signed type overflows."""
     width = old.element_size()
-    values = torch.stack(planes, dim=1).reshape(-1).view(old.dtype)  # little-endian elements
     if encoding == "dense_xor":
-        return old ^ values
+        return old ^ torch.stack(streams, dim=1).reshape(-1).view(old.dtype)
     wide, bits = _WIDER[width], 8 * width
     mask, half = (1 << bits) - 1, 1 << (bits - 1)
-    codes = values.to(wide) & mask
+    codes = _symbols(streams[0], old.numel()).to(wide)
+    escaped = (codes == 3).nonzero().view(-1)  # a wait
+    escapes = torch.stack(streams[1:], dim=1).reshape(-1).view(old.dtype)
+    if escaped.numel() != escapes.numel():
+        raise CorruptDeltaError(
+            f"{escaped.numel()} escaped symbols, {escapes.numel()} escapes in the stream"
+        )
+    codes[escaped] = (escapes.to(wide) & mask) + 3
     delta = (codes >> 1) ^ -(codes & 1)
     unsigned = (old.to(wide) + delta) & mask
     return ((unsigned + half) & mask).sub_(half).to(old.dtype)
+
+
+def _symbols(packed: torch.Tensor, count: int) -> torch.Tensor:
+    """The first `count` 2-bit symbols of packed bytes (element 4i + k: bits 2k, 2k + 1 of
+    byte i), as uint8."""
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=packed.device)
+    return ((packed.unsqueeze(1) >> shifts) & 3).reshape(-1)[:count]
+
+
+def checked_streams(encoding: str, raw: list[np.ndarray], size: int, width: int) -> list:
+    """A dense piece's streams, checked against its range: `width` byte planes of `size`
+    bytes (dense_xor), or the packed symbols of `size` elements and `width` escape planes
+    of one size (dense_add)."""
+    sizes = [int(stream.size) for stream in raw]
+    if encoding == "dense_xor":
+        fits = sizes == [size] * width
+    else:
+        fits = len(sizes) == 1 + width and sizes[0] == (size + 3) // 4
+        fits = fits and len(set(sizes[1:])) == 1
+    if not fits:
+        raise CorruptDeltaError(f"{encoding} streams of {sizes} bytes for {size} elements")
+    return raw
 
 
 @dataclass(frozen=True)
@@ -168,14 +197,6 @@ class _Fetched:
         if self.positions is None and self.old is not None:
             return self.old
         return self.range.read_all()
-
-
-def _checked_planes(raw: list[np.ndarray], target: GpuRange) -> list[np.ndarray]:
-    """A dense piece's plane streams, one of the range's size per byte of its elements."""
-    if len(raw) != target.width or any(stream.size != target.size for stream in raw):
-        sizes = [int(stream.size) for stream in raw]
-        raise CorruptDeltaError(f"plane streams of {sizes} bytes for {target.size} elements")
-    return raw
 
 
 def upload(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
@@ -296,22 +317,24 @@ class DeviceDeltaApplier(DeltaApplier):
     ) -> list[Any]:
         """The chunk's ranges with the old values its pieces decode against, read from the
         device together, and its dense pieces of a device-decoded width decoded there: the
-        positions and those pieces' planes go up in one copy, the old values and those
+        positions and those pieces' streams go up in one copy, the old values and those
         pieces' new values (for the output hash) come down in one."""
         if not ranges:
             return []
         on_device = [decoded_on_device(e, r.width) for r, e in zip(ranges, encodings, strict=True)]
-        planes: list[np.ndarray] = []
-        for target, raw, decoded in zip(ranges, streams, on_device, strict=True):
+        sent: list[np.ndarray] = []
+        for target, encoding, raw, decoded in zip(
+            ranges, encodings, streams, on_device, strict=True
+        ):
             if decoded:
-                planes += _checked_planes(raw, target)
-        staged = iter(upload([p for p in positions if p is not None] + planes, self.device))
+                sent += checked_streams(encoding, raw, target.size, target.width)
+        staged = iter(upload([p for p in positions if p is not None] + sent, self.device))
         device_positions = [
             None if p is None else next(staged).view(torch.int64) for p in positions
         ]
         news = [
-            dense_on_device(e, [next(staged) for _ in range(t.width)], t._view()) if d else None
-            for t, e, d in zip(ranges, encodings, on_device, strict=True)
+            dense_on_device(e, [next(staged) for _ in raw], t._view()) if d else None
+            for t, e, raw, d in zip(ranges, encodings, streams, on_device, strict=True)
         ]
         reads: list[torch.Tensor] = []
         for target, at, encoding, new in zip(
