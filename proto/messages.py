@@ -55,8 +55,12 @@ class Turn(msgspec.Struct, kw_only=True):
     # Logprob of each sampled token under the distribution it was sampled from; empty for
     # turns the policy did not generate (prompt, tool results).
     logprobs: list[float] = msgspec.field(default_factory=list)
-    # Policy version that generated this turn; None for turns the policy did not generate.
+    # Policy version that generated this turn (its first token); None for turns the policy
+    # did not generate.
     policy_version: int | None = None
+    # The version its last tokens came from, when the worker swapped weights mid-turn (the
+    # paged engine swaps between decode steps); None: policy_version throughout.
+    policy_version_end: int | None = None
     # Routed expert ids per token and layer for MoE router replay; empty for dense models.
     routed_experts: list[list[int]] = msgspec.field(default_factory=list)
     # Context segment of the episode: a self-summarizing episode restarts its context from the

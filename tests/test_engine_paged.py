@@ -529,3 +529,25 @@ def test_gpu_sampled_logprobs_match_the_trainer_within_the_hf_engines_mismatch()
     # does: 0.00952 on these prompts (0.00983 with tiles of 64; the hf engine 0.00863).
     mean = gpu_mismatch_nats()
     assert mean <= 0.0098, f"mean |sampled - trainer logprob| = {mean:.5f} nats"
+
+
+def test_a_swap_between_steps_goes_on_under_running_calls(engine: PagedEngine) -> None:
+    """The running call is not waited for: it goes on with the new weights, and its
+    completions say both versions (the swap's own test: every write waited before)."""
+    local = make_paged(seed=0)
+    live = local.live_tensors()
+    assert live is not None
+    new_state = build_policy(PolicyConfig(device="cpu", seed=1)).state_dict()
+    params = SamplingParams(temperature=0.0, max_tokens=150)
+    running = local.submit(PROMPTS, params)
+    wait_for(lambda: local.num_steps > 2)
+    local.write_between_steps(lambda: [live[k].copy_(v) for k, v in new_state.items()], 5)
+    assert local.policy_version == 5
+    spanned = [c for c in running.result(timeout=120) if c.policy_version_end is not None]
+    assert spanned, "no completion was still running at the swap"
+    assert all(c.policy_version == 0 and c.policy_version_end == 5 for c in spanned)
+    old = {c.prompt_index: c.token_ids for c in engine.generate(PROMPTS, params)}
+    # The swap changed what the running rows went on to sample (the new weights' argmax).
+    assert any(c.token_ids != old[c.prompt_index] for c in spanned)
+    after = local.generate([PROMPTS[2]], GREEDY, num_samples=2)
+    assert all(c.policy_version == 5 and c.policy_version_end is None for c in after)

@@ -18,7 +18,9 @@ from libs.bus import wire
 from libs.bus.connection import Bus
 from libs.bus.provision import provision
 from libs.bus.publisher import Publisher
+from libs.engine.base import InferenceEngine
 from libs.engine.hf import HFEngine
+from libs.engine.paged import PagedEngine
 from libs.policy import PolicyConfig, build_policy
 from libs.rollout.batcher import GenerationBatcher
 from libs.rollout.weights_follower import WeightsFollower
@@ -147,12 +149,14 @@ def test_a_shelf_another_process_cannot_map_is_unavailable() -> None:
         ShelfReader.open(cuda)
 
 
+@pytest.mark.parametrize("engine_type", ["hf", "paged"])
 async def test_a_worker_takes_its_hosts_versions_then_the_chain_when_they_stop(
-    bus: Bus, tmp_path: Path
+    bus: Bus, tmp_path: Path, engine_type: str
 ) -> None:
     """Version 1 comes from the trainer's memory (the chain is not followed meanwhile); the
     trainer then stops sharing and version 2 arrives only on the chain: after
-    `fallback_after_s` the worker takes it from there."""
+    `fallback_after_s` the worker takes it from there. The paged engine is written between
+    decode steps, the hf engine between calls."""
     await provision(bus.js)
     staging = tmp_path / "staging"
     broadcaster = WeightBroadcasterService(WeightBroadcasterSettings(staging_dir=staging))
@@ -160,7 +164,12 @@ async def test_a_worker_takes_its_hosts_versions_then_the_chain_when_they_stop(
     broadcasting = asyncio.create_task(broadcaster.run())
     trainer_model = build_policy(PolicyConfig(preset="tiny", seed=0))
     sharer = SameHostSharer(bus, SameHostShareConfig(host_id="host-a"))
-    engine = HFEngine(build_policy(PolicyConfig(preset="tiny", seed=1)), ByteTokenizer())
+    worker_model = build_policy(PolicyConfig(preset="tiny", seed=1))
+    engine: InferenceEngine = (
+        HFEngine(worker_model, ByteTokenizer())
+        if engine_type == "hf"
+        else PagedEngine(worker_model, ByteTokenizer(), 64)
+    )
     taker = SameHostTaker(bus, SameHostTakeConfig(host_id="host-a", fallback_after_s=1.0))
     follower = WeightsFollower(
         engine,

@@ -76,7 +76,10 @@ class Completion:
     compare with the trainer's recomputed logprobs to measure train/inference mismatch."""
     finish_reason: FinishReason
     policy_version: int
-    """Version of the weights that produced every token of this completion."""
+    """Version of the weights the completion started on (that produced its first token)."""
+    policy_version_end: int | None = None
+    """Version the completion ended on, when the weights changed between its decode steps
+    (engines that `swap_between_steps`); None: `policy_version` produced every token."""
 
 
 @dataclass(frozen=True)
@@ -145,6 +148,19 @@ class InferenceEngine(abc.ABC):
         then report `version`; returns what `write` returned and the pause in seconds. If
         `write` raises, the version stays as it was (and the weights are whatever it left)."""
         raise NotImplementedError(f"{type(self).__name__} cannot be written in place")
+
+    @property
+    def swaps_between_steps(self) -> bool:
+        """True when `write_between_steps` can swap weights under running calls."""
+        return False
+
+    def write_between_steps(self, write: Callable[[], T], version: int) -> tuple[T, float]:
+        """As `write_in_place`, but between two decode steps, without waiting for the running
+        calls: they go on with the new weights (their KV so far stays the old weights'), and
+        their completions report the version they ended on (`policy_version_end`), so a long
+        generation does not pin an old policy. Per-token logprobs stay those of the weights
+        that sampled each token."""
+        raise NotImplementedError(f"{type(self).__name__} cannot swap weights between steps")
 
     def score(self, prompts: list[list[int]], continuations: list[list[int]]) -> ContinuationScores:
         """Logprobs of `continuations[i]` after `prompts[i]`, token by token (optional: serve

@@ -50,6 +50,8 @@ class Request:
     num_samples: int
     version: int = -1
     """The weights' version the request runs on (set when it joins the queue)."""
+    version_end: int = -1
+    """The weights' version when it ended (newer when weights were swapped between steps)."""
     sequences: list[Sequence] = field(default_factory=list)
     num_unfinished: int = 0
     error: BaseException | None = None
@@ -73,6 +75,7 @@ class Request:
                 raw_logprobs=seq.raw_logprobs,
                 finish_reason=seq.finish_reason or "length",
                 policy_version=self.version,
+                policy_version_end=self.version_end if self.version_end > self.version else None,
             )
             for index, seq in enumerate(self.sequences)
         ]

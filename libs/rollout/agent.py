@@ -149,6 +149,7 @@ class Transcript:
                 text=text,
                 logprobs=list(completion.logprobs),
                 policy_version=completion.policy_version,
+                policy_version_end=completion.policy_version_end,
                 segment=self.segment,
             )
         )

@@ -14,7 +14,10 @@ finishes first) and write: on a CPU engine straight into the model's parameters 
 storage with the parameters, so nothing is copied twice and the parameters keep their
 storage); otherwise (weights on a GPU, or not exposed) into a CPU shadow copy, whose changed
 tensors then go through `engine.update_weights`. The pause is the time the engine
-was locked for the write, and is exported.
+was locked for the write, and is exported. An engine that swaps between decode steps (the
+paged engine, `swaps_between_steps`) is written in place without the gate: its running calls
+go on with the new weights instead of finishing on the old ones first, so a long turn
+neither pins an old policy nor holds the swap back.
 
 A version that cannot be had intact (MissingChunkError, CorruptDeltaError) or does not fit
 (BaseMismatchError, or it names tensors the model lacks) is logged loudly and never written;
@@ -50,10 +53,11 @@ versions of the chain are skipped, never written back).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import time
-from collections.abc import MutableMapping
-from typing import Any
+from collections.abc import Callable, MutableMapping
+from typing import Any, TypeVar
 
 import nats.errors
 import structlog
@@ -73,6 +77,7 @@ from libs.work_health import LagWatch
 from proto import streams
 
 log = structlog.get_logger(__name__)
+T = TypeVar("T")
 
 POLICY_VERSION = Gauge("rlpipe_rollout_policy_version", "Policy version the engine generates with")
 SWAP_PAUSE_SECONDS = Gauge(
@@ -240,7 +245,7 @@ class WeightsFollower:
         taken = self.same_host.num_applied if self.same_host is not None else 0
         await asyncio.to_thread(self.receiver.decode, update, state)  # generation goes on
         decoded_s = time.monotonic()
-        async with self._write_lock, self.batcher.gate:
+        async with self._write_lock, self._swap_gate():
             if self.same_host is not None and self.same_host.num_applied != taken:
                 # Decoded against weights a same-host version has since replaced.
                 self._park_chain()
@@ -301,12 +306,10 @@ class WeightsFollower:
             assert live is not None, "same-host needs the engine's live tensors"
             copy = functools.partial(reader.copy_into, live, notice, taker.config.verify)
             waited_s = time.monotonic()
-            async with self._write_lock, self.batcher.gate:
+            async with self._write_lock, self._swap_gate():
                 waited_s = time.monotonic() - waited_s
                 try:
-                    _, pause_s = await asyncio.to_thread(
-                        self.engine.write_in_place, copy, notice.version
-                    )
+                    _, pause_s = await asyncio.to_thread(self._write_live, copy, notice.version)
                 except (TornCopyError, ChecksumMismatchError, ValueError) as exc:
                     # The weights may be half written: nothing generates until a whole copy.
                     self._set_unusable()
@@ -437,9 +440,7 @@ class WeightsFollower:
         """Write the decoded update (the gate held); the engine's pause in seconds."""
         if self._host is not None:
             _, pause_s = await asyncio.to_thread(
-                self.engine.write_in_place,
-                lambda: self.receiver.apply(update, state),
-                update.version,
+                self._write_live, lambda: self.receiver.apply(update, state), update.version
             )
             return pause_s
         await asyncio.to_thread(self.receiver.apply, update, state)
@@ -451,6 +452,23 @@ class WeightsFollower:
             self.receiver.reset(None)
             state.clear()
             raise
+
+    @property
+    def _between_steps(self) -> bool:
+        """Written in place between decode steps, under running calls (see the docstring)."""
+        return self.in_place and self.engine.swaps_between_steps
+
+    def _swap_gate(self) -> contextlib.AbstractAsyncContextManager[object]:
+        """The batcher's gate (no call starts, the running ones finish first), or nothing
+        where the engine swaps between decode steps."""
+        return contextlib.nullcontext() if self._between_steps else self.batcher.gate
+
+    def _write_live(self, write: Callable[[], T], version: int) -> tuple[T, float]:
+        """Run `write` on the live weights as `version` (blocking): between decode steps
+        where the engine can, else while no call runs."""
+        if self._between_steps:
+            return self.engine.write_between_steps(write, version)
+        return self.engine.write_in_place(write, version)
 
     def use_loaded_weights(self) -> None:
         """Generate with the weights the engine was built with and follow nothing (a fixed
