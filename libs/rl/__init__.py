@@ -3,8 +3,9 @@
     advantages   GRPO group advantages (centered, optional std normalization)
     staleness    a sample's policy version, staleness split and histogram
     batch        scored rollouts -> padded tensors and masks for one forward pass
-    loss         PPO-clip with truncated importance weights (token or sample mean), its stats;
-                 the KL anchor to a reference policy
+    loss         PPO-clip with truncated or masked importance weights (token or sample mean),
+                 its stats; the KL anchor to a reference policy
+    mismatch     behavior-vs-trainer mismatch (KL, importance-weight spread) per staleness
 
 Each is tested on CPU against hand-computed references in tests/test_rl_math.py.
 """
@@ -13,13 +14,20 @@ from libs.rl.advantages import GroupAdvantages, group_advantages, group_index
 from libs.rl.batch import NO_VERSION, TrainBatch, build_batch
 from libs.rl.loss import (
     LossAggregation,
-    MismatchStats,
+    OffPolicyCorrection,
     PolicyLossStats,
-    mismatch_stats,
     ppo_clip_loss,
     reference_kl,
-    same_version_mask,
     sample_mean_scale,
+)
+from libs.rl.mismatch import (
+    MismatchStats,
+    merge_mismatch,
+    mismatch_by_staleness,
+    mismatch_stats,
+    same_version_mask,
+    staleness_buckets,
+    token_staleness,
 )
 from libs.rl.staleness import (
     StalenessSplit,
@@ -35,12 +43,15 @@ __all__ = [
     "GroupAdvantages",
     "LossAggregation",
     "MismatchStats",
+    "OffPolicyCorrection",
     "PolicyLossStats",
     "StalenessSplit",
     "TrainBatch",
     "build_batch",
     "group_advantages",
     "group_index",
+    "merge_mismatch",
+    "mismatch_by_staleness",
     "mismatch_stats",
     "ppo_clip_loss",
     "reference_kl",
@@ -49,6 +60,8 @@ __all__ = [
     "sample_policy_version",
     "sample_staleness",
     "split_by_staleness",
+    "staleness_buckets",
     "staleness_histogram",
+    "token_staleness",
     "turn_trainable",
 ]
