@@ -13,7 +13,7 @@ manifest raise CorruptDeltaError; chunk contents are checked when they are appli
 from __future__ import annotations
 
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TypeVar
 
@@ -30,12 +30,17 @@ _Record = TypeVar("_Record", Manifest, Chunk)
 
 def pack_delta(manifest: Manifest, chunks: Sequence[Chunk]) -> bytes:
     """The delta file bytes for a manifest and its chunks."""
+    return b"".join(_records(manifest, chunks))
+
+
+def _records(manifest: Manifest, chunks: Sequence[Chunk]) -> Iterator[bytes]:
+    """The delta file's parts in order, one chunk encoded at a time."""
     body = encode_manifest(manifest)
-    parts = [MAGIC, _U64.pack(len(body)), digest(body), body]
+    yield from (MAGIC, _U64.pack(len(body)), digest(body), body)
     for chunk in chunks:
         data = encode_chunk(chunk)
-        parts += [_U64.pack(len(data)), data]
-    return b"".join(parts)
+        yield _U64.pack(len(data))
+        yield data
 
 
 def unpack_delta(data: bytes | memoryview) -> tuple[Manifest, list[Chunk]]:
@@ -87,7 +92,9 @@ def write_delta_file(path: str | Path, manifest: Manifest, chunks: Sequence[Chun
     """Write a delta file (to a temporary name first, so a crash leaves no partial file)."""
     target = Path(path)
     partial = target.with_name(target.name + ".partial")
-    partial.write_bytes(pack_delta(manifest, chunks))
+    with partial.open("wb") as file:  # record by record: no copy of the whole file in memory
+        for part in _records(manifest, chunks):
+            file.write(part)
     partial.replace(target)
 
 
