@@ -302,3 +302,35 @@ async def test_async_feeder_tags_tasks_with_the_oldest_version_the_trainer_can_s
     await wait_for(lambda: gateway.feeder is not None and gateway.feeder.num_published == 6)
     tasks += await drain_tasks(bus, 2)
     assert [t.min_policy_version for t in tasks] == [0, 0, 3, 3, 11, 11]
+
+
+async def test_a_paced_feeder_runs_further_ahead_only_while_workers_could_take_more(
+    bus: Bus, start_gateway: Callable
+) -> None:
+    """min 1, max 3 batches ahead: nothing finished and no task waiting for a worker (all
+    held, as episodes waiting on slow tools) -> one batch further per trainer step, up to 3;
+    a batch of tasks waiting for a worker -> one batch less."""
+    kv = await bus.js.key_value(streams.STATE.bucket)
+    await kv.put(streams.BATCH_GROUPS_KEY, b"2")
+    gateway: EnvGatewayService = await start_gateway(
+        feeder={"mode": "async", "queue_depth_tasks": 100, "min_ahead_versions": 1,
+                "max_ahead_versions": 3}
+    )  # fmt: skip
+    feeder = gateway.feeder
+    assert feeder is not None
+    await wait_for(lambda: feeder.num_published == 4, what="the batch and one ahead")
+    sub = await bus.js.pull_subscribe_bind(
+        durable=streams.ROLLOUT_WORKER_TASKS.durable, stream=streams.TASKS.name
+    )
+    held = await sub.fetch(4, timeout=2)  # a worker holds them all, none finished
+    await kv.put(streams.GROUPS_TAKEN_KEY, b"2")  # a step's groups (dropped as stale, say)
+    await wait_for(lambda: feeder.ahead == 2, what="one batch further")
+    await wait_for(lambda: feeder.num_published == 2 + 3 * 2, what="two batches ahead")
+    held += await sub.fetch(4, timeout=2)
+    await kv.put(streams.GROUPS_TAKEN_KEY, b"4")
+    await wait_for(lambda: feeder.ahead == 3, what="the most ahead")
+    await kv.put(streams.GROUPS_TAKEN_KEY, b"6")  # tasks now wait for a worker
+    await wait_for(lambda: feeder.ahead == 2, what="one batch less")
+    for msg in held:
+        await msg.ack()
+    await sub.unsubscribe()

@@ -9,7 +9,13 @@ Two modes:
   the trainer's own batch size, so the two cannot disagree). That bounds staleness
   where it is made: a worker far ahead of the trainer would only produce samples the trainer
   drops (AReaL's rollout controller works the same way). Dropped groups count as taken, so
-  drops free room instead of stalling the loop. Each task is tagged
+  drops free room instead of stalling the loop. With `min_ahead_versions` below
+  `max_ahead_versions` the feeder paces how far ahead it runs, once per trainer step: one
+  batch further while the trainer is about to wait (fewer than a batch of groups finished and
+  not taken) and no task waits for a worker (the workers could take more: episodes waiting on
+  slow tools); one batch less while a batch of tasks waits for a worker (more in flight
+  would only age). So heavy-tailed episodes get the work in flight they need, and fast ones
+  keep their samples fresh. Each task is tagged
   `min_policy_version = trainer's version - its staleness bound` (KV keys `policy_version`
   and `trainer_max_staleness`, 0 before the trainer wrote them): samples of older weights
   could only be dropped as stale, so a worker holding such weights waits for newer ones
@@ -34,7 +40,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from typing import Literal
+from typing import Literal, Self
 
 import msgspec
 import structlog
@@ -42,7 +48,7 @@ from nats.js import JetStreamContext
 from nats.js.errors import KeyDeletedError, KeyNotFoundError
 from nats.js.kv import KeyValue
 from prometheus_client import Counter, Gauge
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from libs.bus.publisher import Outgoing, Publisher
 from libs.envs.base import TaskSource
@@ -57,6 +63,7 @@ MAX_FAILED_ROUNDS = 50
 
 TASKS_PUBLISHED = Counter("rlpipe_feeder_tasks_published_total", "Tasks published", ["env"])
 QUEUE_DEPTH = Gauge("rlpipe_feeder_queue_depth_tasks", "Tasks pending or in progress", ["env"])
+AHEAD = Gauge("rlpipe_feeder_ahead_versions", "Trainer batches the feeder runs ahead", ["env"])
 
 
 class FeederConfig(BaseModel):
@@ -78,9 +85,24 @@ class FeederConfig(BaseModel):
         description="async: trainer batches the feeder may run ahead of the trainer (bounds "
         "staleness); unset for no bound",
     )
+    min_ahead_versions: int | None = Field(
+        None,
+        ge=0,
+        description="async: below max_ahead_versions, the feeder paces how far ahead it runs "
+        "between the two, once per trainer step (see libs/envs/feeder.py); unset: always max",
+    )
     poll_interval_s: float = Field(
         0.2, gt=0, description="How often the feeder checks queue depth or policy version"
     )
+
+    @model_validator(mode="after")
+    def _ahead_limits(self) -> Self:
+        low, high = self.min_ahead_versions, self.max_ahead_versions
+        if low is not None and (high is None or low > high):
+            raise ValueError(
+                f"min_ahead_versions {low} needs a max_ahead_versions at least as high (got {high})"
+            )
+        return self
 
 
 class FeederState(msgspec.Struct, kw_only=True):
@@ -138,6 +160,8 @@ class TaskFeeder:
         self.env = env
         self.config = config
         self._start: tuple[int, int] | None = None  # (groups taken, tasks published) at start
+        self.ahead = config.min_ahead_versions if config.min_ahead_versions is not None else None
+        self._paced_at_taken: int | None = None  # groups taken at the last pacing decision
         self.state = FeederState()
         self.num_published = 0
         self._kv: KeyValue | None = None
@@ -208,8 +232,7 @@ class TaskFeeder:
 
     async def _room_ahead(self) -> int:
         """Tasks that may still be published before the trainer's next version."""
-        ahead = self.config.max_ahead_versions
-        if ahead is None:
+        if self.config.max_ahead_versions is None:
             return self.config.queue_depth_tasks
         batch_groups = await self._trainer_batch_groups()
         if batch_groups is None:
@@ -219,8 +242,37 @@ class TaskFeeder:
         if self._start is None:
             self._start = (taken, self.num_published)
         taken_since_start = max(0, taken - self._start[0])
-        allowed = taken_since_start + (1 + ahead) * batch_groups
-        return allowed - (self.num_published - self._start[1])
+        in_flight = self.num_published - self._start[1]
+        ahead = await self._paced_ahead(taken_since_start, in_flight, batch_groups)
+        return taken_since_start + (1 + ahead) * batch_groups - in_flight
+
+    async def _paced_ahead(self, taken: int, in_flight: int, batch_groups: int) -> int:
+        """How many batches ahead to run: `max_ahead_versions`, or paced between the limits
+        once per trainer step (the module docstring says how)."""
+        limit = self.config.max_ahead_versions
+        assert limit is not None
+        if self.ahead is None:
+            return limit
+        if self._paced_at_taken is None:  # decisions come with the trainer's steps
+            self._paced_at_taken = taken
+        if taken < self._paced_at_taken + batch_groups:
+            return self.ahead
+        self._paced_at_taken = taken
+        spec = streams.ROLLOUT_WORKER_TASKS
+        info = await self._js.consumer_info(spec.stream, spec.durable)
+        waiting, held = int(info.num_pending or 0), int(info.num_ack_pending or 0)
+        finished_not_taken = in_flight - waiting - held - taken
+        before, floor = self.ahead, self.config.min_ahead_versions or 0
+        if waiting == 0 and finished_not_taken < batch_groups:
+            self.ahead = min(self.ahead + 1, limit)
+        elif waiting >= batch_groups:
+            self.ahead = max(self.ahead - 1, floor)
+        if self.ahead != before:
+            log.info("feeder runs a different number of batches ahead", env=self.env,
+                     ahead=self.ahead, was=before, waiting_for_a_worker=waiting,
+                     finished_not_taken=finished_not_taken)  # fmt: skip
+        AHEAD.labels(self.env).set(self.ahead)
+        return self.ahead
 
     async def _trainer_batch_groups(self) -> int | None:
         """The trainer's groups per step; None before the trainer has written it."""
