@@ -26,7 +26,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from result_file import result_file
+from result_file import result_file, result_json
 
 from libs.bus.connection import connect_bus
 from libs.bus.provision import provision
@@ -255,7 +255,7 @@ def main() -> int:
     args = parser.parse_args()
     result = asyncio.run(main_async(args))
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
+    RESULTS.write_text(result_json(result))
     print(json.dumps(result, indent=2))
     return 0
 

@@ -28,7 +28,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-from result_file import result_file
+from result_file import result_file, result_json
 
 from libs.engine.base import Completion, SamplingParams
 from libs.rollout.batcher import GenerationBatcher
@@ -129,7 +129,7 @@ def main() -> None:
     result["machine"] = f"{platform.machine()}, {platform.processor() or 'cpu'}"
     print(json.dumps(result, indent=1))
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1))
+    args.out.write_text(result_json(result))
 
 
 if __name__ == "__main__":

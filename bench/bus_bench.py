@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import cProfile
-import json
 import logging
 import os
 import platform
@@ -42,7 +41,7 @@ import nats.errors
 import structlog
 from nats.aio.client import Client
 from nats.js import JetStreamContext
-from result_file import result_file
+from result_file import result_file, result_json
 
 from libs.bus import wire
 from libs.bus.connection import connect_bus
@@ -367,7 +366,7 @@ def main() -> None:
         finally:
             server.stop()
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    args.out.write_text(result_json(result))
     print_summary(result)
     print(f"wrote {args.out}")
 

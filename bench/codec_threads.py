@@ -36,7 +36,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from handover_profile import synchronize, versions
-from result_file import result_file
+from result_file import result_file, result_json
 
 from libs.weights import gpu
 from libs.weights.chunking import plan_chunks
@@ -139,7 +139,7 @@ def main() -> None:
         at_lr.update(at_learning_rate(device, lr, args.threads))
     out = args.out or result_file("codec_threads", card)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1))
+    out.write_text(result_json(report))
 
 
 if __name__ == "__main__":

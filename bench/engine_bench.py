@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from result_file import result_file
+from result_file import result_file, result_json
 
 from libs.engine.base import InferenceEngine, SamplingParams
 from libs.engine.factory import EngineConfig, build_engine
@@ -399,7 +399,7 @@ def run(dry_run: bool, out: Path | None) -> dict[str, Any]:
     }
     target = out or result_file("engine", str(report["card"]) if bench.cuda else None)
     target.parent.mkdir(parents=True, exist_ok=True)
-    target.write_text(json.dumps(report, indent=2) + "\n")
+    target.write_text(result_json(report))
     print(json.dumps(report, indent=2))
     return report
 

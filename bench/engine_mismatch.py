@@ -25,13 +25,12 @@ GPU only. Prints a table and writes JSON (default bench/results/<card>/engine_mi
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 from pathlib import Path
 from typing import Any
 
 import torch
-from result_file import result_file
+from result_file import result_file, result_json
 
 from libs.engine import paged_attention
 from libs.engine.base import InferenceEngine, SamplingParams
@@ -114,7 +113,7 @@ def main() -> None:
         print(f"{name:<16}{figures['mean']:>10.5f}{figures['min']:>10.5f}{figures['max']:>10.5f}")
     out = args.out or result_file("engine_mismatch", card)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"card": card, "seeds": args.seeds, "variants": summary}, indent=1))
+    out.write_text(result_json({"card": card, "seeds": args.seeds, "variants": summary}))
 
 
 def _with_decode_kernel(model: Any, *, tile: int, flash_order: bool) -> PagedEngine:

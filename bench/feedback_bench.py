@@ -34,7 +34,7 @@ from typing import Any
 
 import httpx
 import msgspec
-from result_file import result_file
+from result_file import result_file, result_json
 
 from libs.bus import wire
 from libs.bus.connection import connect_bus
@@ -251,7 +251,7 @@ def main() -> int:
     args = parser.parse_args()
     result = asyncio.run(main_async(args))
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
+    RESULTS.write_text(result_json(result))
     raw, single, batch = result["raw_publish_async"], result["api_single"], result["api_batch"]
     print(f"raw publish_async: {raw['msgs_per_s']:.0f} msg/s")
     for name, case in (("single", single), (f"batch of {args.batch}", batch)):

@@ -31,7 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from result_file import result_file
+from result_file import result_file, result_json
 
 from libs.domains.registry import make_env
 from libs.engine.factory import EngineConfig, build_engine
@@ -170,7 +170,7 @@ def main() -> int:
     }
     out = Path(args.out) if args.out else result_file("learning", card)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1))
+    out.write_text(result_json(report))
     return 0
 
 

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from result_file import result_file
+from result_file import result_file, result_json
 
 from libs.policy import PolicyConfig, build_policy
 from libs.trainer.delta_encoder import DeltaEncoder
@@ -212,7 +212,7 @@ def main() -> None:
         del states
     out = args.out or result_file("handover_profile", card)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1))
+    out.write_text(result_json(report))
 
 
 if __name__ == "__main__":

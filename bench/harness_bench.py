@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from result_file import result_file
+from result_file import result_file, result_json
 
 from libs.chat.tool_calls import CALL_OPEN
 from libs.domains.registry import make_env
@@ -202,7 +202,7 @@ def run(dry_run: bool, out: Path | None, engines: list[str]) -> dict[str, Any]:
         report[scenario.name] = results
     target = out or result_file("harness", str(report["card"]) if cuda else None)
     target.parent.mkdir(parents=True, exist_ok=True)
-    target.write_text(json.dumps(report, indent=2) + "\n")
+    target.write_text(result_json(report))
     print(json.dumps(report, indent=2))
     return report
 

@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline_figures import ratios, summarize
-from result_file import result_file
+from result_file import result_file, result_json
 from version_latency import PARTS, log_events, step_ends, timestamp, version_rows
 from version_latency import summarize as latency_summary
 
@@ -414,7 +414,7 @@ def main() -> int:
         timestamp=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     )
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(document, indent=2) + "\n")
+    out.write_text(result_json(document))
     print(f"wrote {out}")
     codes = [scenarios[name]["modes"][mode]["exit_code"] for name in names for mode in modes]
     return 0 if all(code == 0 for code in codes) else 1

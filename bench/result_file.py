@@ -8,6 +8,7 @@ h200), else `vm`, the 2-core VM the CPU figures come from.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from pathlib import Path
@@ -30,3 +31,16 @@ def result_file(benchmark: str, card: str | None = None) -> Path:
     path = RESULTS / machine(card) / f"{benchmark}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     return path
+
+
+def result_json(document: object) -> str:
+    """`document` as indented JSON with every list of numbers (or of number pairs) on one
+    line: a curve of hundreds of points takes a line, not a thousand."""
+    text = json.dumps(document, indent=2)
+    number = r"-?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?|null"
+    pair = rf"\[\s*(?:{number})\s*,\s*(?:{number})\s*\]"
+    flat = re.compile(rf"\[\s*((?:(?:{number})\s*,\s*)*(?:{number}))\s*\]")
+    text = re.sub(pair, lambda m: re.sub(r"\s+", "", m.group(0)).replace(",", ", "), text)
+    pairs = re.compile(rf"\[\s*((?:{pair}\s*,\s*)*{pair})\s*\]")
+    text = pairs.sub(lambda m: "[" + re.sub(r"\]\s*,\s*\[", "], [", m.group(1).strip()) + "]", text)
+    return flat.sub(lambda m: "[" + re.sub(r"\s*,\s*", ", ", m.group(1)) + "]", text) + "\n"

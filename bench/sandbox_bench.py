@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from result_file import result_file
+from result_file import result_file, result_json
 
 from libs.sandbox import SandboxConfig, SandboxFactory, build_sandbox_factory
 
@@ -143,7 +143,7 @@ def main() -> None:
         "load_average_1m_after": round(os.getloadavg()[0], 2),
     }
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(report, indent=2) + "\n")
+    RESULTS.write_text(result_json(report))
     print(json.dumps(report, indent=2))
 
 

@@ -25,7 +25,6 @@ Writes bench/results/<machine>/weights_codec.json and prints a summary.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -37,7 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 import zstandard
-from result_file import result_file
+from result_file import result_file, result_json
 
 from libs.weights import DeltaApplier, EncodeOptions, VersionInfo, decode, encode
 from libs.weights.encodings import from_planes, to_planes
@@ -241,7 +240,7 @@ def main() -> None:
         "ratio_vs_baseline": runs[0]["ratio"] / baseline["ratio"],
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    args.out.write_text(result_json(result))
     print_summary(result)
 
 

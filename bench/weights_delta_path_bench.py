@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 import transformers
-from result_file import result_file
+from result_file import result_file, result_json
 
 from libs.bus.connection import Bus, connect_bus
 from libs.bus.provision import ensure_stream
@@ -282,7 +282,7 @@ def main() -> None:
     }  # fmt: skip
     out = args.out or result_file("weights_delta_path", card)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1) + "\n")
+    out.write_text(result_json(report))
     print(f"{'version':>18} {'GB/s':>6} {'ratio':>6} " + " ".join(f"{p:>11}" for p in PARTS))
     for key, result in results.items():
         cells = " ".join(f"{result['seconds'][p]:>11.3f}" for p in PARTS)

@@ -23,7 +23,6 @@ Writes bench/results/<machine>/weights_gpu.json (or --out) and prints a table.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -33,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from result_file import result_file
+from result_file import result_file, result_json
 
 from libs.weights import DeltaApplier, EncodeOptions, VersionInfo, encode
 from libs.weights.format import Manifest, encode_chunk, encode_manifest
@@ -293,7 +292,7 @@ def main() -> None:
     }
     out = args.out or result_file("weights_gpu", name if device.type == "cuda" else None)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    out.write_text(result_json(result))
     print_table(result)
 
 

@@ -31,7 +31,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from result_file import result_file
+from result_file import result_file, result_json
 
 from libs.bus.connection import Bus, connect_bus
 from libs.bus.provision import provision
@@ -133,7 +133,7 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as folder:
         report = asyncio.run(run(args.mb, args.repeats, Path(folder)))
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    args.out.write_text(result_json(report))
     print(f"{'size':>8} {'store_s':>8} {'mirror_s':>9} {'link/stored':>12}")
     for size, r in report["results"].items():
         print(f"{size:>8} {r['store_s']:8.3f} {r['mirror_s']:9.3f} {r['link_per_stored']:12.3f}")

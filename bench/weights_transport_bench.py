@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import platform
 import statistics
@@ -32,7 +31,7 @@ from typing import Any
 
 import numpy as np
 from nats.js import api as js_api
-from result_file import result_file
+from result_file import result_file, result_json
 
 from libs.bus.connection import Bus, connect_bus
 from libs.bus.provision import ensure_stream
@@ -252,7 +251,7 @@ def main() -> None:
     args = parser.parse_args()
     result = asyncio.run(run(args))
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
+    RESULTS.write_text(result_json(result))
     print_table(result)
     print(f"\nwrote {RESULTS}")
 
