@@ -34,6 +34,7 @@ from libs.trainer.groups import GroupBuffer
 from libs.trainer.lineage import Lineage
 from libs.trainer.loop import Trainer, checkpoint_dir
 from libs.trainer.metrics import read_step_samples
+from libs.trainer.pacing import PacingConfig
 from libs.trainer.schedule import learning_rate_at
 from libs.trainer.step import StepConfig, train_step
 from proto import streams, subjects
@@ -398,6 +399,56 @@ async def test_groups_dropped_while_waiting_are_reported_to_the_feeder(
     await trainer.stop()
     await running
     assert trainer.state.step == 0
+
+
+async def test_the_pacer_lowers_the_bound_on_mismatch_and_every_step_records_why(
+    bus: Bus, tmp_path: Path
+) -> None:
+    """Samples logged at logprob -1 where the tiny policy gives about -5.5: every token is far
+    off-policy (importance weight ~0.01), so the pacer lowers the bound after step 1, and step
+    2 drops a group that bound 3 would have kept; the feeder reads the new bound."""
+    await provision(bus.js)
+    await announce_version(bus, 10)  # the trainer starts at version 11
+    pacing = PacingConfig(
+        enabled=True, min_staleness=1, max_staleness=3, hold_steps=0, min_tokens=1
+    )
+    config = trainer_config(max_steps=2, max_staleness=3, pacing=pacing)
+    trainer = Trainer(config, tmp_path, bus, Publisher(bus.js))
+    await trainer.setup()
+    # Step 1 (version 11): staleness 0 and 2. Step 2 (version 12): 1, 2 dropped, 1.
+    versions = {0: 11, 1: 9, 2: 11, 3: 10, 4: 11}
+    await publish_scored(
+        bus, [scored(g, i, float(i % 2), version=v) for g, v in versions.items() for i in range(4)]
+    )
+    await trainer.run()
+
+    first, second = read_steps(tmp_path)
+    tokens = 8  # 4 samples of a group x 2 completion tokens
+    by_staleness: Any = first["mismatch_by_staleness"]
+    assert {b: f["tokens"] for b, f in by_staleness.items()} == {
+        "0": tokens,
+        "2": tokens,
+        "all": 16,
+    }
+    assert by_staleness["2"]["is_outside_fraction"] == 1.0 and by_staleness["2"]["kl"] > 1.0
+    assert first["max_staleness"] == 3
+    assert first["pacing"]["action"] == "lower" and first["pacing"]["signal_staleness"] == 2
+    assert (first["pacing"]["bound_before"], first["pacing"]["bound_after"]) == (3, 1)
+    assert second["max_staleness"] == 1 and second["num_dropped"] == 4
+    assert second["pacing"]["action"] == "hold", "at min_staleness already"
+    assert read_samples(tmp_path)[1]["dropped_ids"] == [f"g3.{i}" for i in range(4)]
+    kv = await bus.js.key_value(streams.STATE.bucket)
+    assert (await kv.get(streams.MAX_STALENESS_KEY)).value == b"1"
+
+
+async def test_without_pacing_the_bound_stays_and_is_recorded(bus: Bus, tmp_path: Path) -> None:
+    await run_two_steps(bus, tmp_path)
+    steps = read_steps(tmp_path)
+    assert [s["max_staleness"] for s in steps] == [1, 1]
+    assert [s["pacing"] for s in steps] == [None, None]
+    # Every sample of version 0: fresh at step 1, a version old at step 2.
+    buckets: list[Any] = [s["mismatch_by_staleness"] for s in steps]
+    assert [sorted(b) for b in buckets] == [["0", "all"], ["1", "all"]]
 
 
 def test_learning_rate_decays_linearly_to_its_floor_and_stays() -> None:

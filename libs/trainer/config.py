@@ -22,6 +22,7 @@ from libs.policy import PolicyConfig
 from libs.tracking import TrackingConfig
 from libs.trainer.eval_gate import EvalGateConfig
 from libs.trainer.online_step import OnlineConfig
+from libs.trainer.pacing import PacingConfig
 from libs.trainer.precision import MasterWeights
 from libs.trainer.step import StepConfig
 from libs.weights.same_host import SameHostShareConfig
@@ -56,7 +57,11 @@ class TrainerConfig(StepConfig):
         None,
         ge=0,
         description="Samples older than this many versions are dropped (0: synchronous); "
-        "unset: by model size (default_max_staleness)",
+        "unset: by model size (default_max_staleness); with pacing on, where the bound starts",
+    )
+    pacing: PacingConfig = Field(
+        default_factory=PacingConfig,
+        description="The staleness bound moved by the measured mismatch (libs/trainer/pacing.py)",
     )
     # A crash drops what workers generated on the steps since the last checkpoint once those
     # are past max_staleness; a checkpoint of the tiny policy costs milliseconds, in a thread.

@@ -3,7 +3,7 @@
     learner = setup_learner(config, policy, tokenizer)  # 1 rank, or N under torchrun
     learner.config                      # the config sized for the model (learning rate, bound)
     learner.load(checkpoint_folder)     # resume: weights and optimizer state
-    stats = learner.train(samples, version, lineage)     # one optimizer step (blocking)
+    stats = learner.train(samples, version, lineage, max_staleness=4)   # one step (blocking)
     state = learner.published_state()   # the weights as workers run them, a copy
     learner.write_tensors(folder)       # the checkpoint's tensors
 
@@ -61,9 +61,12 @@ class Learner(Protocol):
     def load(self, folder: Path) -> None:
         """Take the weights and optimizer state of the checkpoint at `folder`."""
 
-    def train(self, samples: list[ScoredRollout], version: int, lineage: Lineage) -> StepStats:
+    def train(
+        self, samples: list[ScoredRollout], version: int, lineage: Lineage, max_staleness: int
+    ) -> StepStats:
         """One optimizer step on whole groups (libs.trainer.step.train_step); the turns
-        trained are those within the staleness bound across `lineage`'s resumes."""
+        trained are those within `max_staleness` (the bound now: the pacer moves it) across
+        `lineage`'s resumes."""
 
     def train_online(
         self, samples: list[OnlineSample], baselines: OnlineBaselines, version: int
@@ -119,9 +122,10 @@ class LocalLearner:
         device = next(self.model.parameters()).device
         self.optimizer.load_state_dict(load_optimizer_state(folder, device))
 
-    def train(self, samples: list[ScoredRollout], version: int, lineage: Lineage) -> StepStats:
-        assert self.config.max_staleness is not None, "sized for the model in __init__"
-        trainable = turn_trainable(version, self.config.max_staleness, lineage.equivalent)
+    def train(
+        self, samples: list[ScoredRollout], version: int, lineage: Lineage, max_staleness: int
+    ) -> StepStats:
+        trainable = turn_trainable(version, max_staleness, lineage.equivalent)
         return self._computing(
             train_step,
             self.model,
@@ -132,6 +136,7 @@ class LocalLearner:
             self.pad_id,
             self._reference,
             trainable,
+            equivalent=lineage.equivalent,
         )
 
     def train_online(

@@ -9,8 +9,11 @@ Each step, in order, through the trainer's components (each owns its state):
     work  <- SampleSource.next()          offline: complete groups, stale samples dropped;
                                           online: fresh feedback samples (libs.trainer.mix)
     stats <- Learner.train(work)          in a worker thread, on 1 rank or N
-    version += 1; VersionPublisher.publish()      the weights staged for the broadcaster
-    StepRecorder.offline/online(...)      the step's record
+    version += 1
+    StalenessPacer.observe(stats)         offline, pacing on: the staleness bound moved by
+                                          the mismatch measured (libs.trainer.pacing)
+    StepRecorder.offline/online(...)      the step's record, the pacer's decision in it
+    VersionPublisher.publish()            the weights staged, the bound to the KV bucket
     EvalGate every N versions; Checkpointer.save() every N steps (and a kept version)
 
 Exactly-once: the scored and online streams are read from the checkpoint's cursors; a sample
@@ -35,6 +38,7 @@ from collections.abc import Awaitable
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import structlog
 from transformers import PreTrainedModel
 
@@ -50,6 +54,7 @@ from libs.trainer.config import TrainerConfig
 from libs.trainer.eval_gate import EvalGate
 from libs.trainer.learner import setup_learner
 from libs.trainer.online_source import OnlineTake
+from libs.trainer.pacing import PacingDecision, StalenessPacer
 from libs.trainer.recorder import StepRecorder
 from libs.trainer.refusals import model_vocab_size
 from libs.trainer.samples import Batch, SampleSource
@@ -95,6 +100,16 @@ class Trainer:
         self._source = SampleSource(
             bus, publisher, config, self.state, self._versions, vocab_size, self._stopping
         )
+        assert config.max_staleness is not None, "the learner sizes the config"
+        self.max_staleness = config.max_staleness
+        # None: the bound stays as configured (pacing off, or 0: the synchronous baseline).
+        self._pacer = (
+            StalenessPacer(config.pacing, start=config.max_staleness)
+            if config.pacing.enabled and config.max_staleness > 0
+            else None
+        )
+        if self._pacer is not None:
+            self._set_max_staleness(self._pacer.bound)
         self._gate = EvalGate(config.eval, self.policy, self.tokenizer, EnvClient(bus.nc))
         self._bus = bus
         self._publisher = publisher
@@ -149,7 +164,15 @@ class Trainer:
             return
         step_s = self._advance(started_s)
         self.state.scored_cursor.mark_done(batch.sequences)
-        self._recorder.offline(batch, stats, step_s, learning_rate_of(self.learner.optimizer))
+        bound = self.max_staleness
+        self._recorder.offline(
+            batch,
+            stats,
+            step_s,
+            learning_rate_of(self.learner.optimizer),
+            max_staleness=bound,
+            pacing=self._pace(batch, stats),
+        )
         await self._after_step()
 
     async def _train_isolating(self, batch: Batch) -> StepStats | None:
@@ -158,7 +181,11 @@ class Trainer:
         while batch.kept:
             try:
                 return await asyncio.to_thread(
-                    self.learner.train, batch.kept, self.state.version, self.state.lineage
+                    self.learner.train,
+                    batch.kept,
+                    self.state.version,
+                    self.state.lineage,
+                    self.max_staleness,
                 )
             except Exception as exc:
                 failing = await asyncio.to_thread(self.learner.failing_samples, batch.kept)
@@ -179,6 +206,25 @@ class Trainer:
         self.state.online_cursor.mark_done(taken.sequences)
         self._recorder.online(taken, stats, step_s, learning_rate_of(self.learner.optimizer))
         await self._after_step()
+
+    def _pace(self, batch: Batch, stats: StepStats) -> PacingDecision | None:
+        """The pacer's decision on this step's mismatch; the new bound applies from the next
+        step on, and reaches the feeder with this step's progress (None: pacing off)."""
+        if self._pacer is None:
+            return None
+        decision = self._pacer.observe(
+            self.state.step, stats.mismatch_by_staleness, len(batch.kept), len(batch.dropped)
+        )
+        if decision.bound_after != decision.bound_before:
+            log.info("staleness bound moved", **msgspec.structs.asdict(decision))
+        self._set_max_staleness(self._pacer.bound)
+        return decision
+
+    def _set_max_staleness(self, bound: int) -> None:
+        """The bound the learner, the sample source and the feeder (through the KV) use."""
+        self.max_staleness = bound
+        self._source.max_staleness = bound
+        self._versions.max_staleness = bound
 
     def _set_learning_rate(self, scale: float = 1.0) -> None:
         rate = learning_rate_at(self.config, self.state.step)

@@ -2,8 +2,8 @@
 
 The run's history lives in `<run>/trainer/`:
 - `steps.jsonl`: one `StepRecord` a step (reward, success, learning rate, staleness,
-  mismatch, importance weights, throughput, busy fraction), readable by eye and by
-  `rlpipe report`;
+  mismatch per staleness, importance weights, the staleness bound and the pacer's decision,
+  throughput, busy fraction), readable by eye and by `rlpipe report`;
 - `step_samples.jsonl`: one `StepSamples` a step, the ids of the samples it trained on,
   dropped or refused (so a resumed run can be checked for lost or repeated samples);
 - `evals.jsonl`: one `EvalRecord` per eval-gate decision.
@@ -23,6 +23,7 @@ import msgspec
 from prometheus_client import Counter, Gauge, Histogram
 
 from libs.tracking import Tracking, build_tracking
+from libs.trainer.pacing import PacingDecision
 from proto.messages import PromotionDecision
 
 if TYPE_CHECKING:  # the config pulls in torch; readers of the records (rlpipe report) do not
@@ -41,6 +42,17 @@ MISMATCH = Gauge(
     "rlpipe_trainer_logprob_mismatch_nats", "Mean |trainer - inference| logprob, same version"
 )
 MISMATCH_KL = Gauge("rlpipe_trainer_mismatch_kl_nats", "k3 KL(inference || trainer), same version")
+OFF_POLICY_KL = Gauge(
+    "rlpipe_trainer_off_policy_kl_nats",
+    "k3 KL(behavior || trainer) of the last step's trained tokens, by staleness bucket",
+    ["staleness"],
+)
+OFF_POLICY_OUTSIDE = Gauge(
+    "rlpipe_trainer_off_policy_is_outside_fraction",
+    "Fraction of the last step's trained tokens whose importance weight left [1/cap, cap]",
+    ["staleness"],
+)
+STALENESS_BOUND = Gauge("rlpipe_trainer_max_staleness_versions", "Staleness bound of the last step")
 CLIP = Gauge("rlpipe_trainer_clip_fraction", "Fraction of tokens whose gradient the clip removed")
 IS_WEIGHT = Gauge("rlpipe_trainer_importance_weight_mean", "Mean truncated importance weight")
 TOKENS_PER_S = Gauge("rlpipe_trainer_tokens_per_second", "Trained tokens per second of step time")
@@ -63,6 +75,16 @@ STEP_SAMPLES_FILE = Path("trainer") / "step_samples.jsonl"
 EVALS_FILE = Path("trainer") / "evals.jsonl"
 # Steps whose rewards make the "recent" figures of the trainer's health answer.
 RECENT_STEPS = 10
+
+
+class MismatchFigures(msgspec.Struct, kw_only=True):
+    """Behavior-vs-trainer mismatch of a set of trained tokens (libs.rl.mismatch)."""
+
+    tokens: int
+    kl: float  # k3 KL(behavior || trainer), nats per token
+    mean_abs: float  # mean |trainer - behavior| logprob, nats
+    is_weight_mean: float  # mean raw importance weight exp(trainer - behavior)
+    is_outside_fraction: float  # share of weights outside [1/cap, cap] (importance_weight_cap)
 
 
 class StepRecord(msgspec.Struct, kw_only=True):
@@ -111,6 +133,13 @@ class StepRecord(msgspec.Struct, kw_only=True):
     online_mean_advantage: float = 0.0
     # Running baseline of each context kind in the step, after the step's updates.
     online_baselines: dict[str, float] = msgspec.field(default_factory=dict)
+    # The mismatch of every trained token by its staleness: "0", "1", "2", "3+" and "all"
+    # (the mismatch_* fields above cover only tokens of the trainer's own version).
+    mismatch_by_staleness: dict[str, MismatchFigures] = msgspec.field(default_factory=dict)
+    # The staleness bound this step's samples were split by (None: records before it was).
+    max_staleness: int | None = None
+    # The pacer's decision after this step (None: pacing off, or an online step).
+    pacing: PacingDecision | None = None
 
 
 class StepSamples(msgspec.Struct, kw_only=True):
@@ -267,6 +296,13 @@ def step_scalars(record: StepRecord) -> dict[str, float]:
     }
     if record.success is not None:
         scalars[f"{reward}/success"] = record.success
+    for bucket, figures in record.mismatch_by_staleness.items():
+        name = bucket.replace("+", "_plus")  # MLflow refuses "+" in a metric name
+        scalars[f"off_policy/kl_{name}"] = figures.kl
+        scalars[f"off_policy/outside_{name}"] = figures.is_outside_fraction
+        scalars[f"off_policy/weight_mean_{name}"] = figures.is_weight_mean
+    if record.max_staleness is not None:
+        scalars["staleness/bound"] = record.max_staleness
     if record.stream == "online":
         scalars["online/mean_advantage"] = record.online_mean_advantage
         scalars["online/invalid"] = record.num_online_invalid
@@ -345,6 +381,11 @@ def export(record: StepRecord) -> None:
     DROPPED.inc(record.num_dropped)
     MISMATCH.set(record.mismatch_mean_abs)
     MISMATCH_KL.set(record.mismatch_kl)
+    for bucket, figures in record.mismatch_by_staleness.items():
+        OFF_POLICY_KL.labels(bucket).set(figures.kl)
+        OFF_POLICY_OUTSIDE.labels(bucket).set(figures.is_outside_fraction)
+    if record.max_staleness is not None:
+        STALENESS_BOUND.set(record.max_staleness)
     CLIP.set(record.clip_fraction)
     IS_WEIGHT.set(record.is_weight_mean)
     TOKENS_PER_S.set(record.tokens_per_s)

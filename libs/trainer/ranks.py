@@ -179,13 +179,11 @@ class Step(Command):
     version: int
     learning_rate: float
     lineage: Lineage
+    max_staleness: int  # the bound now (rank 0's pacer moves it)
 
     def run(self, ranks: RankModel) -> StepStats:
         set_learning_rate(ranks.optimizer, self.learning_rate)
-        assert ranks.config.max_staleness is not None, "sized on rank 0"
-        trainable = turn_trainable(
-            self.version, ranks.config.max_staleness, self.lineage.equivalent
-        )
+        trainable = turn_trainable(self.version, self.max_staleness, self.lineage.equivalent)
         with ranks.precision.compute():
             return sharded_train_step(
                 ranks.model,
@@ -195,6 +193,7 @@ class Step(Command):
                 ranks.config,
                 ranks.pad_id,
                 trainable,
+                self.lineage.equivalent,
             )
 
 
@@ -312,9 +311,12 @@ class RankLearner:
             )
         self._ranks.run(Load(folder))
 
-    def train(self, samples: list[ScoredRollout], version: int, lineage: Lineage) -> StepStats:
+    def train(
+        self, samples: list[ScoredRollout], version: int, lineage: Lineage, max_staleness: int
+    ) -> StepStats:
         learning_rate = learning_rate_of(self.optimizer)
-        stats: StepStats = self._ranks.run(Step(samples, version, learning_rate, lineage))
+        step = Step(samples, version, learning_rate, lineage, max_staleness)
+        stats: StepStats = self._ranks.run(step)
         return stats
 
     def train_online(

@@ -4,7 +4,7 @@ the experiment trackers).
 
     recorder = StepRecorder(config, run_dir, state)
     recorder.start_clock()                              # busy fraction from now
-    recorder.offline(batch, stats, step_s, learning_rate)
+    recorder.offline(batch, stats, step_s, learning_rate, max_staleness=4, pacing=decision)
     recorder.online(taken, stats, step_s, learning_rate)
     recorder.decision(decision)
 
@@ -20,13 +20,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from libs.rl import MismatchStats, PolicyLossStats
+from libs.rl import MismatchStats, PolicyLossStats, staleness_buckets
 from libs.rollout.figures import is_success
 from libs.trainer.checkpoint import TrainerState
 from libs.trainer.config import TrainerConfig
-from libs.trainer.metrics import StepRecord, StepSamples, open_step_log
+from libs.trainer.metrics import MismatchFigures, StepRecord, StepSamples, open_step_log
 from libs.trainer.online_source import OnlineTake
 from libs.trainer.online_step import OnlineStepStats
+from libs.trainer.pacing import PacingDecision
 from libs.trainer.samples import Batch
 from libs.trainer.step import StepStats
 from proto.messages import PromotionDecision
@@ -56,7 +57,18 @@ class StepRecorder:
     def count_busy(self, step_s: float) -> None:
         self._timers.busy_s += step_s
 
-    def offline(self, batch: Batch, stats: StepStats, step_s: float, learning_rate: float) -> None:
+    def offline(
+        self,
+        batch: Batch,
+        stats: StepStats,
+        step_s: float,
+        learning_rate: float,
+        *,
+        max_staleness: int,
+        pacing: PacingDecision | None = None,
+    ) -> None:
+        """The record of an offline step: `max_staleness` the bound its samples were split
+        by, `pacing` the pacer's decision after it (None: pacing off)."""
         rewards = [s.reward for s in batch.kept]
         tokens = stats.num_loss_tokens
         record = StepRecord(
@@ -76,6 +88,9 @@ class StepRecorder:
             wait_weights_s=batch.weights_wait_s,
             tokens_per_s=tokens / max(step_s, 1e-9),
             samples_per_s=len(batch.kept) / max(step_s + batch.wait_s, 1e-9),
+            mismatch_by_staleness=mismatch_figures(stats.mismatch_by_staleness),
+            max_staleness=max_staleness,
+            pacing=pacing,
         )
         samples = self._samples(
             sample_ids=[s.rollout.rollout_id for s in batch.kept],
@@ -150,3 +165,17 @@ class StepRecorder:
 
     def close(self) -> None:
         self._log.close()
+
+
+def mismatch_figures(levels: dict[int, MismatchStats]) -> dict[str, MismatchFigures]:
+    """Per-staleness mismatch as the record carries it: buckets "0", "1", "2", "3+", "all"."""
+    return {
+        bucket: MismatchFigures(
+            tokens=stats.num_tokens,
+            kl=stats.kl,
+            mean_abs=stats.mean_abs_diff,
+            is_weight_mean=stats.is_weight_mean,
+            is_outside_fraction=stats.is_outside_fraction,
+        )
+        for bucket, stats in staleness_buckets(levels).items()
+    }

@@ -84,7 +84,8 @@ class SampleSource:
         stopping: asyncio.Event,
     ) -> None:
         assert config.max_staleness is not None, "the learner sizes the config"
-        self._max_staleness = config.max_staleness
+        # The bound samples are split by; the trainer's pacer moves it (libs.trainer.pacing).
+        self.max_staleness = config.max_staleness
         self._config = config
         self._state = state
         self._versions = versions
@@ -196,7 +197,7 @@ class SampleSource:
     def _split(self, group: Group, batch: Batch, staleness: list[int]) -> bool:
         """Add `group` to `batch`, its stale samples dropped; True when some are kept."""
         split = split_by_staleness(
-            group.rollouts, self._state.version, self._max_staleness, self._equivalent
+            group.rollouts, self._state.version, self.max_staleness, self._equivalent
         )
         batch.groups.append(group)
         batch.kept += split.kept
@@ -239,7 +240,7 @@ class SampleSource:
         # One version short of max_staleness: samples of the newest announced version in
         # the buffer and in flight stay trainable until the broadcaster is back.
         lag = self._state.version - max(versions)
-        allowed = max(self._max_staleness - 1, self._config.publish_every_steps - 1, 0)
+        allowed = max(self.max_staleness - 1, self._config.publish_every_steps - 1, 0)
         if lag > allowed:
             self.detail = f"waiting for version {self._state.version} to reach the workers"
             return False

@@ -117,6 +117,7 @@ def sharded_train_step(
     config: StepConfig,
     pad_id: int,
     trainable: Callable[[int], bool] | None = None,
+    equivalent: Callable[[int], int] | None = None,
 ) -> StepStats:
     """`libs.trainer.step.train_step` on a sharded `model`, this rank training its share of
     each minibatch; every rank passes the same `samples` and gets the same (global) statistics."""
@@ -131,6 +132,7 @@ def sharded_train_step(
         pad_id,
         trainable=trainable,
         share=RankShare(),
+        equivalent=equivalent,
     )
 
 
