@@ -170,6 +170,18 @@ def test_the_bound_rises_only_when_well_under_target_and_samples_are_dropped() -
     assert pacer.bound == 6
 
 
+def test_the_bound_is_not_raised_back_into_a_level_just_found_over_target() -> None:
+    pacer = StalenessPacer(pacing(smoothing_steps=2), start=3)  # figures fresh for 6 steps
+    assert pacer.observe(1, {2: Level(0.01), 3: Level(0.2)}, 256, 0).action == "lower"
+    calm = {2: Level(0.01)}  # well under target, and a third of the samples dropped
+    decision = pacer.observe(2, calm, 128, 64)
+    assert (decision.action, pacer.bound) == ("hold", 2)
+    assert "staleness 3 was over target lately" in decision.reason
+    # Once staleness 3's figure is older than 3 horizons it no longer holds the bound back.
+    actions = [pacer.observe(step, calm, 128, 64).action for step in range(3, 9)]
+    assert actions[-1] == "raise" and pacer.bound == 3
+
+
 def test_after_a_change_the_bound_holds_then_moves_again() -> None:
     pacer = StalenessPacer(pacing(hold_steps=3), start=5)
     high = {5: Level(0.5), 4: Level(0.5), 3: Level(0.5)}

@@ -15,7 +15,8 @@ weights outside [1/cap, cap]), smoothed per staleness level over steps. Within
 - lower: the stalest level's smoothed mismatch is over a target -> the bound goes one below
   that level (so those tokens are no longer trained);
 - raise: the stalest level's mismatch is under `raise_below` x the targets (a margin: the
-  next level is more off-policy than this one) while samples are dropped as stale -> +1;
+  next level is more off-policy than this one) while samples are dropped as stale -> +1,
+  unless that next level was measured over target lately (the bound came down from it);
 - else hold. After a change the bound holds `hold_steps` steps (hysteresis: the samples in
   flight were made under the old bound), and the gap between the two thresholds keeps it
   from flapping. Every call returns its decision for the step record.
@@ -185,15 +186,24 @@ class StalenessPacer:
         if total:
             self._dropped += self._alpha * (num_dropped / total - self._dropped)
 
-    def _signal(self, step: int) -> tuple[int, _Smoothed] | None:
-        """The stalest level within the bound measured lately (a level unmeasured for
-        several horizons describes an older policy, not this one)."""
+    def _fresh(self, step: int, level: int) -> _Smoothed | None:
+        """A level's figures when measured lately (a level unmeasured for several horizons
+        describes an older policy, not this one)."""
+        smoothed = self._levels.get(level)
         recent = step - 3 * self.config.smoothing_steps
-        fresh = [lvl for lvl, s in self._levels.items() if lvl <= self.bound and s.step >= recent]
+        return smoothed if smoothed is not None and smoothed.step >= recent else None
+
+    def _signal(self, step: int) -> tuple[int, _Smoothed] | None:
+        """The stalest level within the bound measured lately."""
+        fresh = [lvl for lvl in self._levels if lvl <= self.bound and self._fresh(step, lvl)]
         if not fresh:
             return None
         level = max(fresh)
         return level, self._levels[level]
+
+    def _over(self, smoothed: _Smoothed) -> bool:
+        config = self.config
+        return smoothed.kl > config.target_kl or smoothed.outside > config.target_outside_fraction
 
     def _decide(self, step: int, signal: tuple[int, _Smoothed] | None) -> tuple[str, str]:
         """(action, reason); moves self.bound on lower and raise."""
@@ -204,8 +214,7 @@ class StalenessPacer:
         figures = f"kl {smoothed.kl:.4g}, outside {smoothed.outside:.3g} at staleness {level}"
         if self._last_change_step is not None and step - self._last_change_step < config.hold_steps:
             return "wait", f"held {config.hold_steps} steps after a change; {figures}"
-        over = smoothed.kl > config.target_kl or smoothed.outside > config.target_outside_fraction
-        if over and self.bound > config.min_staleness:
+        if self._over(smoothed) and self.bound > config.min_staleness:
             self.bound = max(config.min_staleness, min(self.bound, level) - 1)
             return "lower", (
                 f"{figures} over target (kl {config.target_kl:g}, "
@@ -216,6 +225,9 @@ class StalenessPacer:
             and smoothed.outside < config.raise_below * config.target_outside_fraction
         )
         dropping = self._dropped >= config.raise_dropped_fraction and self._dropped > 0
+        above = self._fresh(step, self.bound + 1)
+        if above is not None and self._over(above):  # lowered from there lately: stay
+            return "hold", f"{figures}; staleness {self.bound + 1} was over target lately"
         if under and dropping and self.bound < config.max_staleness:
             self.bound += 1
             return "raise", f"{figures} under {config.raise_below:g} x target, " + (
