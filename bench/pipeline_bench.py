@@ -301,7 +301,8 @@ def _pipelined_bound(scenario: Scenario, options: BenchOptions) -> int | str:
 def print_scenario(name: str, outcome: dict[str, Any]) -> None:
     """One line per mode, then the ratios."""
     modes = outcome["modes"]
-    threshold = next(iter(modes.values()))["threshold"] if modes else None
+    # An entry of an older run (--modes joins it) may lack the fields this one adds.
+    threshold = next(iter(modes.values())).get("threshold") if modes else None
     print(f"scenario {name} ({outcome['budget_s']:.0f} s a mode)")
     print(
         f"{'mode':6} {'steps':>6} {'samples/s':>10} {'busy':>6} {'dropped':>8} {'stale':>6} "
@@ -311,9 +312,9 @@ def print_scenario(name: str, outcome: dict[str, Any]) -> None:
         busy = f"{r['trainer_busy_fraction']:.2f}" if r["trainer_busy_fraction"] else "-"
         print(
             f"{mode:6} {r['steps']:>6} {r['samples_per_s']:>10} {busy:>6} "
-            f"{r['dropped_fraction']!s:>8} {r['mean_staleness']!s:>6} "
-            f"{r['version_latency'].get('median_s')!s:>8} {r['reward_last_10']!s:>7} "
-            f"{r['time_to_threshold_s']!s:>9} {r['steps_to_threshold']!s:>8}"
+            f"{r.get('dropped_fraction')!s:>8} {r.get('mean_staleness')!s:>6} "
+            f"{r.get('version_latency', {}).get('median_s')!s:>8} {r['reward_last_10']!s:>7} "
+            f"{r.get('time_to_threshold_s')!s:>9} {r.get('steps_to_threshold')!s:>8}"
         )
     if "ratios" in outcome:
         print(f"pipeline ratios: {json.dumps(outcome['ratios'])}")
