@@ -215,5 +215,9 @@ def test_levels_with_few_tokens_or_measured_long_ago_are_no_signal() -> None:
 def test_the_start_is_clamped_into_the_limits_and_the_limits_must_be_ordered() -> None:
     assert StalenessPacer(pacing(), start=8).bound == 6
     assert StalenessPacer(pacing(min_staleness=2), start=1).bound == 2
+    # Unset, the ceiling is the trainer's own bound: pacing never allows more than it.
+    unset = StalenessPacer(pacing(max_staleness=None, min_staleness=2), start=20)
+    assert (unset.bound, unset.upper) == (20, 20)
+    assert StalenessPacer(pacing(max_staleness=None, min_staleness=2), start=1).bound == 1
     with pytest.raises(pydantic.ValidationError, match="min_staleness"):
         pacing(min_staleness=4, max_staleness=3)

@@ -1,6 +1,6 @@
 """The staleness pacer: the trainer's staleness bound moved by the mismatch it measures.
 
-    pacer = StalenessPacer(config.pacing, start=config.max_staleness)
+    pacer = StalenessPacer(config.pacing, start=config.max_staleness)   # the bound starts there
     ...one step, its per-staleness mismatch (libs.rl.mismatch.mismatch_by_staleness)...
     decision = pacer.observe(step, stats.mismatch_by_staleness, num_kept, num_dropped)
     pacer.bound          # the bound the next step (and the feeder, through the KV) uses
@@ -11,7 +11,8 @@ grow, learning per sample falls); too low, the work of versions just past it is 
 The pacer reads what the bound costs from the step itself: the behavior-vs-trainer mismatch
 of the stalest tokens it kept (k3 KL(behavior || trainer) and the fraction of importance
 weights outside [1/cap, cap]), smoothed per staleness level over steps. Within
-[min_staleness, max_staleness]:
+[min_staleness, max_staleness] (unset max: the trainer's max_staleness, the most the user
+allows, where the bound starts):
 - lower: the stalest level's smoothed mismatch is over a target -> the bound goes one below
   that level (so those tokens are no longer trained);
 - raise: the stalest level's mismatch is under `raise_below` x the targets (a margin: the
@@ -49,7 +50,9 @@ class PacingConfig(BaseModel):
         "stays as configured; never with max_staleness 0, the synchronous baseline)",
     )
     min_staleness: int = Field(1, ge=0, description="Lowest bound the pacer sets")
-    max_staleness: int = Field(8, ge=0, description="Highest bound the pacer sets")
+    max_staleness: int | None = Field(
+        None, ge=0, description="Highest bound the pacer sets; unset: trainer.max_staleness"
+    )
     # On the 2-core demo at forced staleness 5-8, the stalest tokens' KL ran 0.01-0.04 while
     # the policy moved fast and under 0.001 once it had learned: 0.01 lowers the bound in
     # the first phase and gives it back in the second.
@@ -90,7 +93,7 @@ class PacingConfig(BaseModel):
 
     @model_validator(mode="after")
     def _limits_ordered(self) -> PacingConfig:
-        if self.min_staleness > self.max_staleness:
+        if self.max_staleness is not None and self.min_staleness > self.max_staleness:
             raise ValueError(
                 f"pacing.min_staleness ({self.min_staleness}) must be <= pacing.max_staleness "
                 f"({self.max_staleness})"
@@ -137,7 +140,9 @@ class StalenessPacer:
 
     def __init__(self, config: PacingConfig, start: int) -> None:
         self.config = config
-        self.bound = min(max(start, config.min_staleness), config.max_staleness)
+        self.upper = start if config.max_staleness is None else config.max_staleness
+        self.lower = min(config.min_staleness, self.upper)
+        self.bound = min(max(start, self.lower), self.upper)
         self._levels: dict[int, _Smoothed] = {}
         self._dropped = 0.0
         self._alpha = 2.0 / (config.smoothing_steps + 1)
@@ -214,8 +219,8 @@ class StalenessPacer:
         figures = f"kl {smoothed.kl:.4g}, outside {smoothed.outside:.3g} at staleness {level}"
         if self._last_change_step is not None and step - self._last_change_step < config.hold_steps:
             return "wait", f"held {config.hold_steps} steps after a change; {figures}"
-        if self._over(smoothed) and self.bound > config.min_staleness:
-            self.bound = max(config.min_staleness, min(self.bound, level) - 1)
+        if self._over(smoothed) and self.bound > self.lower:
+            self.bound = max(self.lower, min(self.bound, level) - 1)
             return "lower", (
                 f"{figures} over target (kl {config.target_kl:g}, "
                 f"outside {config.target_outside_fraction:g})"
@@ -228,7 +233,7 @@ class StalenessPacer:
         above = self._fresh(step, self.bound + 1)
         if above is not None and self._over(above):  # lowered from there lately: stay
             return "hold", f"{figures}; staleness {self.bound + 1} was over target lately"
-        if under and dropping and self.bound < config.max_staleness:
+        if under and dropping and self.bound < self.upper:
             self.bound += 1
             return "raise", f"{figures} under {config.raise_below:g} x target, " + (
                 f"{self._dropped:.1%} dropped as stale"
