@@ -41,9 +41,10 @@ class PacingConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    # Off: on the 2-core arith demo at forced staleness it halved the staleness trained on
-    # (5.9 -> 3.3 versions) at the same steps to reward 0.8 (177 vs 184), and at the demo's
-    # own settings (staleness under 1) it has nothing to act on; on a GPU, unmeasured yet.
+    # Off until measured on a GPU: on the 2-core arith demo at forced staleness it halved the
+    # staleness trained on (5.8 -> 3.3 versions) and reached reward 0.8 in 170-177 steps
+    # (unpaced: 179-234), a gain within the spread of two identical runs (158 and 178 steps);
+    # at the demo's own settings (staleness under 1) it never moved the bound.
     enabled: bool = Field(
         False,
         description="Move the staleness bound with the measured mismatch (off: max_staleness "
