@@ -248,7 +248,7 @@ class WeightsFollower:
         async with self._write_lock, self._swap_gate():
             if self.same_host is not None and self.same_host.num_applied != taken:
                 # Decoded against weights a same-host version has since replaced.
-                self._park_chain()
+                self._chain_parked = True  # the engine holds a version off the chain
                 return 0.0
             # Entered once the engine calls running now have finished (gate_wait_s).
             gate_wait_s = time.monotonic() - decoded_s
@@ -318,7 +318,7 @@ class WeightsFollower:
                     continue
             failures = 0
             taker.applied()
-            self._park_chain()
+            self._chain_parked = True  # the engine holds a version off the chain
             self._swapped(
                 notice.version,
                 "same_host",
@@ -345,16 +345,17 @@ class WeightsFollower:
                                 held=self.policy_version)  # fmt: skip
                     self._chain_parked = False
                     # The version held, off the chain (its chain hash unknown): the receiver
-                    # skips the chain up to it and starts again from a newer snapshot.
+                    # reads the chain again from its latest snapshot, skips it up to that
+                    # version and takes the first snapshot above it.
                     held = self.policy_version
-                    chain = None if held is None else VersionInfo(version=held, hash="")
-                    self.receiver.reset(chain)
+                    self.receiver.reset(
+                        None if held is None else VersionInfo(version=held, hash="")
+                    )
+                    await self.receiver.reread()
                     return
-            await asyncio.sleep(1.0)
-
-    def _park_chain(self) -> None:
-        """The engine holds a version the receiver's chain does not know: stop following it."""
-        self._chain_parked = True
+            # What the chain announces meanwhile is read and checked (a bad announcement is
+            # dead-lettered as ever), not fetched.
+            await self.receiver.pass_over(wait_s=1.0)
 
     def _behind_same_host(self, version: int) -> bool:
         """True for a chain version at or below a same-host version the engine holds."""

@@ -28,10 +28,8 @@ verified against the manifest's hashes, and the whole state against the version 
 
 `next_update` fetches every chunk with many direct gets in flight (libs/weights/transport.py)
 and raises MissingChunkError / CorruptDeltaError, applying nothing, when the version cannot
-be had intact. A version refused for a damaged or timed-out read is read again by the next
-call (up to VERSION_ATTEMPTS reads); one whose chunk is gone (MissingChunkError), or that
-kept failing, is skipped: the next call moves on (to the snapshot of the same version, or
-the next one).
+be had intact; the next call reads it again (a damaged or timed-out read, VERSION_ATTEMPTS
+reads in all) or moves on (a chunk gone, or still failing).
 `apply` refuses an update whose base is not the version held (BaseMismatchError), writes
 the chunks in place through the codec's DeltaApplier (deltas touch only changed elements;
 snapshots write into same-named tensors of the same dtype and shape), and returns the pause
@@ -40,10 +38,9 @@ rehashes the whole state against the version hash; a mismatch raises CorruptDelt
 the receiver holds "unknown" until the next snapshot.
 
 The state is a mutable mapping name -> tensor (numpy, torch, RawTensor) sharing memory
-with the model, e.g. `dict(model.state_dict())` for a contiguous torch model; a state of CUDA
-tensors is patched on the GPU (libs/weights/gpu_apply.py), only the changed elements crossing
-PCIe. Tensors a version adds are inserted into that mapping (not into a module); removed
-ones are dropped.
+with the model, e.g. `dict(model.state_dict())` for a contiguous torch model; CUDA tensors
+are patched on the GPU (libs/weights/gpu_apply.py), only changed elements crossing PCIe.
+Tensors a version adds are inserted into that mapping (not a module); removed ones dropped.
 """
 
 from __future__ import annotations
@@ -275,13 +272,19 @@ class WeightReceiver:
             )
             return PreparedUpdate(announcement, fetched)
 
+    async def pass_over(self, wait_s: float) -> None:
+        """Read what is announced within `wait_s`, taking nothing but dead-lettering a bad one
+        (a worker fed another way, libs/weights/same_host.py); `reread` starts over."""
+        await self._read_announcement(wait_s)
+
+    async def reread(self) -> None:
+        await self._reposition(None)
+
     async def _read_again(self, announcement: WeightAnnouncement, exc: CorruptDeltaError) -> bool:
-        """Whether the next call reads this refused announcement again: yes, up to
-        VERSION_ATTEMPTS times, unless a chunk is gone for good (MissingChunkError: the
-        stream's leader lacks it). A version refused for a timeout or a damaged read (a node
-        dying, a leader changing) is otherwise skipped, and every delta after it is on
-        another base: the worker then waits for the next snapshot, which a trainer starved
-        of samples at that worker's version may never make."""
+        """Whether the next call reads this refused announcement again: up to VERSION_ATTEMPTS
+        times unless a chunk is gone for good (MissingChunkError). Skipped, every delta after
+        it is on another base, and a trainer starved of this worker's samples may never make
+        the snapshot the worker would then wait for; a timeout or damaged read may pass."""
         if isinstance(exc, MissingChunkError):
             return False
         last = self._refused
@@ -323,31 +326,36 @@ class WeightReceiver:
 
     async def _next_announcement(self) -> WeightAnnouncement:
         """The next announcement in stream order (waits for one)."""
-        while True:
-            try:
-                sub = await self._subscription()
-                msgs = await sub.fetch(1, timeout=self._poll_timeout_s)
-            except (nats.errors.TimeoutError, TimeoutError):  # fetch raises either
-                continue
-            except (nats.errors.Error, NotFoundError) as exc:
-                # The server restarted or dropped our consumer: resume where we were.
-                log.warning("announcement consumer lost; re-creating", error=repr(exc))
-                await self._drop_subscription()
-                await asyncio.sleep(self._poll_timeout_s / 2)
-                continue
-            msg = msgs[0]
-            self._taken_seq = msg.metadata.sequence.stream
-            self._next_seq = self._taken_seq + 1
-            try:
-                announcement = wire.decode(WeightAnnouncement, msg.data, msg.headers)
-                await self._check_plausible(announcement)
-            except wire.InvalidMessage as exc:
-                await self._refuse(msg, exc.reason, str(exc))
-                continue
-            except InvalidValue as exc:
-                await self._refuse(msg, "invalid", str(exc))
-                continue
-            return announcement
+        while (announcement := await self._read_announcement(self._poll_timeout_s)) is None:
+            pass
+        return announcement
+
+    async def _read_announcement(self, wait_s: float) -> WeightAnnouncement | None:
+        """The next announcement within `wait_s` (a bad one dead-lettered: None), or None."""
+        try:
+            sub = await self._subscription()
+            msgs = await sub.fetch(1, timeout=wait_s)
+        except (nats.errors.TimeoutError, TimeoutError):  # fetch raises either
+            return None
+        except (nats.errors.Error, NotFoundError) as exc:
+            # The server restarted or dropped our consumer: resume where we were.
+            log.warning("announcement consumer lost; re-creating", error=repr(exc))
+            await self._drop_subscription()
+            await asyncio.sleep(self._poll_timeout_s / 2)
+            return None
+        msg = msgs[0]
+        self._taken_seq = msg.metadata.sequence.stream
+        self._next_seq = self._taken_seq + 1
+        try:
+            announcement = wire.decode(WeightAnnouncement, msg.data, msg.headers)
+            await self._check_plausible(announcement)
+        except wire.InvalidMessage as exc:
+            await self._refuse(msg, exc.reason, str(exc))
+            return None
+        except InvalidValue as exc:
+            await self._refuse(msg, "invalid", str(exc))
+            return None
+        return announcement
 
     async def _check_plausible(self, announcement: WeightAnnouncement) -> None:
         """InvalidValue for a version above the newest the trainer recorded (re-read from
@@ -396,7 +404,7 @@ class WeightReceiver:
             )
         return self._sub
 
-    async def _reposition(self, seq: int) -> None:
+    async def _reposition(self, seq: int | None) -> None:
         await self._drop_subscription()
         self._next_seq = seq
 
