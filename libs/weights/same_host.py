@@ -380,14 +380,16 @@ def _check_room(size_bytes: int) -> None:
     """OSError when /dev/shm cannot hold `size_bytes` more: a block past it is created
     sparse and the first write into it kills the process (SIGBUS), e.g. in a container whose
     /dev/shm is the default 64 MB."""
-    with contextlib.suppress(OSError):
+    try:
         stats = os.statvfs(SHM_DIR)
-        free = stats.f_bavail * stats.f_frsize
-        if free < size_bytes:
-            raise OSError(
-                f"{SHM_DIR} has {free / 2**20:.0f} MiB free, the shelf needs "
-                f"{size_bytes / 2**20:.0f} MiB more (raise its size, or same_host.enabled=false)"
-            )
+    except OSError:  # no /dev/shm to ask (another platform): creating the block decides
+        return
+    free = stats.f_bavail * stats.f_frsize
+    if free < size_bytes:
+        raise OSError(
+            f"{SHM_DIR} has {free / 2**20:.0f} MiB free, the shelf needs "
+            f"{size_bytes / 2**20:.0f} MiB more (raise its size, or same_host.enabled=false)"
+        )
 
 
 def _synchronize(flat: torch.Tensor) -> None:
