@@ -136,6 +136,7 @@ class BenchOptions:
     tables: dict[str, Any] | None = None  # --device and --set, for both modes
     max_staleness: int | None = None
     policy_path: str | None = None
+    rollout_workers: int = 1
 
 
 def command_tables(device: str | None, overrides: list[str]) -> dict[str, Any]:
@@ -193,6 +194,7 @@ def scenario_options(
         ),
         warm_start=WarmStart(scenario.domain, warm) if warm and not options.policy_path else None,
         warm_start_root=default_cache_root(),
+        rollout_workers=options.rollout_workers,
     )
 
 
@@ -277,8 +279,9 @@ def run_scenario(
         fresh = {mode: run_mode(scenario, mode, Path(root), options) for mode in options.modes}
     results = {**((before or {}).get("modes") or {}), **fresh}
     outcome: dict[str, Any] = {
-        "budget_s": options.budget_s,
+        "budget_s": {mode: results[mode]["budget_s"] for mode in results},
         "policy_path": options.policy_path,
+        "rollout_workers": options.rollout_workers,
         "recipe": {
             "file": str(scenario.recipe_path().relative_to(REPO)),
             "over_it": merge_tables(scenario.tables, options.tables or {}),
@@ -303,7 +306,8 @@ def print_scenario(name: str, outcome: dict[str, Any]) -> None:
     modes = outcome["modes"]
     # An entry of an older run (--modes joins it) may lack the fields this one adds.
     threshold = next(iter(modes.values())).get("threshold") if modes else None
-    print(f"scenario {name} ({outcome['budget_s']:.0f} s a mode)")
+    budgets = ", ".join(f"{mode} {s:.0f} s" for mode, s in outcome["budget_s"].items())
+    print(f"scenario {name} ({budgets})")
     print(
         f"{'mode':6} {'steps':>6} {'samples/s':>10} {'busy':>6} {'dropped':>8} {'stale':>6} "
         f"{'v.lat s':>8} {'last10':>7} {f't->{threshold} s':>9} {'steps->':>8}"
@@ -380,6 +384,13 @@ def parse_args() -> argparse.Namespace:
         default=None,
         help="model folder for the tool scenarios instead of the cached warm start",
     )
+    parser.add_argument(
+        "--rollout-workers",
+        type=int,
+        default=1,
+        metavar="N",
+        help="rollout-worker processes in both modes (rlpipe demo --rollout-workers)",
+    )
     parser.add_argument("--build-warm-start", type=Path, default=None, help=argparse.SUPPRESS)
     return parser.parse_args()
 
@@ -400,6 +411,7 @@ def main() -> int:
         tables=command_tables(args.device, args.overrides),
         max_staleness=args.max_staleness,
         policy_path=args.policy_path,
+        rollout_workers=args.rollout_workers,
     )
     out = args.out or result_file("pipeline", cuda_card(args.device))
     document: dict[str, Any] = {}

@@ -475,6 +475,30 @@ def test_demo_runs_every_service_and_leaves_nothing_behind(run_dir: Path) -> Non
 
 
 @E2E
+def test_demo_with_two_rollout_workers_shares_the_work_between_them(run_dir: Path) -> None:
+    result = subprocess.run(
+        [PY, "-m", "apps.cli", "demo", "--max-trainer-steps", "20", "--rollout-workers", "2",
+         "--run-dir", str(run_dir)],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )  # fmt: skip
+
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = last_json_line(result.stdout)
+    assert summary["stop_reason"] == "max_trainer_steps"
+    workers = {"rollout-worker", "rollout-worker-2"}
+    assert set(summary["services"]) == set(ALL_SERVICES) | workers
+    for name in workers:
+        worker = summary["services"][name]
+        assert worker["ever_healthy"] and worker["final_status"] == "stopped", (name, worker)
+        assert worker["rollouts_published"] > 0, (name, worker)
+    assert (run_dir / "logs" / "rollout-worker-2.log").is_file()
+    assert not [pid for pid in recorded_pids(run_dir) if is_alive(pid)]
+
+
+@E2E
 def test_demo_stops_cleanly_on_ctrl_c_once_every_service_is_up(run_dir: Path) -> None:
     process = subprocess.Popen(
         [PY, "-m", "apps.cli", "demo", "--run-dir", str(run_dir)],

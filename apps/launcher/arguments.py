@@ -55,6 +55,14 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
         "bucket on 3 of them (default: 1, one nats-server)",
     )
     parser.add_argument(
+        "--rollout-workers",
+        type=int,
+        default=1,
+        metavar="N",
+        help="run N rollout-worker processes with the same settings (on a GPU: the same card, "
+        "each its own engine and copy of the weights) (default: 1)",
+    )
+    parser.add_argument(
         "--trainer-ranks",
         type=int,
         default=1,
@@ -126,6 +134,7 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
         warm_start=warm,
         warm_start_root=args.warm_start_dir,
         nats_cluster=args.nats_cluster,
+        rollout_workers=args.rollout_workers,
         commands=commands,
     )
 

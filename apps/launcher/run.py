@@ -64,7 +64,7 @@ from proto.services import SERVICES
 
 EXIT_OK, EXIT_NATS_FAILED, EXIT_UNHEALTHY, EXIT_PROVISION_FAILED = 0, 2, 3, 4
 EXIT_FORCED = 130
-# Services stopped (and waited for) before the others.
+# Services stopped (and waited for) before the others (each of their instances).
 STOP_FIRST = ("rollout-worker",)
 TICK_S = 0.25
 
@@ -92,6 +92,9 @@ class LaunchOptions:
     warm_start_root: Path | None = None  # None: warm_start.default_cache_root()
     # Nodes of the local NATS: 1 (one nats-server) or a JetStream cluster of 3 or more.
     nats_cluster: int = 1
+    # Rollout-worker processes, each with the same settings: "rollout-worker", then
+    # "rollout-worker-2", ... (their own health port, logs and worker id; one task stream).
+    rollout_workers: int = 1
 
     def __post_init__(self) -> None:
         if self.nats_cluster == 2 or self.nats_cluster < 1:
@@ -108,6 +111,27 @@ class LaunchOptions:
             )
         if self.max_trainer_steps is not None and self.max_trainer_steps < 1:
             raise ValueError(f"max_trainer_steps must be >= 1 (got {self.max_trainer_steps})")
+        if self.rollout_workers < 1:
+            raise ValueError(f"rollout_workers must be >= 1 (got {self.rollout_workers})")
+
+    def stopped_first(self) -> list[str]:
+        """The instances of the STOP_FIRST services."""
+        return [name for name, service in self.instances() if service in STOP_FIRST]
+
+    def instances(self) -> list[tuple[str, str]]:
+        """(instance name, service) of every process the run starts: the services, with
+        `rollout_workers` instances of the rollout-worker."""
+        pairs = []
+        for service in self.services:
+            copies = self.rollout_workers if service == "rollout-worker" else 1
+            pairs += [(instance_name(service, i), service) for i in range(copies)]
+        return pairs
+
+
+def instance_name(service: str, index: int) -> str:
+    """The first instance keeps the service's name (logs, health, summaries read it);
+    the others are numbered from 2."""
+    return service if index == 0 else f"{service}-{index + 1}"
 
 
 def with_warm_start(options: LaunchOptions, log: LauncherLog) -> LaunchOptions:
@@ -165,9 +189,10 @@ def default_run_dir() -> Path:
 
 
 def service_spec(
-    name: str, options: LaunchOptions, nats_url: str, run_dir: Path
+    name: str, options: LaunchOptions, nats_url: str, run_dir: Path, instance: str | None = None
 ) -> tuple[ChildSpec, str]:
-    """How to start one service, and the URL of its health check."""
+    """How to start one service (as `instance`, default its own name), and the URL of its
+    health check."""
     pkg = name.replace("-", "_")
     prefix, port = f"RLPIPE_{pkg.upper()}", free_port()
     env = {
@@ -187,7 +212,7 @@ def service_spec(
         **trainer_bound(name, options),
     }
     argv = list(options.commands.get(name) or [sys.executable, "-m", f"services.{pkg}"])
-    return ChildSpec(name, argv, env), f"http://127.0.0.1:{port}/healthz"
+    return ChildSpec(instance or name, argv, env), f"http://127.0.0.1:{port}/healthz"
 
 
 def trainer_bound(name: str, options: LaunchOptions) -> dict[str, str]:
@@ -271,8 +296,8 @@ class LocalRun:
 
     def _setup_services(self, nats_url: str) -> tuple[Supervisor, HealthMonitor]:
         pairs = [
-            service_spec(name, self.options, nats_url, self.run_dir)
-            for name in self.options.services
+            service_spec(service, self.options, nats_url, self.run_dir, instance)
+            for instance, service in self.options.instances()
         ]
         self.supervisor = Supervisor(
             [spec for spec, _ in pairs],
@@ -304,7 +329,9 @@ class LocalRun:
                 await self._with_view(view, self._await_late_services())
                 # The worker first: its in-flight episodes finish while env-gateway answers.
                 stopping = supervisor.stop(
-                    self.options.stop_grace_s, first=STOP_FIRST, finishing=self._finishing()
+                    self.options.stop_grace_s,
+                    first=self.options.stopped_first(),
+                    finishing=self._finishing(),
                 )
                 await self._with_view(view, stopping)
                 health_task.cancel()
@@ -352,7 +379,9 @@ class LocalRun:
     async def _stop_everything(self) -> None:
         if self.supervisor:
             await self.supervisor.stop(
-                self.options.stop_grace_s, first=STOP_FIRST, finishing=self._finishing()
+                self.options.stop_grace_s,
+                first=self.options.stopped_first(),
+                finishing=self._finishing(),
             )
         await self._read_episode_figures()
         if self.nats:
@@ -402,7 +431,7 @@ class LocalRun:
         its step bound): a short run's trainer can do its steps between two polls (a 3-step
         run under the test suite's load was called "never healthy" and failed)."""
         if self.monitor is None:
-            return list(self.options.services)
+            return [name for name, _ in self.options.instances()]
         finished = {"trainer"} if self._trainer_finished() else set()
         return [
             name
@@ -487,7 +516,7 @@ class LocalRun:
         exit_code = self._exit_code()
         summary = build_summary(
             self.run_dir,
-            list(self.options.services),
+            [name for name, _ in self.options.instances()],
             self.supervisor,
             self.monitor,
             exit_code=exit_code,

@@ -18,6 +18,9 @@ from apps.launcher.supervisor import ChildState, Supervisor, describe_exit
 
 # Health fields that describe the answer itself, not the trainer's progress.
 HEALTH_META_FIELDS = ("service", "status", "detail")
+# Work counters of a service's last health answer kept in its summary: with several
+# rollout-workers, whether each of them did its share.
+WORK_FIELDS = ("rollouts_published",)
 
 
 def trainer_fields(body: dict[str, Any]) -> dict[str, Any]:
@@ -42,6 +45,7 @@ def service_summary(child: ChildState | None, record: HealthRecord | None) -> di
         "last_health": record.status if record else None,
         "pids": child.pids,
         "log": str(child.log_path),
+        **{key: record.body[key] for key in WORK_FIELDS if record and key in record.body},
     }
 
 
