@@ -265,6 +265,33 @@ async def test_sync_feeder_publishes_one_tagged_batch_per_version(
     ]
 
 
+@pytest.mark.parametrize("mode", ["sync", "async"])
+async def test_the_feeder_feeds_as_soon_as_the_trainer_writes_its_progress(
+    bus: Bus, start_gateway: Callable, mode: str
+) -> None:
+    kv = await bus.js.key_value(streams.STATE.bucket)
+    # A poll interval no test outlives: every round after the first is one that the
+    # trainer's writes start.
+    gateway: EnvGatewayService = await start_gateway(
+        feeder={"mode": mode, "poll_interval_s": 3600, "max_ahead_versions": 1}
+    )
+    feeder = gateway.feeder
+    assert feeder is not None
+
+    async def published(n: int) -> bool:
+        return feeder.num_published == n
+
+    await kv.put(streams.BATCH_GROUPS_KEY, b"2")  # the trainer starts: its batch size
+    # sync: version 0's batch; async: the batch in progress and one ahead.
+    await wait_for(lambda: published(2 if mode == "sync" else 4), what="the first tasks")
+    if mode == "sync":
+        await kv.put(streams.POLICY_VERSION_KEY, b"1")  # a step: the next version
+        await wait_for(lambda: published(4), what="the batch for version 1")
+    else:
+        await kv.put(streams.GROUPS_TAKEN_KEY, b"2")  # a step: one batch taken
+        await wait_for(lambda: published(6), what="a batch for the next step")
+
+
 async def test_async_feeder_stays_a_bounded_number_of_batches_ahead_of_the_trainer(
     bus: Bus, start_gateway: Callable
 ) -> None:

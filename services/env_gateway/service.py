@@ -46,6 +46,7 @@ class EnvGatewayService(Service):
                 source,
                 env=s.env,
                 config=s.feeder,
+                nc=bus.nc,
             )
             await self.feeder.start()
         await self.server.start()
