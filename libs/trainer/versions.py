@@ -22,6 +22,7 @@ import asyncio
 from pathlib import Path
 
 import structlog
+import torch
 from nats.js.errors import KeyNotFoundError
 
 from libs.bus.connection import Bus, ride_through
@@ -64,6 +65,7 @@ class VersionPublisher:
             ),
         )  # fmt: skip
         self._sharer = SameHostSharer(bus, config.same_host) if config.same_host.enabled else None
+        self._sharing: asyncio.Task[object] | None = None
 
     def _hands_over_deltas(self) -> bool:
         """Whether the stager encodes deltas itself (config.weight_handover)."""
@@ -90,13 +92,27 @@ class VersionPublisher:
     async def publish(self) -> None:
         """Record the version as taken (KV), share a copy of the weights with this host's
         workers, then hand it to the stager, which stages it in the background (a version
-        still waiting is replaced: the newest ships first, libs/trainer/staging.py)."""
+        still waiting is replaced: the newest ships first, libs/trainer/staging.py).
+
+        Only the copy is made in line (the next step changes the weights); sharing it runs
+        beside the next step (on its own stream on a card), one version at a time, so the
+        trainer does not wait for the slot's copy, checksum and announcement."""
         await self.record_progress()
         state = self._state
         weights = await asyncio.to_thread(self._learner.published_state)
         if self._sharer is not None:
-            await self._sharer.share(weights, state.version, step=state.step)
+            ready = _made_event(weights)
+            await self._shared()  # the version before: slots are written in turn
+            share = self._sharer.share(weights, state.version, step=state.step, ready=ready)
+            self._sharing = asyncio.create_task(share, name="same-host-share")
         await self._stager.offer(weights, state.version, step=state.step)
+
+    async def _shared(self) -> None:
+        """Wait for the version being shared, if any (its failure is logged by the sharer;
+        anything else it raised is raised here)."""
+        sharing, self._sharing = self._sharing, None
+        if sharing is not None:
+            await sharing
 
     async def record_progress(self) -> None:
         """Publish the version, the groups taken, the staleness bound and the batch size to the
@@ -130,4 +146,17 @@ class VersionPublisher:
             await self._stager.close()
         finally:
             if self._sharer is not None:
-                await self._sharer.close()
+                try:
+                    await self._shared()
+                finally:
+                    await self._sharer.close()
+
+
+def _made_event(weights: dict[str, torch.Tensor]) -> torch.cuda.Event | None:
+    """An event recorded after the copy `weights` was queued on this thread's stream (on a
+    card; None on a CPU): what the share's own stream waits for, and nothing later."""
+    if not any(tensor.is_cuda for tensor in weights.values()):
+        return None
+    event = torch.cuda.Event()
+    event.record()
+    return event

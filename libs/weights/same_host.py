@@ -206,6 +206,11 @@ class ShelfWriter:
         self._memories = memories  # POSIX blocks (CPU): unlinked on close
         self._views = [_views(flat, description.tensors) for flat in flats]
         self._next_slot = 0
+        # On a card, slots are written on a stream of their own, so a copy overlaps the
+        # trainer's next step instead of waiting for it (write's `ready` orders it after the
+        # state was made); None on a CPU.
+        device = flats[0].device if flats else None
+        self._stream = torch.cuda.Stream(device) if device and device.type == "cuda" else None
 
     @classmethod
     def create(
@@ -251,24 +256,37 @@ class ShelfWriter:
         return _layout(state).tensors == self.description.tensors
 
     def write(
-        self, state: Mapping[str, torch.Tensor], version: int, step: int | None = None
+        self,
+        state: Mapping[str, torch.Tensor],
+        version: int,
+        step: int | None = None,
+        ready: torch.cuda.Event | None = None,
     ) -> SameHostVersion:
         """Copy `state` into the next slot and return its notice; blocks until the copy is
-        complete (the caller publishes the notice only then)."""
+        complete (the caller publishes the notice only then). On a card, `ready` is an event
+        recorded where `state` was made (the copy waits for it, and for nothing else that
+        stream runs later); without it the copy waits for all of that stream's work so far.
+        The caller keeps `state` alive until write returns."""
         if not self.fits(state):
             raise ValueError("the state's names, dtypes or shapes differ from the shelf's")
         index = self._next_slot
         self._next_slot = (index + 1) % len(self._flats)
         flat, views = self._flats[index], self._views[index]
         header = _header(flat)
-        with torch.no_grad():
+        stream = self._stream
+        if stream is not None:
+            if ready is None:
+                stream.wait_stream(torch.cuda.current_stream(flat.device))
+            else:
+                stream.wait_event(ready)
+        with torch.no_grad(), torch.cuda.stream(stream) if stream else contextlib.nullcontext():
             header.fill_(WRITING)
-            _synchronize(flat)  # a reader that meets the old version must see it change
+            _synchronize(stream)  # a reader that meets the old version must see it change
             destinations = [views[name] for name in state]
             torch._foreach_copy_(destinations, list(state.values()))
             total = checksum(destinations)  # synchronizes: the copy is complete
             header.fill_(version)
-            _synchronize(flat)
+            _synchronize(stream)
         return SameHostVersion(
             shelf_id=self.description.shelf_id,
             version=version,
@@ -392,9 +410,10 @@ def _check_room(size_bytes: int) -> None:
         )
 
 
-def _synchronize(flat: torch.Tensor) -> None:
-    if flat.is_cuda:
-        torch.cuda.synchronize(flat.device)
+def _synchronize(stream: torch.cuda.Stream | None) -> None:
+    """Wait for a slot's writes so far (its own stream on a card; a CPU copy is done)."""
+    if stream is not None:
+        stream.synchronize()
 
 
 def _device_uuid(device: torch.device) -> str:

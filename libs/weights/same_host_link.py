@@ -76,16 +76,20 @@ class SameHostSharer:
         return None if self._writer is None else self._writer.description
 
     async def share(
-        self, state: Mapping[str, torch.Tensor], version: int, step: int | None = None
+        self,
+        state: Mapping[str, torch.Tensor],
+        version: int,
+        step: int | None = None,
+        ready: torch.cuda.Event | None = None,
     ) -> SameHostVersion | None:
         """Write `state` as `version` into the next slot and announce it; None when sharing
-        failed (logged; the delta chain still carries every version)."""
+        failed (logged; the delta chain still carries every version). `ready`: ShelfWriter.write."""
         if self._failed:
             return None
         started = time.perf_counter()
         try:
             writer = await self._writer_for(state)
-            notice = await asyncio.to_thread(writer.write, state, version, step)
+            notice = await asyncio.to_thread(writer.write, state, version, step, ready)
         except (RuntimeError, ValueError, OSError) as exc:
             # Out of card memory or shared memory: the chain goes on, this path stops.
             self._failed = True
