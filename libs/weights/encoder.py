@@ -25,6 +25,7 @@ from libs.weights.chunking import (
     PiecePlan,
     TensorJob,
     dense_bytes_per_width,
+    parallel_target,
     plan_chunks,
     split_plan,
 )
@@ -229,7 +230,8 @@ def _finish(
 ) -> tuple[Manifest, list[Chunk]]:
     """Hash the target, encode the chunks and assemble the manifest."""
     digests = tensor_digests(new.values(), opts.threads)
-    bodies = _encode_bodies(old, new, plan_chunks(jobs, opts.target()), opts)
+    plans = plan_chunks(jobs, parallel_target(jobs, opts.target()))
+    bodies = _encode_bodies(old, new, plans, opts)
     counts: dict[str, int] = {}
     for body in bodies:
         for piece in body.pieces:

@@ -68,10 +68,7 @@ _UNPACK_2BIT = np.array(
     [sum(((byte >> (2 * k)) & 3) << (8 * k) for k in range(4)) for byte in range(256)], dtype="<u4"
 )
 _PACK_2BIT = (1 << 24) | (1 << 18) | (1 << 12) | (1 << 6)
-# A packed byte -> how many of its four 2-bit symbols are 0.
-_ZERO_SYMBOLS = np.array(
-    [sum(((byte >> (2 * k)) & 3) == 0 for k in range(4)) for byte in range(256)], dtype=np.int64
-)
+_NONZERO_SYMBOL_BITS = np.uint64(0x5555555555555555)  # the low bit of each 2-bit symbol
 
 
 @dataclass(frozen=True)
@@ -323,10 +320,23 @@ def pack_codes(codes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def dense_add_piece(packed: np.ndarray, escapes: np.ndarray, size: int, level: int) -> EncodedPiece:
     """The dense_add piece of `size` elements from its packed symbols and escapes, wherever
     they were made; compressed at zstd level at most DENSE_ZSTD_LEVEL."""
-    zeros = int(np.bincount(packed, minlength=256) @ _ZERO_SYMBOLS)  # no temporary per byte
-    num_changed = size - zeros + (-size % 4)  # the padding symbols are zeros too
+    num_changed = nonzero_symbols(packed)  # the padding symbols are zeros
     streams = [packed, *plane_streams(escapes)]
     return _pack("dense_add", streams, num_changed, min(level, DENSE_ZSTD_LEVEL))
+
+
+def nonzero_symbols(packed: np.ndarray) -> int:
+    """How many of the 2-bit symbols packed 4 per byte are not 0: a popcount of each
+    symbol's two bits ORed, 8 bytes at a time (np.bincount casts every byte to int64 first:
+    ten times slower, 40 ms for a 4 MiB chunk's 9 MB of symbols on one core)."""
+    whole = packed.size // 8 * 8
+    words = np.ascontiguousarray(packed[:whole]).view(np.uint64)
+    tail = packed[whole:].astype(np.uint64)  # the last few bytes, one a word
+    count = 0
+    for part in (words, tail):
+        either = (part | (part >> np.uint64(1))) & _NONZERO_SYMBOL_BITS
+        count += int(np.bitwise_count(either).sum(dtype=np.int64))
+    return count
 
 
 def unpack_codes(streams: list[np.ndarray], size: int, width: int) -> np.ndarray:
