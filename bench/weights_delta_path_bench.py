@@ -9,8 +9,11 @@ For each learning rate (--lr, default 1e-5 and 1e-6):
 2. encode: what the trainer's delta encoder does (libs/trainer/delta_encoder.py):
    `encode_device` against a pinned host mirror of the base with spare pinned buffers, on
    --threads threads; `diff` (the device diff and the copies to the host) is part of it.
-3. handoff: the delta file written to a staging folder and read back (the trainer's encoder
-   process to the weight-broadcaster).
+3. handoff: the delta file written and read back as the trainer's encoder process and the
+   weight-broadcaster do (libs/weights/handoff.py): into the broadcaster's folder in /dev/shm
+   (offered before the first run, as the broadcaster does on reading its first delta), read
+   memory-mapped; `--handoff disk` keeps it in the staging folder (the fallback where the
+   two do not share a host).
 4. store: the chunks onto RL_WEIGHT_CHUNKS of a local nats-server (pipelined publish).
 5. receive: fetch and decode overlapped per chunk (libs/weights/pipelined.py) against a
    second copy of the base on the device (DeviceDeltaApplier), then `apply` (commit: the
@@ -52,16 +55,22 @@ from libs.bus.publisher import Publisher
 from libs.nats_server import NatsServer
 from libs.policy import POLICY_PRESETS
 from libs.weights import EncodeOptions, VersionInfo
-from libs.weights.container import read_delta_file, write_delta_file
 from libs.weights.encoder import DEFAULT_MAX_CHUNK_BYTES, EncodeTimes, chunk_bytes_for
 from libs.weights.format import Chunk, Manifest
 from libs.weights.gpu import encode_device, int_view
 from libs.weights.gpu_apply import DeviceDeltaApplier
+from libs.weights.handoff import (
+    load_staged_delta,
+    offer_shm,
+    remove_staged_before,
+    write_staged_delta,
+)
 from libs.weights.hashing import state_hash
 from libs.weights.pipelined import fetch_and_prepare
 from libs.weights.tensors import raw_state
 from libs.weights.transport import fetch_chunks, store_chunks
 from proto import streams
+from proto.messages import WeightsStaged
 
 State = dict[str, torch.Tensor]
 PARTS = ("encode", "diff", "handoff", "store", "receive", "fetch", "decode_tail", "apply")
@@ -172,11 +181,15 @@ async def one_run(
     return row
 
 
-def handoff(staging: Path, manifest: Manifest, chunks: list[Chunk]) -> tuple[Manifest, list]:
+def handoff(staging: Path, manifest: Manifest, chunks: list[Chunk]) -> tuple[Manifest, Any]:
     """The delta file written and read back (the trainer's encoder to the broadcaster)."""
-    target = staging / f"v{manifest.version}.delta"
-    write_delta_file(target, manifest, chunks)
-    return read_delta_file(target)
+    remove_staged_before(staging, manifest.version)
+    path = write_staged_delta(staging, manifest, chunks)
+    message = WeightsStaged(
+        version=manifest.version, file_name=path.name, num_bytes=path.stat().st_size,
+        created_at=time.time(), kind="delta", base_version=manifest.base_version,
+    )  # fmt: skip
+    return load_staged_delta(staging, message)
 
 
 async def sequential_receive(
@@ -236,6 +249,10 @@ async def measure(args: argparse.Namespace, device: torch.device) -> dict[str, A
             max_chunk = chunk_bytes_for(bus.nc.max_payload, args.chunk_mib << 20)
             options = EncodeOptions(max_chunk_bytes=max_chunk, threads=args.threads)
             version = 2
+            staging = Path(folder) / "weights-staging"
+            staging.mkdir()
+            if args.handoff == "shm" and offer_shm(staging) is None:
+                raise SystemExit("no /dev/shm to hand deltas over in: run with --handoff disk")
             for preset, lr in [(p, lr) for p in args.preset for lr in args.lr]:
                 base, new = training_step(preset_shapes(preset), device, lr, seed=0)
                 path = VersionPair(base, new, device)
@@ -243,11 +260,12 @@ async def measure(args: argparse.Namespace, device: torch.device) -> dict[str, A
                 rows = []
                 for i in range(args.repeats + 1):
                     version += 1
-                    row = await one_run(path, bus, options, args.threads, Path(folder), version)
+                    row = await one_run(path, bus, options, args.threads, staging, version)
                     print(f"{preset} lr {lr:g} run {i}: {json.dumps(rounded(row))}", flush=True)
                     rows.append(row)
                 results[f"{preset}/lr_{lr:g}"] = summarize(rows[1:] or rows, model_bytes)
                 del path, base, new
+            remove_staged_before(staging, version + 1)
             await bus.close()
         finally:
             server.stop()
@@ -270,6 +288,9 @@ def main() -> None:
         "--chunk-mib", type=int, default=DEFAULT_MAX_CHUNK_BYTES >> 20, help="largest chunk, MiB"
     )
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--handoff", choices=["shm", "disk"], default="shm", help="where the delta file goes"
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -277,8 +298,9 @@ def main() -> None:
     results = asyncio.run(measure(args, device))
     report = {
         "card": card, "presets": args.preset, "threads": args.threads,
-        "cpu_count": os.cpu_count(), "chunk_mib": args.chunk_mib, "torch": torch.__version__,
-        "python": platform.python_version(), "repeats": args.repeats, **results,
+        "cpu_count": os.cpu_count(), "chunk_mib": args.chunk_mib, "handoff": args.handoff,
+        "torch": torch.__version__, "python": platform.python_version(),
+        "repeats": args.repeats, **results,
     }  # fmt: skip
     out = args.out or result_file("weights_delta_path", card)
     out.parent.mkdir(parents=True, exist_ok=True)

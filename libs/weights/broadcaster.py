@@ -41,7 +41,7 @@ from __future__ import annotations
 import asyncio
 import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -392,7 +392,7 @@ class WeightBroadcaster:
         remove_staged_before(self.staging_dir, message.version + 1)
         self.num_handled += 1
 
-    def _advance(self, head: ChainHead, manifest: Manifest, chunks: list[Chunk]) -> None:
+    def _advance(self, head: ChainHead, manifest: Manifest, chunks: Sequence[Chunk]) -> None:
         """Apply the delta announced on `head` to the head's state, after the deltas before
         it, in the background: the next versions need not wait for it."""
         previous, self._advancing = self._advancing, None
@@ -416,7 +416,7 @@ class WeightBroadcaster:
         base: Mapping[str, RawTensor],
         head: ChainHead,
         manifest: Manifest,
-        chunks: list[Chunk],
+        chunks: Sequence[Chunk],
     ) -> dict[str, RawTensor]:
         """`base` (the state of `head`) with the delta applied: in place where it is a
         writable copy, else (a memory-mapped staged file) into a copy."""
@@ -489,7 +489,7 @@ class WeightBroadcaster:
         self,
         kind: WeightKind,
         manifest: Manifest,
-        chunks: list[Chunk],
+        chunks: Sequence[Chunk],
         model_bytes: int,
         encode_s: float,
         snapshot_version: int,

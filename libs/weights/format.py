@@ -39,6 +39,7 @@ __all__ = [
     "TensorEntry",
     "VersionInfo",
     "check_format",
+    "chunk_prefix",
     "encode_chunk",
     "encode_manifest",
 ]
@@ -91,6 +92,22 @@ class VersionInfo(msgspec.Struct, frozen=True, kw_only=True):
 def encode_chunk(chunk: Chunk) -> bytes:
     """The chunk as msgpack bytes (what travels on the bus)."""
     return msgspec.msgpack.encode(chunk)
+
+
+def chunk_prefix(chunk: Chunk) -> bytes:
+    """The msgpack bytes of `chunk` before its payload: `chunk_prefix(c) + c.payload ==
+    encode_chunk(c)`, so a writer can send the payload without copying it into one buffer.
+    The payload is the last field, a msgpack bin (8, 16 or 32: a 2, 3 or 5 byte header)."""
+    bare = encode_chunk(Chunk(header=chunk.header, payload=b""))
+    assert bare.endswith(b"\xc4\x00"), "the payload is no longer the chunk's last field"
+    size = len(chunk.payload)
+    if size < 1 << 8:
+        head = b"\xc4" + size.to_bytes(1, "big")
+    elif size < 1 << 16:
+        head = b"\xc5" + size.to_bytes(2, "big")
+    else:
+        head = b"\xc6" + size.to_bytes(4, "big")
+    return bare[:-2] + head
 
 
 def encode_manifest(manifest: Manifest) -> bytes:

@@ -37,7 +37,7 @@ import json
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 import nats.errors
@@ -47,6 +47,7 @@ from prometheus_client import Counter
 
 from libs.bus import wire
 from libs.bus.publisher import Publisher
+from libs.weights.container import EncodedChunks
 from libs.weights.errors import CorruptDeltaError, MissingChunkError
 from libs.weights.format import Chunk, ChunkRef, Manifest, encode_chunk
 from libs.weights.hashing import digest
@@ -114,8 +115,10 @@ async def store_chunks(
     started = time.perf_counter()
     tasks = []
     num_bytes = 0
-    for ref, chunk in zip(manifest.chunks, chunks, strict=True):
-        body = encode_chunk(chunk)
+    # Chunks read from a delta file are their records already: published as they lie there.
+    bodies = chunks.bodies if isinstance(chunks, EncodedChunks) else None
+    for i, ref in enumerate(manifest.chunks):
+        body = bodies[i] if bodies is not None else encode_chunk(chunks[i])
         if max_payload_bytes is not None and len(body) + HEADER_ROOM_BYTES > max_payload_bytes:
             raise ValueError(
                 f"chunk {ref.index} is {len(body)} bytes, above the server's max payload "
@@ -124,7 +127,9 @@ async def store_chunks(
         num_bytes += len(body)
         headers = {wire.MSG_ID_HEADER: chunk_msg_id(manifest, ref)}
         subject = chunk_subject(manifest, ref.index)
-        tasks.append(asyncio.create_task(publisher.publish_raw(subject, body, headers)))
+        # cast: nats-py joins the body to its command bytes, which takes any buffer.
+        publish = publisher.publish_raw(subject, cast(bytes, body), headers)
+        tasks.append(asyncio.create_task(publish))
     try:
         acks = await asyncio.gather(*tasks)
     except BaseException:
