@@ -62,6 +62,7 @@ from libs.weights.gpu_apply import DeviceDeltaApplier
 from libs.weights.handoff import (
     load_staged_delta,
     offer_shm,
+    release_shm,
     remove_staged_before,
     write_staged_delta,
 )
@@ -266,6 +267,7 @@ async def measure(args: argparse.Namespace, device: torch.device) -> dict[str, A
                 results[f"{preset}/lr_{lr:g}"] = summarize(rows[1:] or rows, model_bytes)
                 del path, base, new
             remove_staged_before(staging, version + 1)
+            release_shm(staging)
             await bus.close()
         finally:
             server.stop()

@@ -78,6 +78,23 @@ def test_a_staged_delta_goes_through_shared_memory_once_offered_and_leaves_with_
     assert not in_shm.exists() and not path.is_symlink()
 
 
+def test_a_stopping_broadcaster_leaves_nothing_in_shared_memory_and_loses_no_delta(
+    tmp_path: Path, shm: Path
+) -> None:
+    staging = tmp_path / "staging"
+    staging.mkdir()
+    handoff.offer_shm(staging)
+    base, new = step(20_000)
+    manifest, chunks = encode(base, new, base_version=1, version=2)
+    path = write_staged_delta(staging, manifest, chunks)
+    assert path.is_symlink()
+    handoff.release_shm(staging)
+    assert list(shm.iterdir()) == [] and not (staging / SHM_OFFER).exists()
+    assert path.is_file() and not path.is_symlink()  # still there for the next broadcaster
+    got, got_chunks = load_staged_delta(staging, staged_message(path, 2, 1))
+    assert got == manifest and list(got_chunks) == chunks
+
+
 def test_a_delta_goes_to_disk_where_the_offered_memory_is_not_this_sides(
     tmp_path: Path, shm: Path
 ) -> None:

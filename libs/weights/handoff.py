@@ -44,6 +44,7 @@ import json
 import os
 import re
 import secrets
+import shutil
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -147,6 +148,25 @@ def offer_shm(staging_dir: str | Path) -> Path | None:
         )
         return None
     return folder
+
+
+def release_shm(staging_dir: str | Path) -> None:
+    """The broadcaster's side, stopping: withdraw the offer and empty its /dev/shm folder (a
+    tmpfs keeps what nobody deletes until the host reboots). A delta still waiting there is
+    moved into the staging folder first (its link replaced by the file), so a broadcaster
+    started again on this folder still finds it."""
+    directory = Path(staging_dir)
+    folder = _read_offer(directory / SHM_OFFER)
+    if folder is None:
+        return
+    (folder / SHM_OFFER).unlink(missing_ok=True)  # the trainer's side writes here no more
+    (directory / SHM_OFFER).unlink(missing_ok=True)
+    for path in directory.glob("v*.delta"):
+        if path.is_symlink() and path.readlink().parent == folder and path.exists():
+            partial = path.with_name(path.name + ".partial")
+            shutil.copyfile(path, partial)
+            partial.replace(path)
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 def _read_offer(offer: Path, folder: Path | None = None) -> Path | None:

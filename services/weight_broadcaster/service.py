@@ -18,6 +18,7 @@ from libs.bus.publisher import Publisher
 from libs.service import Service
 from libs.weights.broadcaster import WeightBroadcaster
 from libs.weights.encoder import chunk_bytes_for
+from libs.weights.handoff import release_shm
 from proto.messages import WeightsStaged
 from proto.streams import WEIGHT_BROADCASTER_STAGED
 from services.weight_broadcaster.settings import WeightBroadcasterSettings
@@ -89,6 +90,7 @@ class WeightBroadcasterService(Service):
         await super().stop()
         if self._consumer is not None:
             await self._consumer.stop(grace_s=self.settings.drain_timeout_s)
+        await asyncio.to_thread(release_shm, self.settings.resolved_staging_dir())
 
     def health(self) -> dict[str, Any]:
         """The chain; unhealthy, with the reason, while staged versions fail to broadcast."""
