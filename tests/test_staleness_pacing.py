@@ -21,6 +21,7 @@ from libs.rl import (
 )
 from libs.trainer.lineage import Lineage
 from libs.trainer.pacing import PacingConfig, StalenessPacer
+from libs.trainer.samples import versions_reachable
 
 LN = math.log
 
@@ -221,3 +222,15 @@ def test_the_start_is_clamped_into_the_limits_and_the_limits_must_be_ordered() -
     assert StalenessPacer(pacing(max_staleness=None, min_staleness=2), start=1).bound == 1
     with pytest.raises(pydantic.ValidationError, match="min_staleness"):
         pacing(min_staleness=4, max_staleness=3)
+
+
+def test_the_trainer_holds_samples_back_only_while_no_fresh_enough_version_is_offered() -> None:
+    # Bound 8: samples of a version up to 7 behind stay trainable.
+    assert versions_reachable(20, [], max_staleness=8, publish_every_steps=1)  # no broadcaster
+    assert versions_reachable(20, [13], max_staleness=8, publish_every_steps=1)
+    assert not versions_reachable(20, [12], max_staleness=8, publish_every_steps=1)
+    # The chain far behind, this host's workers taking version 19 from the trainer's memory.
+    assert versions_reachable(20, [12, 19], max_staleness=8, publish_every_steps=1)
+    # Versions published every 4 steps: up to 3 behind is expected however low the bound.
+    assert versions_reachable(20, [17], max_staleness=0, publish_every_steps=4)
+    assert not versions_reachable(20, [16], max_staleness=0, publish_every_steps=4)

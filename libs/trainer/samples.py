@@ -235,16 +235,16 @@ class SampleSource:
             log.warning("cannot read the announced version", error=repr(exc))
             return True
         versions = [announcement.version for _, announcement in filter(None, found)]
-        if not versions:
+        # A version this host's workers took from the trainer's memory has reached them,
+        # whatever the chain's lag (at 3B the chain staged a version in seconds while the
+        # host's worker had each in 0.2 s, and the trainer waited on the chain).
+        versions += [v for v in (self._versions.shared_version,) if v is not None]
+        if versions_reachable(
+            self._state.version, versions, self.max_staleness, self._config.publish_every_steps
+        ):
             return True
-        # One version short of max_staleness: samples of the newest announced version in
-        # the buffer and in flight stay trainable until the broadcaster is back.
-        lag = self._state.version - max(versions)
-        allowed = max(self.max_staleness - 1, self._config.publish_every_steps - 1, 0)
-        if lag > allowed:
-            self.detail = f"waiting for version {self._state.version} to reach the workers"
-            return False
-        return True
+        self.detail = f"waiting for version {self._state.version} to reach the workers"
+        return False
 
     async def _poll_scored(self, timeout_s: float) -> None:
         """Buffer what the scored stream has (waits up to `timeout_s` when it has nothing);
@@ -305,3 +305,16 @@ class SampleSource:
         finally:
             if self._online is not None:
                 await self._online.close()
+
+
+def versions_reachable(
+    trainer_version: int, offered: list[int], max_staleness: int, publish_every_steps: int
+) -> bool:
+    """Whether workers can have weights fresh enough to train on: the newest version
+    `offered` (announced on the chain, or shared on this host) is at most one version short
+    of `max_staleness` behind the trainer, so samples of it in the buffer and in flight stay
+    trainable. True when nothing was offered yet (no broadcaster)."""
+    if not offered:
+        return True
+    allowed = max(max_staleness - 1, publish_every_steps - 1, 0)
+    return trainer_version - max(offered) <= allowed

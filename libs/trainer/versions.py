@@ -65,7 +65,9 @@ class VersionPublisher:
             ),
         )  # fmt: skip
         self._sharer = SameHostSharer(bus, config.same_host) if config.same_host.enabled else None
-        self._sharing: asyncio.Task[object] | None = None
+        self._sharing: asyncio.Task[None] | None = None
+        # The newest version this host's workers can take from the trainer's memory.
+        self.shared_version: int | None = None
 
     def _hands_over_deltas(self) -> bool:
         """Whether the stager encodes deltas itself (config.weight_handover)."""
@@ -103,9 +105,20 @@ class VersionPublisher:
         if self._sharer is not None:
             ready = _made_event(weights)
             await self._shared()  # the version before: slots are written in turn
-            share = self._sharer.share(weights, state.version, step=state.step, ready=ready)
+            share = self._share(weights, state.version, state.step, ready)
             self._sharing = asyncio.create_task(share, name="same-host-share")
         await self._stager.offer(weights, state.version, step=state.step)
+
+    async def _share(
+        self,
+        weights: dict[str, torch.Tensor],
+        version: int,
+        step: int,
+        ready: torch.cuda.Event | None,
+    ) -> None:
+        assert self._sharer is not None
+        if await self._sharer.share(weights, version, step=step, ready=ready) is not None:
+            self.shared_version = version
 
     async def _shared(self) -> None:
         """Wait for the version being shared, if any (its failure is logged by the sharer;
