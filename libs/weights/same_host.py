@@ -41,7 +41,6 @@ import uuid
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from multiprocessing import shared_memory
-from pathlib import Path
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -77,11 +76,6 @@ class SameHostShareConfig(BaseModel):
     )  # fmt: skip
     host_id: str = Field(
         "", description="Name of this host for the handoff; empty: derived from the machine"
-    )
-    signing_key: Path | None = Field(
-        None,
-        description="Private key signing each shared version (the weight-broadcaster's "
-        "signing_key); unset: shared unsigned, taken only by workers that allow unsigned",
     )
 
 
