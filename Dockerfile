@@ -56,7 +56,7 @@ RUN apt-get update \
 # /data/* exist in the image owned by that user so that named volumes mounted
 # there start out writable by it.
 RUN useradd --create-home --uid 10001 --shell /usr/sbin/nologin rlpipe \
- && mkdir -p /data/runs /data/hf \
+ && mkdir -p /data/runs /data/hf /data/weights-signing /data/weights-public \
  && chown -R rlpipe:rlpipe /data
 
 COPY --from=build /opt/venv /opt/venv
