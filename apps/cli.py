@@ -132,6 +132,7 @@ def on_demo(args: argparse.Namespace) -> int:
     from apps.launcher.arguments import options_from_args
     from apps.launcher.recipe import recipe_in_use
     from apps.launcher.run import run_local
+    from apps.launcher.weight_keys import run_keys_assumed
 
     try:
         options = options_from_args(args)
@@ -141,7 +142,7 @@ def on_demo(args: argparse.Namespace) -> int:
         return 2
     # Every service's settings are checked here, as the recipe sets them: a typo or a bad
     # value is one line, now.
-    with recipe_in_use(options.recipe):
+    with recipe_in_use(options.recipe), run_keys_assumed():
         if not with_overrides(args, options.services):
             return 2
 

@@ -5,7 +5,9 @@
     rlpipe weights apply BASE.safetensors DELTA -o OUT.safetensors   (BASE is '-' for a snapshot)
     rlpipe weights verify OUT.safetensors NEW.safetensors
     rlpipe weights relay-setup --hub-domain HUB [--nats-url URL] [--max-bytes N] [--max-age-s S]
-    rlpipe weights relay-prune [--nats-url URL] [--every-s S]   (regional server; relay.py)
+    rlpipe weights relay-prune --signers KEY.pub [--nats-url URL] [--every-s S]   (relay.py)
+    rlpipe weights keygen --out DIR [--public-out DIR] [--keep]   (signing weight versions)
+    rlpipe weights key-id KEY              (the id of a .key or .pub file, as announcements name it)
 
 Standalone: `python -m apps.weights_cli weights diff ...`.
 
@@ -67,6 +69,53 @@ def add_weights_parser(subparsers: argparse._SubParsersAction) -> None:
     verify.add_argument("expected", type=Path)
     verify.set_defaults(handler=_on_verify)
     _add_relay_parsers(commands)
+    _add_key_parsers(commands)
+
+
+def _add_key_parsers(commands: argparse._SubParsersAction) -> None:
+    """`keygen` and `key-id`: the key pair that signs weight versions (libs/weights/signing.py)."""
+    keygen = commands.add_parser(
+        "keygen", help="write a new ed25519 key pair that signs weight versions"
+    )
+    keygen.add_argument("--out", type=Path, required=True, help="folder (made if absent)")
+    keygen.add_argument(
+        "--public-out", type=Path, default=None, help="folder of the public key (default: --out)"
+    )
+    keygen.add_argument(
+        "--keep", action="store_true", help="keep a pair already there (exit 0), else refuse"
+    )
+    keygen.set_defaults(handler=_on_keygen)
+    key_id = commands.add_parser("key-id", help="print the id of a signing key (.key or .pub)")
+    key_id.add_argument("key", type=Path)
+    key_id.set_defaults(handler=_on_key_id)
+
+
+def _on_keygen(args: argparse.Namespace) -> int:
+    from libs.weights.signing import ensure_key_pair, generate_key_pair
+
+    try:
+        if args.keep:
+            pair = ensure_key_pair(args.out, public_dir=args.public_out)
+        else:
+            pair = generate_key_pair(args.out, public_dir=args.public_out)
+    except FileExistsError as exc:
+        return _fail(f"{exc} (--keep keeps it)", EXIT_USAGE)
+    print(f"private key {pair.private_path} (mode 600: the weight-broadcaster's and trainer's)")
+    print(f"public key  {pair.public_path} (every rollout-worker, serve replica and relay)")
+    print(f"key id      {pair.key_id}")
+    print(pair.public_text)
+    return EXIT_OK
+
+
+def _on_key_id(args: argparse.Namespace) -> int:
+    from libs.weights.signing import PUBLIC_PREFIX, VersionSigner, key_id, parse_public_key
+
+    text = args.key.read_text()
+    if text.strip().startswith(PUBLIC_PREFIX):
+        print(key_id(parse_public_key(str(args.key))))
+    else:
+        print(VersionSigner.load(args.key).key_id)
+    return EXIT_OK
 
 
 def _add_relay_parsers(commands: argparse._SubParsersAction) -> None:
@@ -85,6 +134,15 @@ def _add_relay_parsers(commands: argparse._SubParsersAction) -> None:
     )
     prune.add_argument("--nats-url", default=default_url, help="the REGIONAL server")
     prune.add_argument("--every-s", type=float, default=0.0, help="repeat every S s (0: once)")
+    prune.add_argument(
+        "--signers",
+        default=os.environ.get("RLPIPE_WEIGHTS_SIGNERS", ""),
+        help="public keys (.pub files or ed25519:... lines, comma-separated) a snapshot must "
+        "be signed with to prune by it (default: $RLPIPE_WEIGHTS_SIGNERS)",
+    )
+    prune.add_argument(
+        "--allow-unsigned", action="store_true", help="prune by unsigned snapshots too"
+    )
     prune.set_defaults(handler=_on_relay_prune)
 
 
@@ -173,12 +231,16 @@ def _on_relay_setup(args: argparse.Namespace) -> int:
 
 def _on_relay_prune(args: argparse.Namespace) -> int:
     from libs.weights.relay import mirror_status, prune_region
+    from libs.weights.signing import VersionVerifier
+
+    signers = [part.strip() for part in args.signers.split(",") if part.strip()]
+    verifier = VersionVerifier.from_config(signers, allow_unsigned=args.allow_unsigned)
 
     async def main() -> int:
         bus = await _connect(args.nats_url, "rlpipe-relay-prune")
         try:
             while True:
-                kept = await prune_region(bus.js)
+                kept = await prune_region(bus.js, verifier)
                 print(f"kept from snapshot {kept.snapshot_version}" if kept else "nothing to prune")
                 print(f"mirrors: {await mirror_status(bus.js)}", flush=True)
                 if args.every_s <= 0:

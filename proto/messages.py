@@ -221,6 +221,12 @@ class WeightAnnouncement(Message, kw_only=True):
     encoded_bytes: int
     encode_s: float = 0.0
     created_at: float = 0.0
+    # The trainer's side signs what identifies the version (libs/weights/signing.py): the
+    # fields above, the manifest's hashes and the policy; receivers verify before applying.
+    # Empty: unsigned (taken only by a receiver configured with allow_unsigned).
+    signature: bytes = b""
+    key_id: str = ""  # which signing key (a digest of its public key)
+    policy_digest: str = ""  # the trainer's PolicyIdentity, digested ("": not stated)
 
 
 StagedKind = Literal["state", "delta"]
@@ -394,7 +400,18 @@ class DeadLetter(Message, kw_only=True):
     origin_subject: str
     origin_stream: str
     consumer: str
-    reason: Literal["undecodable", "invalid", "schema_mismatch", "max_deliver", "rejected"]
+    # unsigned, forged, replayed: a weight version refused by its signature
+    # (libs/weights/signing.py).
+    reason: Literal[
+        "undecodable",
+        "invalid",
+        "schema_mismatch",
+        "max_deliver",
+        "rejected",
+        "unsigned",
+        "forged",
+        "replayed",
+    ]
     error: str
     num_delivered: int
     stream_sequence: int

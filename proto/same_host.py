@@ -96,3 +96,7 @@ class SameHostVersion(Message, kw_only=True):
     checksum: int
     step: int | None = None
     published_at: float = 0.0  # Unix time the trainer offered the version (its step's end)
+    # Signed by the trainer as weight announcements are (libs/weights/signing.py).
+    signature: bytes = b""
+    key_id: str = ""
+    policy_digest: str = ""

@@ -15,6 +15,11 @@ from libs.bus.connection import Bus, connect_bus
 from libs.nats_server import NatsServer
 from libs.policy import PolicyConfig, build_policy, load_policy_tokenizer, tokenizer_spec
 from libs.policy_identity import describe_policy, store_identity
+from tests.signing_support import signing_environment
+
+# Services sign and verify weight versions with the session's key pair, as deployed.
+for _name, _value in signing_environment().items():
+    os.environ.setdefault(_name, _value)
 
 if os.environ.get("PYTEST_XDIST_WORKER") and "OMP_NUM_THREADS" not in os.environ:
     import torch

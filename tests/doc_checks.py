@@ -32,6 +32,7 @@ import yaml
 
 from apps.cli import build_parser
 from tests.compose_support import ROOT
+from tests.signing_support import signing_environment
 
 ENV_PREFIX = r"(?:[A-Z_][A-Z0-9_]*=\S*\s+)*"
 BIN = ROOT / ".venv" / "bin"
@@ -148,6 +149,7 @@ RLPIPE_NOT_RUN = {
 def run_rlpipe(command: str) -> None:
     """Run a read-only rlpipe command as a user would, without the test's RLPIPE_ settings."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("RLPIPE_")}
+    env |= signing_environment()  # a deployment's weight-signing keys (docs/weights.md)
     done = subprocess.run(
         [str(BIN / "rlpipe"), *shlex.split(command)[1:]],
         cwd=ROOT,

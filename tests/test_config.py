@@ -19,12 +19,14 @@ from apps.config_cli import dotted_fields
 from libs.nats_server import free_port
 from libs.settings import SettingsError, load_settings, nested_fields
 from services.trainer.settings import TrainerSettings
+from tests.signing_support import signing_environment
 
 
 def rlpipe(
     *args: str, env: dict[str, str] | None = None, timeout: float = 120
 ) -> subprocess.CompletedProcess[str]:
     clean = {k: v for k, v in os.environ.items() if not k.startswith("RLPIPE_")}
+    clean |= signing_environment()  # as deployed: the weight-signing keys are configured
     return subprocess.run(
         [sys.executable, "-m", "apps.cli", *args],
         env={**clean, **(env or {})},
@@ -38,7 +40,8 @@ def rlpipe_here(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], *args: str, **env: str
 ) -> tuple[int, str, str]:
     """`rlpipe ARGS` run by the CLI's main in this process (no interpreter to start), with
-    `env` as the only RLPIPE_* variables; (exit code, stdout, stderr)."""
+    `env` (and the weight-signing keys) as the only RLPIPE_* variables; (exit code, stdout,
+    stderr)."""
     for name in [n for n in os.environ if n.startswith("RLPIPE_")]:
         monkeypatch.delenv(name)
     # --set writes RLPIPE_SET into this process's environment. Set, then deleted, so that the
@@ -46,7 +49,7 @@ def rlpipe_here(
     # (trainer.learning_rate=1e-4) reached every later test's services.
     monkeypatch.setenv("RLPIPE_SET", "{}")
     monkeypatch.delenv("RLPIPE_SET")
-    for name, value in env.items():
+    for name, value in (signing_environment() | env).items():
         monkeypatch.setenv(name, value)
     code = main(list(args))
     captured = capsys.readouterr()

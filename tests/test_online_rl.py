@@ -48,7 +48,7 @@ from libs.trainer.mix import Stream, choose_stream, scheduled_stream
 from libs.trainer.online_step import OnlineConfig
 from libs.weights.encoder import EncodeOptions
 from libs.weights.handoff import stage_weights
-from libs.weights.receiver import ReceiverConfig, WeightReceiver
+from libs.weights.receiver import WeightReceiver
 from proto import streams, subjects
 from proto.messages import (
     DeadLetter,
@@ -61,6 +61,7 @@ from proto.messages import (
 from services.weight_broadcaster.service import WeightBroadcasterService
 from services.weight_broadcaster.settings import WeightBroadcasterSettings
 from tests.conftest import wait_for
+from tests.signing_support import trusting
 
 TOKENIZER = ByteTokenizer()
 POLICY = PolicyConfig(preset="tiny", seed=0)
@@ -441,7 +442,7 @@ async def test_a_serving_follower_applies_only_promoted_versions(bus: Bus, tmp_p
     follower = WeightsFollower(
         engine,
         WeightReceiver(
-            bus, ReceiverConfig(fetch_timeout_s=5.0, promoted_only=True, decode_process=False)
+            bus, trusting(fetch_timeout_s=5.0, promoted_only=True, decode_process=False)
         ),
         GenerationBatcher(engine),
         promoted_poll_s=0.05,

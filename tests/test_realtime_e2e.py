@@ -42,7 +42,6 @@ from libs.trainer.eval_gate import EvalGateConfig, held_out_tasks
 from libs.trainer.metrics import read_step_samples
 from libs.trainer.online_step import OnlineConfig
 from libs.weights.encoder import EncodeOptions
-from libs.weights.receiver import ReceiverConfig
 from proto import streams
 from proto.messages import ChatMessage, OnlineSample, PromotionDecision, ServedGeneration
 from services.env_gateway.service import EnvGatewayService
@@ -56,6 +55,7 @@ from services.weight_broadcaster.service import WeightBroadcasterService
 from services.weight_broadcaster.settings import WeightBroadcasterSettings
 from tests.conftest import wait_for
 from tests.feedback_support import auth, event_json, settings, stream_messages
+from tests.signing_support import trusting
 
 MODEL = "rlpipe-e2e"
 SEED = 0  # the trainer's and the worker's initial weights (the worker's are replaced)
@@ -108,7 +108,7 @@ async def pipeline(bus: Bus, tmp_path: Path) -> AsyncIterator[Pipeline]:
             policy=PolicyConfig(device="cpu", seed=SEED + 1),
             consume_tasks=False,
             serve=ServeConfig(port=serve_port, model_name=MODEL),
-            weights=ReceiverConfig(promoted_only=True),
+            weights=trusting(promoted_only=True),
             drain_timeout_s=5.0,
         )
     )

@@ -31,6 +31,7 @@ from libs.tokenizer import load_tokenizer
 from services.env_gateway.settings import EnvGatewaySettings
 from services.rollout_worker.settings import RolloutWorkerSettings
 from services.trainer.settings import TrainerSettings
+from tests.signing_support import signing_environment
 from tests.test_launcher import fake_commands, last_json_line
 
 REPO = Path(__file__).resolve().parent.parent
@@ -49,6 +50,8 @@ def no_settings_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in list(os.environ):
         if name.startswith("RLPIPE_"):
             monkeypatch.delenv(name)
+    for name, value in signing_environment().items():  # as deployed: keys configured
+        monkeypatch.setenv(name, value)
 
 
 def test_the_calc_demo_reads_its_recipe_file_into_every_service(tmp_path: Path) -> None:

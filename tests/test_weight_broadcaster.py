@@ -19,6 +19,7 @@ from libs.bus.provision import provision
 from libs.bus.publisher import Publisher
 from libs.trainer.staging import WeightStager
 from libs.weights import BaseMismatchError, CorruptDeltaError, MissingChunkError
+from libs.weights.announcements import latest_announcement
 from libs.weights.encoder import EncodeOptions, encode
 from libs.weights.format import encode_chunk
 from libs.weights.handoff import (
@@ -29,9 +30,7 @@ from libs.weights.handoff import (
 )
 from libs.weights.receiver import (
     VERSION_ATTEMPTS,
-    ReceiverConfig,
     WeightReceiver,
-    latest_announcement,
 )
 from libs.weights.tensors import as_raw
 from libs.weights.transport import chunk_subject, fetch_chunks
@@ -41,6 +40,7 @@ from proto.subjects import WEIGHTS_STAGED, weight_chunk_subject
 from services.weight_broadcaster.service import WeightBroadcasterService
 from services.weight_broadcaster.settings import WeightBroadcasterSettings
 from tests.conftest import wait_for
+from tests.signing_support import trusting
 
 DEVICES = pytest.mark.parametrize(
     "device",
@@ -54,7 +54,7 @@ DEVICES = pytest.mark.parametrize(
 )
 
 # Receivers decode in this process, as a worker whose weights are on the CPU does.
-IN_PROCESS = ReceiverConfig(decode_process=False)
+IN_PROCESS = trusting(decode_process=False)
 SNAPSHOT_EVERY = 3  # versions 1 (first), 4, 7 are snapshot points
 
 DTYPES = [
@@ -195,7 +195,7 @@ async def receive(receiver: WeightReceiver, state: dict[str, Any]) -> tuple[str,
 
 async def test_versions_arrive_bit_exact_and_in_place(harness: Harness) -> None:
     state: dict[str, Any] = {}
-    receiver = WeightReceiver(harness.bus, ReceiverConfig(fetch_parallel=4, decode_process=False))
+    receiver = WeightReceiver(harness.bus, trusting(fetch_parallel=4, decode_process=False))
     kinds = []
     try:
         for version in range(1, 6):
@@ -235,7 +235,7 @@ async def test_a_late_joiner_catches_up_from_the_snapshot_and_old_chunks_are_gon
     assert announced.state.messages == 4  # delta 4, snapshot 4, delta 5, delta 6
 
     state: dict[str, Any] = {}
-    late = WeightReceiver(harness.bus, ReceiverConfig(fetch_parallel=8))
+    late = WeightReceiver(harness.bus, trusting(fetch_parallel=8))
     try:
         kinds = [(await receive(late, state))[0] for _ in range(3)]
     finally:
@@ -444,7 +444,7 @@ async def test_deltas_found_on_a_torch_device_arrive_bit_exact_across_a_restart(
     harness = Harness(bus, tmp_path / "staging", diff_device=device)
     await harness.start_broadcaster()
     state: dict[str, Any] = {}
-    receiver = WeightReceiver(harness.bus, ReceiverConfig(fetch_parallel=4, decode_process=False))
+    receiver = WeightReceiver(harness.bus, trusting(fetch_parallel=4, decode_process=False))
     kinds = []
     try:
         for version in range(1, 8):

@@ -23,8 +23,9 @@ from libs.weights.decode_process import DecodeProcess, DecodeProcessError
 from libs.weights.encoder import EncodeOptions, encode
 from libs.weights.format import Chunk
 from libs.weights.hashing import state_hash
-from libs.weights.receiver import ReceiverConfig, WeightReceiver
+from libs.weights.receiver import WeightReceiver
 from libs.weights.tensors import raw_state
+from tests.signing_support import trusting
 from tests.test_weight_broadcaster import (
     Harness,
     assert_bit_exact,
@@ -206,7 +207,7 @@ async def test_the_receiver_decodes_deltas_in_the_child_bit_exact(bus: Bus, tmp_
     await harness.start_broadcaster()
     state = live_state({n: torch.zeros_like(t) for n, t in trainer_state(0).items()}, "cpu")
     pointers = {name: tensor.data_ptr() for name, tensor in state.items()}
-    receiver = WeightReceiver(harness.bus, ReceiverConfig(fetch_parallel=4, decode_threads=2))
+    receiver = WeightReceiver(harness.bus, trusting(fetch_parallel=4, decode_threads=2))
     in_child = []
     try:
         for version in range(1, 6):

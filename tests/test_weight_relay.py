@@ -27,12 +27,13 @@ from libs.weights.broadcaster import WeightBroadcaster
 from libs.weights.encoder import EncodeOptions
 from libs.weights.handoff import stage_weights
 from libs.weights.hashing import state_hash
-from libs.weights.receiver import ReceiverConfig, WeightReceiver
+from libs.weights.receiver import WeightReceiver
 from libs.weights.relay import RegionalWeightReceiver, mirror_status, prune_region, setup_relay
 from libs.weights.tensors import raw_state
 from proto import streams
 from tests.conftest import state_trainer_policy, wait_for
 from tests.marks import E2E
+from tests.signing_support import SIGNER, trusting
 from tests.test_weight_broadcaster import assert_bit_exact, next_version
 
 pytestmark = E2E
@@ -98,7 +99,7 @@ class Relay:
         self.staging_dir = staging_dir
         self.publisher = Publisher(hub_bus.js)
         self.broadcaster = WeightBroadcaster(
-            hub_bus, self.publisher, staging_dir, snapshot_every=SNAPSHOT_EVERY,
+            hub_bus, self.publisher, staging_dir, signer=SIGNER, snapshot_every=SNAPSHOT_EVERY,
             options=EncodeOptions(max_chunk_bytes=64 << 10),
         )  # fmt: skip
         self.versions: dict[int, dict[str, torch.Tensor]] = {}
@@ -175,7 +176,7 @@ async def receive_until(
 async def region_worker(region: NatsServer, version: int) -> tuple[dict[str, Any], str, int]:
     """A worker connected only to the region: its state, the hash it holds, bytes fetched."""
     bus = await connect_bus(region.url, name="pytest-region-worker")
-    receiver = RegionalWeightReceiver(bus, ReceiverConfig(fetch_parallel=4, decode_process=False))
+    receiver = RegionalWeightReceiver(bus, trusting(fetch_parallel=4, decode_process=False))
     state: dict[str, Any] = {}
     try:
         fetched = await receive_until(receiver, state, version)
@@ -234,11 +235,11 @@ async def test_a_late_joiner_catches_up_in_the_region_after_the_hub_purged(relay
     assert_bit_exact(state, relay.versions[5])
 
     # The region applies the hub's rule to its copies; then it holds what the hub holds.
-    kept = await prune_region(relay.region_bus.js)
+    kept = await prune_region(relay.region_bus.js, SIGNER.verifier())
     assert kept is not None and kept.snapshot_version == 4
     assert await relay.first_seqs(relay.region_bus) == hub_first
     assert await relay.stored_bytes(relay.region_bus) == await relay.stored_bytes(relay.hub_bus)
-    assert await prune_region(relay.region_bus.js) == kept  # idempotent
+    assert await prune_region(relay.region_bus.js, SIGNER.verifier()) == kept  # idempotent
     state, held, _ = await region_worker(relay.region, 5)
     assert held == source_hash(relay.versions[5])
     assert_bit_exact(state, relay.versions[5])
@@ -248,7 +249,7 @@ async def test_the_region_serves_while_the_hub_is_away_and_resumes_after(relay: 
     await relay.publish_until(2)
     await relay.wait_mirrored()
     bus = await connect_bus(relay.region.url, name="pytest-region-follower")
-    follower = RegionalWeightReceiver(bus, ReceiverConfig(fetch_parallel=4, decode_process=False))
+    follower = RegionalWeightReceiver(bus, trusting(fetch_parallel=4, decode_process=False))
     follower_state: dict[str, Any] = {}
     try:
         await receive_until(follower, follower_state, 2)
@@ -305,9 +306,7 @@ async def test_a_regional_receiver_waits_for_chunks_announced_before_they_arrive
     await relay.wait_mirrored(names=(streams.WEIGHTS_ANNOUNCE.name,))
     bus = await connect_bus(relay.region.url, name="pytest-region-worker")
     try:
-        regional = RegionalWeightReceiver(
-            bus, ReceiverConfig(fetch_timeout_s=1.0, decode_process=False)
-        )
+        regional = RegionalWeightReceiver(bus, trusting(fetch_timeout_s=1.0, decode_process=False))
         state: dict[str, Any] = {}
         task = asyncio.create_task(receive_until(regional, state, 1))
         await asyncio.sleep(0.3)
@@ -340,7 +339,7 @@ async def test_a_rollout_worker_in_a_region_takes_its_weights_from_the_relay(
     await state_trainer_policy(service_bus.js)
     settings = RolloutWorkerSettings(
         worker_id="region-worker", policy=PolicyConfig(device="cpu", seed=9),
-        weights=ReceiverConfig(nats_url=relay.region.url),
+        weights=trusting(nats_url=relay.region.url),
         fetch_timeout_s=0.2, drain_timeout_s=2.0, http_port=0,
     )  # fmt: skip
     worker = RolloutWorkerService(settings)

@@ -26,7 +26,7 @@ from libs.rollout.batcher import GenerationBatcher
 from libs.rollout.weights_follower import WeightsFollower
 from libs.tokenizer import ByteTokenizer
 from libs.weights.handoff import stage_weights
-from libs.weights.receiver import ReceiverConfig, WeightReceiver
+from libs.weights.receiver import WeightReceiver
 from libs.weights.same_host import (
     ChecksumMismatchError,
     SameHostShareConfig,
@@ -42,6 +42,7 @@ from proto.same_host import SameHostShelf, SameHostVersion
 from services.weight_broadcaster.service import WeightBroadcasterService
 from services.weight_broadcaster.settings import WeightBroadcasterSettings
 from tests.conftest import wait_for
+from tests.signing_support import KEYS, trusting
 
 
 def awkward_state() -> dict[str, torch.Tensor]:
@@ -163,17 +164,21 @@ async def test_a_worker_takes_its_hosts_versions_then_the_chain_when_they_stop(
     await broadcaster.start(bus)
     broadcasting = asyncio.create_task(broadcaster.run())
     trainer_model = build_policy(PolicyConfig(preset="tiny", seed=0))
-    sharer = SameHostSharer(bus, SameHostShareConfig(host_id="host-a"))
+    sharer = SameHostSharer(
+        bus, SameHostShareConfig(host_id="host-a", signing_key=KEYS.private_path)
+    )
     worker_model = build_policy(PolicyConfig(preset="tiny", seed=1))
     engine: InferenceEngine = (
         HFEngine(worker_model, ByteTokenizer())
         if engine_type == "hf"
         else PagedEngine(worker_model, ByteTokenizer(), 64)
     )
-    taker = SameHostTaker(bus, SameHostTakeConfig(host_id="host-a", fallback_after_s=1.0))
+    receiver = WeightReceiver(bus, trusting(fetch_timeout_s=5.0, decode_process=False))
+    config = SameHostTakeConfig(host_id="host-a", fallback_after_s=1.0)
+    taker = SameHostTaker(bus, config, receiver.verifier)
     follower = WeightsFollower(
         engine,
-        WeightReceiver(bus, ReceiverConfig(fetch_timeout_s=5.0, decode_process=False)),
+        receiver,
         GenerationBatcher(engine),
         same_host=taker,
     )

@@ -32,13 +32,14 @@ from libs.rollout.batcher import GenerationBatcher
 from libs.rollout.weights_follower import WeightsFollower
 from libs.tokenizer import ByteTokenizer
 from libs.weights.handoff import stage_weights
-from libs.weights.receiver import ReceiverConfig, WeightReceiver
+from libs.weights.receiver import WeightReceiver
 from libs.work_health import FailureWatch, LagWatch
 from proto import streams
 from services.weight_broadcaster.service import WeightBroadcasterService
 from services.weight_broadcaster.settings import WeightBroadcasterSettings
 from tests.compose_support import http_get
 from tests.conftest import wait_for
+from tests.signing_support import signing_environment, trusting
 
 UNHEALTHY_WITHIN_S = 60.0
 
@@ -83,6 +84,7 @@ def broadcaster(nats_server: NatsServer, bus: Bus, tmp_path: Path) -> Iterator[s
     """`rlpipe run weight-broadcaster` with its own run folder; yields its /healthz URL."""
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("RLPIPE_")} | {
+        **signing_environment(),
         "RLPIPE_NATS_URL": nats_server.url,
         "RLPIPE_WEIGHT_BROADCASTER_RUN_DIR": str(tmp_path / "broadcaster"),
         "RLPIPE_WEIGHT_BROADCASTER_HTTP_PORT": str(port),
@@ -157,7 +159,7 @@ async def test_a_worker_that_cannot_get_an_announced_version_says_why(
     engine = HFEngine(build_policy(PolicyConfig(preset="tiny", seed=1)), ByteTokenizer())
     follower = WeightsFollower(
         engine,
-        WeightReceiver(bus, ReceiverConfig(fetch_timeout_s=2.0, decode_process=False)),
+        WeightReceiver(bus, trusting(fetch_timeout_s=2.0, decode_process=False)),
         GenerationBatcher(engine),
     )
     await follower.start(bus.js)

@@ -31,11 +31,12 @@ def worker_tokenizer(recipe: Mapping[str, Any]) -> str:
     """The tokenizer of the policy the workers of `recipe` load (their settings as the recipe,
     the environment and `--set` give them)."""
     # Imported here: the worker's settings pull in torch (the launcher's check loaded it).
+    from apps.launcher.weight_keys import run_keys_assumed
     from libs.policy import tokenizer_spec
     from libs.settings import load_settings
     from services.rollout_worker.settings import RolloutWorkerSettings
 
-    with recipe_in_use(recipe):
+    with recipe_in_use(recipe), run_keys_assumed():
         return tokenizer_spec(load_settings(RolloutWorkerSettings).policy)
 
 

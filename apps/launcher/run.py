@@ -58,6 +58,7 @@ from apps.launcher.recipe import (
 from apps.launcher.status_view import Bound, LauncherLog, StatusView
 from apps.launcher.summary import build_summary, print_summary
 from apps.launcher.supervisor import Backoff, ChildSpec, Supervisor
+from apps.launcher.weight_keys import signing_environment
 from libs.nats_server import NatsCluster, NatsServer, free_port
 from libs.settings import CONFIG_VARIABLE, OVERRIDES_VARIABLE
 from proto.services import SERVICES
@@ -210,6 +211,7 @@ def service_spec(
         # so torch in the trainer and the workers does not oversubscribe them.
         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
         **trainer_bound(name, options),
+        **signing_environment(name, run_dir),
     }
     argv = list(options.commands.get(name) or [sys.executable, "-m", f"services.{pkg}"])
     return ChildSpec(instance or name, argv, env), f"http://127.0.0.1:{port}/healthz"

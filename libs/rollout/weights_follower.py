@@ -68,11 +68,13 @@ from prometheus_client import Counter, Gauge
 
 from libs.engine.base import InferenceEngine
 from libs.rollout.batcher import GenerationBatcher
+from libs.weights.announcements import latest_announcement
 from libs.weights.errors import CorruptDeltaError, WeightsError
 from libs.weights.format import VersionInfo
-from libs.weights.receiver import PreparedUpdate, WeightReceiver, latest_announcement
+from libs.weights.receiver import PreparedUpdate, WeightReceiver
 from libs.weights.same_host import ChecksumMismatchError, TornCopyError
 from libs.weights.same_host_link import SameHostTaker
+from libs.weights.signing import VersionVerifier
 from libs.work_health import LagWatch
 from proto import streams
 
@@ -101,10 +103,12 @@ class WeightsMismatchError(WeightsError):
 
 
 async def latest_announced_version(
-    js: JetStreamContext, stream: str = streams.WEIGHTS_ANNOUNCE.name
+    js: JetStreamContext, verifier: VersionVerifier, stream: str = streams.WEIGHTS_ANNOUNCE.name
 ) -> int | None:
-    """The newest version announced on the bus (delta or snapshot), or None."""
-    found = [await latest_announcement(js, kind, stream) for kind in ("delta", "snapshot")]
+    """The newest version announced on the bus (delta or snapshot) that `verifier` trusts,
+    or None."""
+    kinds = ("delta", "snapshot")
+    found = [await latest_announcement(js, kind, stream, verifier) for kind in kinds]
     versions = [announcement.version for _, announcement in filter(None, found)]
     return max(versions, default=None)
 
@@ -134,6 +138,7 @@ class WeightsFollower:
     ) -> None:
         self.engine = engine
         self.receiver = receiver
+        self._trusted = receiver.verifier  # what the newest announced version is read with
         self.batcher = batcher
         self.retry_delays_s = retry_delays_s
         self.promoted_only = promoted_only = receiver.config.promoted_only
@@ -181,7 +186,7 @@ class WeightsFollower:
         if self.promoted_only:
             self.target_version = await read_promoted_version(self._js)
         else:
-            self.target_version = await latest_announced_version(js)
+            self.target_version = await latest_announced_version(js, self._trusted)
         log.info(
             "following weights",
             target_version=self.target_version,
@@ -211,7 +216,7 @@ class WeightsFollower:
         assert self._announce_js is not None, "start() first"
         while True:
             try:
-                announced = await latest_announced_version(self._announce_js)
+                announced = await latest_announced_version(self._announce_js, self._trusted)
             except (nats.errors.Error, TimeoutError) as exc:
                 log.warning("cannot read the newest announced version", error=repr(exc))
             else:
@@ -338,7 +343,7 @@ class WeightsFollower:
         while self._chain_parked:
             quiet_s = taker.quiet_for(time.monotonic())
             if quiet_s is not None and quiet_s > taker.config.fallback_after_s:
-                announced = await latest_announced_version(self._announce_js)
+                announced = await latest_announced_version(self._announce_js, self._trusted)
                 if announced is not None and announced > (self.policy_version or -1):
                     log.warning("no same-host version for a while: following the delta chain",
                                 quiet_s=round(quiet_s, 1), announced=announced,

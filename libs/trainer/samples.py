@@ -40,7 +40,7 @@ from libs.trainer.mix import Stream, choose_stream, scheduled_stream
 from libs.trainer.online_source import OnlineSource, OnlineTake
 from libs.trainer.refusals import online_problem, scored_problem
 from libs.trainer.versions import VersionPublisher
-from libs.weights.receiver import latest_announcement
+from libs.weights.announcements import latest_announcement
 from proto import streams, subjects
 from proto.messages import OnlineSample, ScoredRollout
 

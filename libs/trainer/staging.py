@@ -54,9 +54,9 @@ from libs.bus.connection import ride_through
 from libs.bus.publisher import Publisher
 from libs.trainer.delta_encoder import DeltaEncoder, DeltaEncoderError
 from libs.trainer.host_memory import HostCopy
+from libs.weights.announcements import announced_head
 from libs.weights.encoder import EncodeOptions
 from libs.weights.handoff import announce_staged_delta, stage_weights
-from libs.weights.receiver import announced_head
 from proto import streams
 
 log = structlog.get_logger(__name__)

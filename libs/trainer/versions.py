@@ -33,6 +33,7 @@ from libs.trainer.learner import Learner
 from libs.trainer.staging import WeightStager
 from libs.weights.encoder import EncodeOptions, chunk_bytes_for
 from libs.weights.same_host_link import SameHostSharer
+from libs.weights.signing import policy_digest
 from proto import streams
 from proto.messages import PolicyIdentity
 
@@ -81,6 +82,8 @@ class VersionPublisher:
         lineage notes it when `resumed` from a checkpoint), publish the weights held and
         wait until they are staged: workers start from them, before any step."""
         await store_identity(self._bus.js, identity)
+        if self._sharer is not None:
+            self._sharer.policy_digest = policy_digest(identity)
         announced = await self._announced_version()
         if announced is not None:
             state = self._state

@@ -54,6 +54,7 @@ from prometheus_client import Counter, Gauge, Histogram
 from libs.bus.connection import Bus
 from libs.bus.consumer import Delivery, PermanentError
 from libs.bus.publisher import Publisher
+from libs.weights.announcements import announced_head, read_policy_digest
 from libs.weights.applier import DeltaApplier
 from libs.weights.encoder import EncodeOptions, EncodeTimes, encode, encode_snapshot
 from libs.weights.errors import WeightsError
@@ -66,9 +67,10 @@ from libs.weights.handoff import (
     staged_versions,
 )
 from libs.weights.hashing import state_hash
-from libs.weights.receiver import ReceiverConfig, WeightReceiver, announced_head
+from libs.weights.receiver import ReceiverConfig, WeightReceiver
 from libs.weights.retention import purge_before_latest_snapshot
 from libs.weights.scan import Changes
+from libs.weights.signing import VersionSigner, chain_verifier
 from libs.weights.tensors import RawTensor, check_dtype, torch_dtype
 from libs.weights.transport import StoredChunks, store_chunks
 from libs.work_health import FailureWatch
@@ -78,6 +80,7 @@ from proto.subjects import weights_announce_subject
 
 if TYPE_CHECKING:
     import torch
+    from nats.js import JetStreamContext
 
 log = structlog.get_logger(__name__)
 
@@ -178,6 +181,7 @@ class WeightBroadcaster:
         publisher: Publisher,
         staging_dir: str | Path,
         *,
+        signer: VersionSigner | None,
         snapshot_every: int = 10,
         options: EncodeOptions | None = None,
         announce_stream: str = streams.WEIGHTS_ANNOUNCE.name,
@@ -199,6 +203,7 @@ class WeightBroadcaster:
         # order, beside the next versions; awaited where the state is needed).
         self._advancing: asyncio.Task[Mapping[str, RawTensor] | None] | None = None
         self._device_base = DeviceBase(diff_device) if diff_device is not None else None
+        self._signer, self._verifier = signer, chain_verifier(signer)  # None: unsigned
         self.num_handled = 0
         # Staged versions and idle snapshots take turns on the chain.
         self._chain_lock = asyncio.Lock()
@@ -211,7 +216,7 @@ class WeightBroadcaster:
 
     async def recover(self) -> ChainHead | None:
         """Read the chain's head from the announce stream (after a restart, or the first start)."""
-        last = await announced_head(self._bus.js, self._announce_stream)
+        last = await announced_head(self._bus.js, self._announce_stream, self._verifier)
         if last is not None:
             self._set_head(ChainHead(last.version, last.version_hash, last.snapshot_version,
                                      last.chain_length))  # fmt: skip
@@ -247,7 +252,7 @@ class WeightBroadcaster:
         """Decode head.version from the bus (latest snapshot + deltas); None if it cannot."""
         config = ReceiverConfig(decode_threads=self.options.threads, decode_process=False)
         receiver = WeightReceiver(
-            self._bus, config, new_tensor_kind="raw",
+            self._bus, config, new_tensor_kind="raw", verifier=self._verifier,
             announce_stream=self._announce_stream, chunk_stream=self._chunk_stream,
         )  # fmt: skip
         state: dict[str, Any] = {}
@@ -511,13 +516,8 @@ class WeightBroadcaster:
             encode_s=encode_s,
             created_at=time.time(),
         )
-        size = len(msgspec.msgpack.encode(announcement))
-        if size > max_payload:
-            raise ValueError(
-                f"the announcement of version {manifest.version} is {size} bytes, above the "
-                f"server's max payload {max_payload}: raise max_chunk_bytes (fewer chunks) or "
-                "the server's max_payload"
-            )
+        announcement = await _signed(self._signer, self._bus.js, announcement)
+        _check_fits(announcement, max_payload)
         await self._publisher.publish(
             weights_announce_subject(kind),
             announcement,
@@ -544,8 +544,9 @@ class WeightBroadcaster:
     async def _purge_before(self, version: int) -> None:
         """Delete chunks and announcements of every version before snapshot `version`."""
         kept = await purge_before_latest_snapshot(
-            self._bus.js, announce_stream=self._announce_stream, chunk_stream=self._chunk_stream
-        )
+            self._bus.js, self._verifier,
+            announce_stream=self._announce_stream, chunk_stream=self._chunk_stream,
+        )  # fmt: skip
         if kept is None or kept.snapshot_version != version:
             # Nothing stored for the snapshot just announced would be our bug: say so.
             log.error("cannot purge before the snapshot version", snapshot=version, kept=kept)
@@ -567,6 +568,25 @@ class WeightBroadcaster:
             "versions_handled": self.num_handled,
             "versions_failing": self.failures.num_failures,
         }
+
+
+async def _signed(
+    signer: VersionSigner | None, js: JetStreamContext, announcement: WeightAnnouncement
+) -> WeightAnnouncement:
+    """`announcement` signed with the trainer's policy digest (as it is without a signer)."""
+    if signer is None:
+        return announcement
+    return signer.sign_announcement(announcement, await read_policy_digest(js))
+
+
+def _check_fits(announcement: WeightAnnouncement, max_payload: int) -> None:
+    size = len(msgspec.msgpack.encode(announcement))
+    if size > max_payload:
+        raise ValueError(
+            f"the announcement of version {announcement.version} is {size} bytes, above the "
+            f"server's max payload {max_payload}: raise max_chunk_bytes (fewer chunks) or "
+            "the server's max_payload"
+        )
 
 
 def _state_bytes(state: Mapping[str, RawTensor]) -> int:

@@ -19,11 +19,14 @@ until the next snapshot. A new or late worker therefore catches up with the late
 plus the deltas after it, and a worker that is one version behind takes only the delta
 (a snapshot point announces the delta first, then the snapshot).
 
-Every announcement read is checked before it is considered (proto.validation: it must say
-what its manifest says, and its version must not be above the newest the trainer recorded in
-the state bucket, which the trainer writes before staging any version); one that is
-unreadable, inconsistent or implausible is dead-lettered on `rl.dead.rl_weights_announce`
-with the reason and never taken. Its chunks are then fetched by the manifest's version and
+Every announcement read is checked before it is considered: its signature against the
+trainer's public keys (`signers`; libs/weights/signing.py), its place in the stream (a version
+below one announced before it is a replay), and what proto.validation checks (it must say
+what its manifest says; an unsigned one, where `allow_unsigned` takes those, must not be
+above the newest version the trainer recorded in the state bucket). One that is unsigned,
+forged, replayed, unreadable, inconsistent or implausible is dead-lettered on
+`rl.dead.rl_weights_announce` with the reason (unsigned, forged, replayed, invalid, ...)
+and never taken. Its chunks are then fetched by the manifest's version and
 verified against the manifest's hashes, and the whole state against the version hash.
 
 `next_update` fetches every chunk with many direct gets in flight (libs/weights/transport.py)
@@ -51,7 +54,7 @@ import os
 import time
 from collections.abc import MutableMapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import nats.errors
 import structlog
@@ -59,16 +62,19 @@ from nats.js import JetStreamContext
 from nats.js import api as js_api
 from nats.js.errors import NotFoundError
 from prometheus_client import Counter, Gauge, Histogram
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic_settings import NoDecode
 
 from libs.bus import wire
 from libs.bus.connection import Bus
 from libs.bus.dead_letter import Delivery, publish_dead_letter
 from libs.bus.publisher import Publisher
+from libs.weights.announcements import latest_snapshot, newest_policy_version
 from libs.weights.applier import DeltaApplier, PreparedChunk
 from libs.weights.errors import BaseMismatchError, CorruptDeltaError, MissingChunkError
 from libs.weights.format import Chunk, VersionInfo
 from libs.weights.hashing import state_hash
+from libs.weights.signing import ReplayGuard, VersionRefused, VersionVerifier
 from libs.weights.tensors import kind_of, raw_state
 from libs.weights.transport import (
     DEFAULT_ATTEMPTS,
@@ -78,7 +84,7 @@ from libs.weights.transport import (
 )
 from proto import streams
 from proto.messages import WeightAnnouncement
-from proto.subjects import WEIGHTS_ANNOUNCE_ALL, weights_announce_subject
+from proto.subjects import WEIGHTS_ANNOUNCE_ALL
 from proto.validation import InvalidValue, check_announcement_plausible
 
 if TYPE_CHECKING:
@@ -174,6 +180,25 @@ class ReceiverConfig(BaseModel):
     promoted_only: bool = Field(
         False, description="Apply only versions the trainer's eval gate promoted (serving)"
     )
+    signers: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="Public keys a version must be signed with (the .pub files of `rlpipe "
+        "weights keygen`, or their `ed25519:...` lines; comma-separated): several while a "
+        "key is rotated",
+    )
+    allow_unsigned: bool = Field(
+        False,
+        description="Take unsigned versions too (logged): only where every publisher on the "
+        "bus is trusted. Without signers and without this, the receiver refuses to start",
+    )
+
+    @field_validator("signers", mode="before")
+    @classmethod
+    def _split(cls, value: Any) -> Any:
+        """ "a.pub,b.pub" (an environment variable) -> a list."""
+        if isinstance(value, str):
+            return [part.strip() for part in value.split(",") if part.strip()]
+        return value
 
 
 class WeightReceiver:
@@ -191,9 +216,15 @@ class WeightReceiver:
         announce_stream: str = streams.WEIGHTS_ANNOUNCE.name,
         chunk_stream: str = streams.WEIGHT_CHUNKS.name,
         poll_timeout_s: float = 1.0,
+        verifier: VersionVerifier | None = None,
     ) -> None:
         self._bus = bus
         self.config = config or ReceiverConfig()
+        # Given: the broadcaster's own key (reading its chain back); else from the config.
+        self.verifier = verifier or VersionVerifier.from_config(
+            self.config.signers, allow_unsigned=self.config.allow_unsigned
+        )
+        self._replays = ReplayGuard()
         # With config.decode_process, deltas are decoded in a process of its own
         # (libs/weights/decode_process.py), started at the first delta of a torch state;
         # snapshots (their ~1 GB of chunks would be copied through a pipe) and versions that
@@ -348,8 +379,14 @@ class WeightReceiver:
         self._next_seq = self._taken_seq + 1
         try:
             announcement = wire.decode(WeightAnnouncement, msg.data, msg.headers)
-            await self._check_plausible(announcement)
+            signed = self.verifier.check_announcement(announcement)
+            self._replays.check(self._taken_seq, announcement.version)
+            if not signed:  # a signed version number needs no state bucket to trust it
+                await self._check_plausible(announcement)
         except wire.InvalidMessage as exc:
+            await self._refuse(msg, exc.reason, str(exc))
+            return None
+        except VersionRefused as exc:
             await self._refuse(msg, exc.reason, str(exc))
             return None
         except InvalidValue as exc:
@@ -374,7 +411,8 @@ class WeightReceiver:
         self.num_refused += 1
         UPDATES.labels("unknown", "refused").inc()
         meta = msg.metadata
-        log.error("weight announcement refused", seq=meta.sequence.stream, error=error[:300])
+        log.error("weight announcement refused", seq=meta.sequence.stream, reason=reason,
+                  error=error[:300])  # fmt: skip
         headers = dict(msg.headers or {})
         delivery = Delivery(msg.subject, meta.stream, meta.sequence.stream, 1, headers)
         try:
@@ -415,8 +453,8 @@ class WeightReceiver:
                 await sub.unsubscribe()
 
     async def _latest_snapshot(self) -> tuple[int, WeightAnnouncement] | None:
-        """Stream sequence and content of the latest snapshot announcement, if any."""
-        return await latest_announcement(self._bus.js, "snapshot", self._announce_stream)
+        """Stream sequence and content of the latest snapshot announcement to start from."""
+        return await latest_snapshot(self._bus.js, self._announce_stream, self.verifier)
 
     async def close(self) -> None:
         """Stop following (the ephemeral consumer expires on the server)."""
@@ -551,50 +589,3 @@ def _is_base(announcement: WeightAnnouncement, current: VersionInfo) -> bool:
 
 def _gauge_version(current: VersionInfo | None) -> int:
     return -1 if current is None or current.version is None else current.version
-
-
-async def latest_announcement(
-    js: JetStreamContext, kind: str, stream: str = streams.WEIGHTS_ANNOUNCE.name
-) -> tuple[int, WeightAnnouncement] | None:
-    """Stream sequence and content of the last `delta` or `snapshot` announcement, if any."""
-    try:
-        raw = await js.get_msg(stream, subject=weights_announce_subject(kind), direct=True)
-    except NotFoundError:
-        return None
-    if raw.data is None or raw.seq is None:
-        return None
-    try:
-        announcement = wire.decode(WeightAnnouncement, raw.data, raw.headers)
-        newest = await newest_policy_version(js)
-        if newest is not None:
-            check_announcement_plausible(announcement, newest)
-    except (wire.InvalidMessage, InvalidValue) as exc:
-        # A bad last announcement (dead-lettered by the receivers that read it) hides the
-        # ones before it until the next real one: "none known" meanwhile.
-        log.warning("latest announcement refused", kind=kind, seq=raw.seq, error=str(exc))
-        return None
-    return raw.seq, announcement
-
-
-async def announced_head(
-    js: JetStreamContext, stream: str = streams.WEIGHTS_ANNOUNCE.name
-) -> WeightAnnouncement | None:
-    """The chain's head: the newest announced version (a snapshot where a delta and a
-    snapshot share it), or None when nothing is announced."""
-    found = [entry[1] for kind in ("delta", "snapshot")
-             if (entry := await latest_announcement(js, kind, stream)) is not None]  # fmt: skip
-    if not found:
-        return None
-    return max(found, key=lambda a: (a.version, a.kind == "snapshot"))
-
-
-async def newest_policy_version(js: JetStreamContext) -> int | None:
-    """The newest version the trainer recorded as made (it writes it before staging any),
-    or None where the state bucket or the key is absent (a region's relay server)."""
-    try:
-        kv = await js.key_value(streams.STATE.bucket)
-        entry = await kv.get(streams.POLICY_VERSION_KEY)
-        return int((entry.value or b"-1").decode())
-    except (NotFoundError, ValueError, nats.errors.Error, TimeoutError) as exc:
-        log.debug("newest policy version unknown", error=repr(exc))
-        return None

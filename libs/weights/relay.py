@@ -6,7 +6,7 @@ chunk stream and the announce stream are mirrors of the hub's, under the same na
 
     bus = await connect_bus("nats://region-nats:4222", name="relay-setup")
     await setup_relay(bus.js, hub_domain="hub")           # idempotent
-    await prune_region(bus.js)                            # repeat the hub's purge, locally
+    await prune_region(bus.js, verifier)                  # repeat the hub's purge, locally
 
 A worker connected to the regional server reads the mirrors with the ordinary receiver
 code: its direct gets (`$JS.API.DIRECT.GET.<stream>`) and its announce consumer are served
@@ -25,6 +25,11 @@ copies (everything before the latest snapshot the region holds), and `rlpipe wei
 relay-prune --every-s S` runs it in a loop. A byte or age limit on the mirrors is possible
 (`MirrorLimits`) but is a cap, not a policy: set below one snapshot plus its deltas, it
 evicts the snapshot a late joiner needs. docs/weights-relay.md has the whole story.
+
+Mirrors copy whatever the hub's streams hold, forged announcements included: what is trusted
+is decided by a signature (libs/weights/signing.py), checked by every regional receiver
+before it takes a version (and dead-lettered there, as on the hub) and by `prune_region`,
+which purges only by a snapshot signed with a trusted key.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ from libs.bus.provision import Outcome, ProvisionError, ProvisionReport, differe
 from libs.weights.format import Manifest
 from libs.weights.receiver import WeightReceiver
 from libs.weights.retention import PurgeResult, purge_before_latest_snapshot
+from libs.weights.signing import VersionVerifier
 from libs.weights.transport import manifest_kind
 from proto import streams
 from proto.messages import WeightAnnouncement
@@ -163,15 +169,17 @@ async def setup_relay(
 
 async def prune_region(
     js: JetStreamContext,
+    verifier: VersionVerifier,
     *,
     announce_stream: str = streams.WEIGHTS_ANNOUNCE.name,
     chunk_stream: str = streams.WEIGHT_CHUNKS.name,
 ) -> PruneResult | None:
     """Purge the regional mirrors of every version before the latest snapshot they hold: the
     hub's rule (libs.weights.retention), applied to the copies. None when there is nothing
-    to prune yet (no snapshot, or its chunks have not arrived)."""
+    to prune yet (no snapshot, or its chunks have not arrived). Only a snapshot `verifier`
+    trusts counts."""
     return await purge_before_latest_snapshot(
-        js, announce_stream=announce_stream, chunk_stream=chunk_stream
+        js, verifier, announce_stream=announce_stream, chunk_stream=chunk_stream
     )
 
 

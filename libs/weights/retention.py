@@ -14,7 +14,8 @@ from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 
 from libs.bus import wire
-from libs.weights.receiver import latest_announcement
+from libs.weights.announcements import latest_snapshot
+from libs.weights.signing import VersionVerifier
 from proto import streams
 from proto.messages import WeightAnnouncement
 from proto.subjects import weight_chunks_filter
@@ -33,6 +34,7 @@ class PurgeResult:
 
 async def purge_before_latest_snapshot(
     js: JetStreamContext,
+    verifier: VersionVerifier | None,
     *,
     announce_stream: str = streams.WEIGHTS_ANNOUNCE.name,
     chunk_stream: str = streams.WEIGHT_CHUNKS.name,
@@ -43,8 +45,10 @@ async def purge_before_latest_snapshot(
     streams hold versions in order, so once the snapshot version's first chunk is there,
     everything before it is too and may go). The snapshot version's delta, announced just
     before its snapshot, is kept, so a worker one version behind still takes the small delta.
+    With `verifier`, only a snapshot signed by a trusted key counts (a forged or replayed
+    one never makes the real versions go).
     """
-    snapshot = await latest_announcement(js, "snapshot", announce_stream)
+    snapshot = await latest_snapshot(js, announce_stream, verifier)
     if snapshot is None:
         return None
     version = snapshot[1].version

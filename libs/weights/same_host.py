@@ -41,6 +41,7 @@ import uuid
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from multiprocessing import shared_memory
+from pathlib import Path
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -76,6 +77,11 @@ class SameHostShareConfig(BaseModel):
     )  # fmt: skip
     host_id: str = Field(
         "", description="Name of this host for the handoff; empty: derived from the machine"
+    )
+    signing_key: Path | None = Field(
+        None,
+        description="Private key signing each shared version (the weight-broadcaster's "
+        "signing_key); unset: shared unsigned, taken only by workers that allow unsigned",
     )
 
 

@@ -1,8 +1,8 @@
 """The same-host handoff on the bus: the trainer's notices and the workers' side of them.
 
-    sharer = SameHostSharer(bus, SameHostShareConfig())        # in the trainer
+    sharer = SameHostSharer(bus, SameHostShareConfig(signing_key=...))   # in the trainer
     await sharer.share(state, version, step)                   # after the slot is written
-    taker = SameHostTaker(bus, SameHostTakeConfig())           # in a rollout-worker
+    taker = SameHostTaker(bus, SameHostTakeConfig(), verifier)  # in a rollout-worker
     await taker.start()
     notice = await taker.next_notice(after=held_version)       # the newest version shared
     reader = await taker.reader_for(notice)                    # None: cannot map its shelf
@@ -12,6 +12,12 @@ written into it is announced on core NATS (proto/same_host.py) and kept as the n
 in the bucket, so a worker that starts late, or missed a notice, still finds the newest
 version within a poll. Sharing never stops training: a trainer that cannot make or fill its
 shelf logs why and goes on with the delta chain alone.
+
+Every notice is signed by the trainer (`signing_key`, the key the weight-broadcaster signs the
+chain with; libs/weights/signing.py) and verified by the worker before it is considered: a
+notice anyone else published on the subject or wrote to the bucket is refused, logged and
+counted (rlpipe_weights_signature_refused_total{path="same_host"}), never copied. The notice
+signs the slot's checksum, which the worker checks on its copy (`verify`).
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ from libs.weights.same_host import (
     ShelfWriter,
     resolve_host_id,
 )
+from libs.weights.signing import VersionRefused, VersionSigner, VersionVerifier
 from proto import streams
 from proto.same_host import (
     SameHostShelf,
@@ -69,6 +76,12 @@ class SameHostSharer:
         self.host_id = resolve_host_id(config.host_id)
         self._writer: ShelfWriter | None = None
         self._failed = False
+        key = config.signing_key
+        self._signer = VersionSigner.load(key) if key is not None else None
+        if self._signer is None:
+            log.warning("same-host versions are shared unsigned (no same_host.signing_key): "
+                        "workers take them only with weights.allow_unsigned")  # fmt: skip
+        self.policy_digest = ""  # the trainer's policy, signed into every notice
 
     @property
     def shelf(self) -> SameHostShelf | None:
@@ -96,6 +109,8 @@ class SameHostSharer:
             SHARE_FAILURES.inc()
             log.error("cannot share weights with this host's workers", error=repr(exc))
             return None
+        if self._signer is not None:
+            notice = self._signer.sign_same_host(notice, self.policy_digest)
         data, headers = wire.encode(notice), {wire.SCHEMA_HEADER: notice.schema_id()}
         await self._bus.nc.publish(same_host_subject(self.host_id), data, headers=headers)
         kv = await self._bus.js.key_value(streams.STATE.bucket)
@@ -130,9 +145,10 @@ class SameHostSharer:
 class SameHostTaker:
     """A worker's side: the newest version its host's trainer shared, and the shelf's map."""
 
-    def __init__(self, bus: Bus, config: SameHostTakeConfig) -> None:
+    def __init__(self, bus: Bus, config: SameHostTakeConfig, verifier: VersionVerifier) -> None:
         self._bus = bus
         self.config = config
+        self._verifier = verifier  # the delta chain's: the same keys sign both
         self.host_id = resolve_host_id(config.host_id)
         self._newest: SameHostVersion | None = None
         self._arrived = asyncio.Event()
@@ -161,6 +177,14 @@ class SameHostTaker:
         self._offer(notice)
 
     def _offer(self, notice: SameHostVersion) -> None:
+        if self._newest is not None and notice.version <= self._newest.version:
+            return
+        try:
+            self._verifier.check_same_host(notice)
+        except VersionRefused as exc:
+            log.error("same-host notice refused", reason=exc.reason, error=str(exc),
+                      version=notice.version)  # fmt: skip
+            return
         if self._newest is None or notice.version > self._newest.version:
             self._newest = notice
             self._arrived.set()

@@ -50,6 +50,7 @@ from libs.tokenizer import Tokenizer
 from libs.weights.receiver import WeightReceiver
 from libs.weights.relay import RegionalWeightReceiver
 from libs.weights.same_host_link import SameHostTaker
+from libs.weights.signing import policy_digest
 from proto import messages as m
 from proto.messages import PolicyIdentity, Task
 from proto.streams import ROLLOUT_WORKER_TASKS
@@ -187,7 +188,10 @@ class RolloutWorkerService(Service):
         reason) when it is not this worker's policy."""
         assert self.bus is not None and self.identity is not None
         self.detail = f"worker {self.settings.worker_id}: waiting for the trainer's policy"
-        check_same_policy(self.identity, await wait_for_identity(self.bus.js))
+        trainers = await wait_for_identity(self.bus.js)
+        check_same_policy(self.identity, trainers)
+        if self.receiver is not None:  # a version signed for another policy is refused
+            self.receiver.verifier.expected_policy = policy_digest(trainers)
         self.detail = f"worker {self.settings.worker_id}: following weight announcements"
 
     async def stop(self) -> None:
@@ -226,12 +230,15 @@ class RolloutWorkerService(Service):
         assert self.engine is not None, "the engine is built first"
         if not (s.same_host.enabled and s.follow_weights) or self.engine.live_tensors() is None:
             return None
-        return SameHostTaker(bus, s.same_host)
+        assert self.receiver is not None, "the receiver is built first"
+        return SameHostTaker(bus, s.same_host, self.receiver.verifier)
 
     def _receiver(self, weights_bus: Bus, *, on_gpu: bool) -> WeightReceiver:
         config = self.settings.weights
         if not on_gpu:  # the decode process keeps a host copy for weights on a GPU only
             config = config.model_copy(update={"decode_process": False})
+        if not self.settings.follow_weights:  # it applies nothing: no key needed
+            config = config.model_copy(update={"allow_unsigned": True})
         if self.regional_bus is None:
             return WeightReceiver(weights_bus, config)
         # A mirror's announcement can arrive before its chunks: wait for them.

@@ -54,8 +54,9 @@ class RolloutWorkerSettings(ServiceSettings, RunnerSettings, AgentSettings):
     # Weights.
     weights: ReceiverConfig = Field(
         default_factory=ReceiverConfig,
-        description="How the trainer's versions are received (RLPIPE_ROLLOUT_WORKER_WEIGHTS_"
-        "NATS_URL, _FETCH_PARALLEL, _DECODE_THREADS, _DECODE_PROCESS, _VERIFY_FULL, ...)",
+        description="How the trainer's versions are received and whose signature they need "
+        "(RLPIPE_ROLLOUT_WORKER_WEIGHTS_SIGNERS, _NATS_URL, _FETCH_PARALLEL, _DECODE_THREADS, "
+        "_DECODE_PROCESS, _VERIFY_FULL, ...)",
     )
     same_host: SameHostTakeConfig = Field(
         default_factory=SameHostTakeConfig,
@@ -95,6 +96,18 @@ class RolloutWorkerSettings(ServiceSettings, RunnerSettings, AgentSettings):
         if self.follow_weights or version is None or self.engine.initial_policy_version:
             return self.engine
         return self.engine.model_copy(update={"initial_policy_version": version})
+
+    @model_validator(mode="after")
+    def _verifies_weights(self) -> Self:
+        weights = self.weights
+        if self.follow_weights and not weights.signers and not weights.allow_unsigned:
+            raise ValueError(
+                "weights.signers is empty: a worker applies only weight versions signed by the "
+                "trainer's side. Set RLPIPE_ROLLOUT_WORKER_WEIGHTS_SIGNERS to its public key "
+                "(`rlpipe weights keygen`; `rlpipe demo` makes one per run), or, where every "
+                "publisher on the bus is trusted, RLPIPE_ROLLOUT_WORKER_WEIGHTS_ALLOW_UNSIGNED=true"
+            )
+        return self
 
     @model_validator(mode="after")
     def _has_work(self) -> Self:

@@ -19,6 +19,7 @@ from libs.service import Service
 from libs.weights.broadcaster import WeightBroadcaster
 from libs.weights.encoder import chunk_bytes_for
 from libs.weights.handoff import release_shm
+from libs.weights.signing import VersionSigner
 from proto.messages import WeightsStaged
 from proto.streams import WEIGHT_BROADCASTER_STAGED
 from services.weight_broadcaster.settings import WeightBroadcasterSettings
@@ -45,10 +46,17 @@ class WeightBroadcasterService(Service):
         options = settings.encode.model_copy(update={"max_chunk_bytes": chunk_bytes})
         staging_dir = settings.resolved_staging_dir()
         staging_dir.mkdir(parents=True, exist_ok=True)
+        key = settings.signing_key
+        signer = VersionSigner.load(key) if key is not None else None
+        if signer is None:
+            log.warning("weight versions are announced unsigned (allow_unsigned)")
+        else:
+            log.info("signing weight versions", key_id=signer.key_id)
         self.broadcaster = WeightBroadcaster(
             bus,
             publisher,
             staging_dir,
+            signer=signer,
             snapshot_every=settings.snapshot_every_versions,
             options=options,
             diff_device=settings.diff_device,

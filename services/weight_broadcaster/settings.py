@@ -1,9 +1,9 @@
 """Settings of the weight-broadcaster service, from RLPIPE_WEIGHT_BROADCASTER_* variables."""
 
 from pathlib import Path
-from typing import ClassVar
+from typing import ClassVar, Self
 
-from pydantic import Field
+from pydantic import Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from libs.settings import NESTED_SETTINGS, ServiceSettings, env_prefix
@@ -48,6 +48,27 @@ class WeightBroadcasterSettings(ServiceSettings):
     publish_in_flight: int = Field(
         16, ge=1, description="Chunk publishes awaiting their stream ack at a time"
     )
+    signing_key: Path | None = Field(
+        None,
+        description="Private key signing every announced version (`rlpipe weights keygen`; "
+        "workers verify with its .pub); required unless allow_unsigned",
+    )
+    allow_unsigned: bool = Field(
+        False,
+        description="Announce versions unsigned when no signing_key is set (workers then need "
+        "weights.allow_unsigned): only where every publisher on the bus is trusted",
+    )
+
+    @model_validator(mode="after")
+    def _signs(self) -> Self:
+        if self.signing_key is None and not self.allow_unsigned:
+            raise ValueError(
+                "signing_key is unset: the broadcaster signs every version it announces. Set "
+                "RLPIPE_WEIGHT_BROADCASTER_SIGNING_KEY to a private key (`rlpipe weights "
+                "keygen --out DIR`; `rlpipe demo` makes one per run) or, where every publisher "
+                "on the bus is trusted, RLPIPE_WEIGHT_BROADCASTER_ALLOW_UNSIGNED=true"
+            )
+        return self
 
     def resolved_staging_dir(self) -> Path:
         """The staging folder: the setting, or <run_dir>/weights-staging."""
