@@ -170,6 +170,8 @@ async def one_run(
         "store": stored - handed, "receive": received - stored, "fetch": receipt.fetch_s,
         "decode_tail": receipt.tail_s, "apply": applied - received, "total": applied - started,
     }  # fmt: skip
+    # False where /dev/shm lacked room (or was not offered): the delta went through the disk.
+    row["handoff_in_shm"] = (staging / f"v{version}.delta").is_symlink()
     row["exact"] = exact(path.receiver, path.new) and (
         state_hash(raw_state(path.mirror), threads) == manifest.target_hash
     )
@@ -231,6 +233,7 @@ def summarize(rows: list[dict[str, Any]], model_bytes: int) -> dict[str, Any]:
         "num_chunks": last["num_chunks"],
         "changed_fraction": last["changed_fraction"],
         "exact": all(r["exact"] for r in rows),
+        "handoff_in_shm": all(r["handoff_in_shm"] for r in rows),
         "seconds": median,
         "state_gbps": model_bytes / median["total"] / 1e9,
         "receive_sequential_s": sequential,
@@ -262,6 +265,8 @@ async def measure(args: argparse.Namespace, device: torch.device) -> dict[str, A
                 for i in range(args.repeats + 1):
                     version += 1
                     row = await one_run(path, bus, options, args.threads, staging, version)
+                    if args.handoff == "disk":  # reading it offered /dev/shm: withdrawn
+                        release_shm(staging)
                     print(f"{preset} lr {lr:g} run {i}: {json.dumps(rounded(row))}", flush=True)
                     rows.append(row)
                 results[f"{preset}/lr_{lr:g}"] = summarize(rows[1:] or rows, model_bytes)
@@ -312,6 +317,7 @@ def main() -> None:
         cells = " ".join(f"{result['seconds'][p]:>11.3f}" for p in PARTS)
         print(f"{key:>18} {result['state_gbps']:>6.2f} {result['ratio']:>6.1f} {cells}")
         print(f"{'':>18} total {result['seconds']['total']:.3f} s, exact {result['exact']}, "
+              f"handoff in /dev/shm {result['handoff_in_shm']}, "
               f"sequential receive {result['receive_sequential_s']['total']:.3f} s (fetch "
               f"{result['receive_sequential_s']['fetch']:.3f}, decode "
               f"{result['receive_sequential_s']['decode']:.3f})")  # fmt: skip
