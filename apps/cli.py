@@ -6,7 +6,8 @@ rlpipe run SERVICE [--set SERVICE.FIELD=VALUE]
                                   one service, configured by RLPIPE_* variables
 rlpipe config show SERVICE | check
                                   every setting and where it came from; validate them all
-rlpipe provision [--nats-url URL] create or update streams, consumers, KV buckets
+rlpipe provision [--nats-url URL] create or update streams, consumers, KV buckets (as the
+                                  admin: RLPIPE_NATS_USER/RLPIPE_NATS_PASSWORD)
 rlpipe report RUN_DIR [--no-plots]
                                   a run's summary and plots (reward, staleness, throughput)
 rlpipe sft --data DEMOS.jsonl --out MODEL_DIR [--steps N]
@@ -16,6 +17,9 @@ rlpipe domain list | demos --env ENV --out FILE | evaluate --env ENV [--policy-p
 rlpipe feedback-key --name NAME --products P [--key-out FILE] [--toml]
                                   a feedback API key and the entry the ingester stores
 rlpipe schema [--check]           write (or check) the JSON Schema in proto/schema/
+rlpipe nats-config render [--check] | passwords
+                                  write (or check) deploy/nats/auth.conf from proto/;
+                                  a fresh password per role, as .env lines
 rlpipe weights diff|apply|verify|snapshot ...
                                   lossless weight deltas of safetensors files
 rlpipe weights relay-setup --hub-domain HUB [--nats-url URL]
@@ -64,6 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     from apps.domains_cli import add_domain_parser
     from apps.feedback_key_cli import add_feedback_key_parser
     from apps.launcher.arguments import add_demo_arguments
+    from apps.nats_config_cli import add_nats_config_parser
     from apps.ray_deploy.cli import add_ray_parser
     from apps.report.command import add_report_parser
     from apps.sandbox_cli import add_sandbox_parser
@@ -102,6 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     schema = commands.add_parser("schema", help="write the wire contract's JSON Schema")
     schema.add_argument("--check", action="store_true", help="exit 1 if proto/schema is stale")
     add_weights_parser(commands)
+    add_nats_config_parser(commands)
     add_sandbox_parser(commands)
     add_feedback_key_parser(commands)
     add_sft_parser(commands)
@@ -164,13 +170,15 @@ def on_run(args: argparse.Namespace) -> int:
 
 
 def on_provision(args: argparse.Namespace) -> int:
-    from libs.bus.connection import BusConnectError
+    from libs.bus.connection import BusConnectError, options_from_environment
     from libs.bus.provision import ProvisionError, provision_bus
     from libs.logs import configure_logging
 
     configure_logging("provision")
+    # As the admin: RLPIPE_NATS_USER=admin and its password (or in the URL), TLS options.
+    options = options_from_environment(os.environ)
     try:
-        report = asyncio.run(provision_bus(args.nats_url, args.replicas))
+        report = asyncio.run(provision_bus(args.nats_url, args.replicas, options))
     except (BusConnectError, ProvisionError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -183,6 +191,12 @@ def on_schema(args: argparse.Namespace) -> int:
     from proto.schema import main as schema_main
 
     return schema_main(["--check"] if args.check else [])
+
+
+def on_nats_config(args: argparse.Namespace) -> int:
+    from apps.nats_config_cli import run
+
+    return run(args)
 
 
 def on_config(args: argparse.Namespace) -> int:
@@ -242,6 +256,7 @@ HANDLERS = {
     "run": on_run,
     "provision": on_provision,
     "schema": on_schema,
+    "nats-config": on_nats_config,
     "config": on_config,
     "weights": on_weights,
     "sandbox": on_sandbox,

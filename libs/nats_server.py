@@ -121,6 +121,10 @@ class NatsServer:
     cluster_port: int | None = None
     cluster_routes: tuple[str, ...] = ()
     cluster_name: str = "rlpipe"
+    # Appended to the generated config: users (an `authorization {}` block rendered from
+    # proto/permissions.py), a `tls {}` block. The file is the owner's alone: it may hold
+    # a run's passwords.
+    extra_config: str = ""
 
     @property
     def url(self) -> str:
@@ -171,8 +175,10 @@ class NatsServer:
             text += listen if self.leafnode_port is not None else ""
             text += f"  remotes: [\n{remotes}  ]\n" if remotes else ""
             text += "}\n"
-        text += self._cluster_block()
-        config.write_text(text)
+        text += self._cluster_block() + self.extra_config
+        fd = os.open(config, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as out:
+            out.write(text)
         return config
 
     def _cluster_block(self) -> str:
@@ -278,6 +284,7 @@ class NatsCluster:
     size: int = 3
     log_dir: Path | None = None
     start_new_session: bool = False
+    extra_config: str = ""  # every node's (NatsServer.extra_config)
     nodes: list[NatsServer] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -301,6 +308,7 @@ class NatsCluster:
                     server_name=name,
                     cluster_port=port,
                     cluster_routes=peers,
+                    extra_config=self.extra_config,
                 )
             )
 

@@ -70,7 +70,10 @@ async def serve(service: Service, settings: ServiceSettings) -> None:
     health = HealthServer(service.health, settings.http_host, settings.http_port)
     await health.start()
     bus = await connect_bus(
-        settings.nats_url, name=service.name, max_attempts=settings.connect_attempts
+        settings.nats_url,
+        name=service.name,
+        max_attempts=settings.connect_attempts,
+        options=settings.nats_options(),
     )
     try:
         if settings.provision:

@@ -23,11 +23,14 @@ import sys
 import tomllib
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, ClassVar, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
-from pydantic import BaseModel, Field, ValidationError, model_validator
+from pydantic import BaseModel, Field, FilePath, ValidationError, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+if TYPE_CHECKING:
+    from libs.bus.connection import NatsOptions
 
 SHARED_FALLBACKS = {
     "nats_url": "RLPIPE_NATS_URL",
@@ -36,6 +39,14 @@ SHARED_FALLBACKS = {
     "log_level": "RLPIPE_LOG_LEVEL",
     "log_format": "RLPIPE_LOG_FORMAT",
     "nats_replicas": "RLPIPE_NATS_REPLICAS",
+    "nats_user": "RLPIPE_NATS_USER",
+    "nats_password": "RLPIPE_NATS_PASSWORD",
+    "nats_nkey_seed_file": "RLPIPE_NATS_NKEY_SEED_FILE",
+    "nats_creds_file": "RLPIPE_NATS_CREDS_FILE",
+    "nats_inbox_prefix": "RLPIPE_NATS_INBOX_PREFIX",
+    "nats_tls_ca_file": "RLPIPE_NATS_TLS_CA_FILE",
+    "nats_tls_cert_file": "RLPIPE_NATS_TLS_CERT_FILE",
+    "nats_tls_key_file": "RLPIPE_NATS_TLS_KEY_FILE",
 }
 CONFIG_VARIABLE = "RLPIPE_CONFIG"
 OVERRIDES_VARIABLE = "RLPIPE_SET"
@@ -83,6 +94,30 @@ class ServiceSettings(BaseSettings):
         description="Nodes that keep each stream and KV bucket this service provisions: 1 for "
         "one nats-server, 3 on a NATS cluster (a node can then die with nothing acked lost)",
     )
+    nats_user: str | None = Field(
+        None,
+        description="NATS user this service connects as: its role's user "
+        "(deploy/nats/SECURITY.md); replies then arrive under `_INBOX_<role>`",
+    )
+    nats_password: str | None = Field(None, description="Password of nats_user (masked in logs)")
+    nats_nkey_seed_file: FilePath | None = Field(
+        None, description="File holding this service's NATS nkey seed (instead of a password)"
+    )
+    nats_creds_file: FilePath | None = Field(
+        None, description="NATS credentials file (JWT and nkey seed, for operator-mode servers)"
+    )
+    nats_inbox_prefix: str | None = Field(
+        None, description="Reply inbox prefix; unset: `_INBOX_<role>` for a role's user"
+    )
+    nats_tls_ca_file: FilePath | None = Field(
+        None, description="CA certificate that signed the NATS server's (TLS; tls:// URLs)"
+    )
+    nats_tls_cert_file: FilePath | None = Field(
+        None, description="Client certificate, where the server verifies clients (mTLS)"
+    )
+    nats_tls_key_file: FilePath | None = Field(
+        None, description="Private key of nats_tls_cert_file"
+    )
     provision: bool = Field(
         True,
         description="Create or update the bus definitions at start; off for a service whose "
@@ -115,6 +150,33 @@ class ServiceSettings(BaseSettings):
             if field not in data and variable in os.environ:
                 data[field] = os.environ[variable]
         return data
+
+    @model_validator(mode="after")
+    def _check_nats_credentials(self) -> ServiceSettings:
+        """Credentials that cannot work together are refused before any connect."""
+        if self.nats_password is not None and self.nats_user is None:
+            raise ValueError("nats_password is set without nats_user: set RLPIPE_NATS_USER too")
+        if self.nats_creds_file is not None and (self.nats_user or self.nats_nkey_seed_file):
+            raise ValueError("nats_creds_file carries the identity: unset nats_user and "
+                             "nats_nkey_seed_file")  # fmt: skip
+        if (self.nats_tls_cert_file is None) != (self.nats_tls_key_file is None):
+            raise ValueError("nats_tls_cert_file and nats_tls_key_file go together: set both")
+        return self
+
+    def nats_options(self) -> NatsOptions:
+        """Who this service is on the bus and how its connection is protected."""
+        from libs.bus.connection import NatsOptions
+
+        return NatsOptions(
+            user=self.nats_user,
+            password=self.nats_password,
+            nkey_seed_file=self.nats_nkey_seed_file,
+            creds_file=self.nats_creds_file,
+            inbox_prefix=self.nats_inbox_prefix,
+            tls_ca_file=self.nats_tls_ca_file,
+            tls_cert_file=self.nats_tls_cert_file,
+            tls_key_file=self.nats_tls_key_file,
+        )
 
     @model_validator(mode="before")
     @classmethod

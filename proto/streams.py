@@ -216,5 +216,15 @@ MAX_STALENESS_KEY = "trainer_max_staleness"
 PROMOTED_VERSION_KEY = "promoted_policy_version"
 # The trainer's PolicyIdentity (msgpack): what workers check their own policy against.
 POLICY_IDENTITY_KEY = "policy_identity"
+# Keys the env-gateway's task feeder keeps its position under: `task_feeder.<env>`.
+TASK_FEEDER_KEY_PREFIX = "task_feeder."
 
-ALL_KV: tuple[KeyValueSpec, ...] = (STATE,)
+# The feedback join's state (libs/feedback/join.py): generations by id and events waiting for
+# theirs, each key with a per-key TTL (nats-server >= 2.11). Provisioned with the rest, so
+# the ingester needs no right to create buckets.
+FEEDBACK_JOIN = KeyValueSpec(
+    bucket="feedback_join",
+    description="Feedback join: generation index and events waiting for one.",
+)
+
+ALL_KV: tuple[KeyValueSpec, ...] = (STATE, FEEDBACK_JOIN)

@@ -32,7 +32,8 @@ PROMOTIONS = "rl.promotions"
 # Dead letters: `rl.dead.<origin stream>`.
 DEAD_ALL = "rl.dead.>"
 
-# Env-gateway request/reply (core NATS, queue group per env).
+# Env-gateway request/reply (core NATS, queue group per env): `rl.env.<env>.<op>`.
+ENV_ALL = "rl.env.>"
 ENV_QUEUE_GROUP = "env-gateway"
 
 

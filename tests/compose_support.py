@@ -16,7 +16,8 @@ No Docker engine runs where the suite runs, so `ComposeProcesses` plays the engi
   free host port, `0.0.0.0` becomes loopback, and a URL naming another service (`nats:4222`)
   is rewritten to that service's host port;
 - `depends_on` is honoured in order, `service_healthy` by running the service's health check
-  (its `http://127.0.0.1:PORT/...` probes, ports mapped).
+  (its `http://127.0.0.1:PORT/...` probes, ports mapped), `service_completed_successfully`
+  by waiting for the one-shot service's exit 0 (`provision`).
 
 The NATS config names container facts inside its files: its store_dir is rewritten in a copy of
 the mounted config folder (mapped through the volumes like any other path), and its ports are
@@ -47,6 +48,7 @@ import pytest
 import yaml
 
 from libs.nats_server import find_nats_server, free_port
+from proto.permissions import ROLES
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE_FILE = ROOT / "compose.yaml"
@@ -57,10 +59,9 @@ VENV_BIN = Path(sys.executable).parent
 STORE_DIR = r"^(\s*store_dir:\s*)(\S+)"
 QUOTES = "\"'"
 
-# The passwords compose requires (letters and digits, as SECURITY.md asks).
+# The passwords compose requires, one per role (letters and digits, as SECURITY.md asks).
 PASSWORDS = {
-    "RLPIPE_NATS_SERVICES_PASSWORD": "servicesPw0test",
-    "RLPIPE_NATS_FEEDBACK_API_PASSWORD": "feedbackPw0test",
+    role.password_variable: f"{role.name.replace('-', '')}Pw0test" for role in ROLES.values()
 }
 
 Config = dict[str, Any]
@@ -345,7 +346,12 @@ class ComposeProcesses:
         deadline = time.monotonic() + timeout_s
         while len(started) < len(self.names):
             ready = [n for n in self.names if n not in started and self._deps_met(n, started)]
-            exited = [c.name for n in started for c in self.containers[n] if not c.running]
+            exited = [
+                c.name
+                for n in started
+                for c in self.containers[n]
+                if not c.running and not self._completed(n)
+            ]
             if exited:
                 raise AssertionError(f"{', '.join(exited)} exited:\n{self.diagnosis()}")
             if not ready:
@@ -367,7 +373,31 @@ class ComposeProcesses:
                 return False
             if rule.get("condition") == "service_healthy" and not self.healthy(dep):
                 return False
+            if rule.get("condition") == "service_completed_successfully" and not self._completed(
+                dep
+            ):
+                return False
         return True
+
+    def one_shot(self, name: str) -> bool:
+        """Others wait for its completion (it has no health check: `provision`)."""
+        return any(
+            rule.get("condition") == "service_completed_successfully"
+            for other in self.names
+            for dep, rule in (self._depends(other)).items()
+            if dep == name
+        )
+
+    def _completed(self, name: str) -> bool:
+        """A one-shot service that exited 0."""
+        codes = [c.process.poll() if c.process else None for c in self.containers[name]]
+        return self.one_shot(name) and all(code == 0 for code in codes)
+
+    def _depends(self, name: str) -> dict[str, Config]:
+        depends = self.config["services"][name].get("depends_on") or {}
+        if isinstance(depends, list):
+            return {dep: {"condition": "service_started"} for dep in depends}
+        return dict(depends)
 
     def _start(self, container: Container) -> None:
         assert container.cwd is not None
@@ -455,7 +485,8 @@ class ComposeProcesses:
             for container in self.containers[name]:
                 code = container.process.poll() if container.process else "not started"
                 state = "running" if code is None else f"exited {code}"
-                report = "" if name == "nats" else json.dumps(self.health(container))[:400]
+                probed = name != "nats" and not self.one_shot(name)
+                report = json.dumps(self.health(container))[:400] if probed else ""
                 lines.append(f"- {container.name}: {state} {report}")
                 tail = container.log_tail(log_lines)
                 lines += [f"    {line[:300]}" for line in tail.splitlines()]

@@ -124,6 +124,8 @@ def check_options(parser: argparse.ArgumentParser, words: list[str], path: list[
 # rlpipe commands run as written: quick, and they change nothing.
 RLPIPE_RUN = (
     "rlpipe schema --check",
+    "rlpipe nats-config render --check",
+    "rlpipe nats-config passwords",
     "rlpipe config show ",
     "rlpipe config check",
     "rlpipe config reference",
@@ -142,6 +144,7 @@ RLPIPE_NOT_RUN = {
     "report": "needs a run folder (tests/test_see_a_run.py runs it)",
     "feedback-key": "writes a key file (tests/test_readme_examples.py runs it)",
     "schema": "writes proto/schema/ (`--check` runs)",
+    "nats-config": "render writes deploy/nats/ (`--check` runs; passwords runs)",
     "config": "every form runs",
 }
 

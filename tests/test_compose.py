@@ -54,8 +54,19 @@ SERVICES = {
 # GPU variant -> the service it runs.
 GPU_SERVICES = {"trainer-gpu": "trainer", "rollout-worker-gpu": "rollout-worker"}
 RUNS = {**SERVICES, **GPU_SERVICES}
-SERVICES_URL = f"nats://rlpipe:{PASSWORDS['RLPIPE_NATS_SERVICES_PASSWORD']}@nats:4222"
+SERVICES_URL = "nats://nats:4222"
 FEEDBACK_API_URL = f"nats://feedback-api:{PASSWORDS['RLPIPE_NATS_FEEDBACK_API_PASSWORD']}@nats:4222"
+# Compose service -> the NATS user it connects as (proto/permissions.py).
+USERS = {
+    "trainer": "trainer",
+    "rollout-worker": "rollout-worker",
+    "env-gateway": "env-gateway",
+    "reward": "reward",
+    "weight-broadcaster": "weight-broadcaster",
+    "feedback-join": "feedback-ingester",
+    "trainer-gpu": "trainer",
+    "rollout-worker-gpu": "rollout-worker",
+}
 MIN_NATS_VERSION = (2, 11)
 MIN_MAX_PAYLOAD_BYTES = 8 * 1024 * 1024
 
@@ -131,6 +142,8 @@ def test_every_service_waits_for_a_healthy_nats_and_restarts(compose_gpu: Config
     for name in RUNS:
         service = compose_gpu["services"][name]
         assert service["depends_on"]["nats"]["condition"] == "service_healthy", name
+        completed = service["depends_on"]["provision"]["condition"]
+        assert completed == "service_completed_successfully", name
         expected_url = FEEDBACK_API_URL if name == "feedback-api" else SERVICES_URL
         assert service["environment"]["RLPIPE_NATS_URL"] == expected_url, name
         assert service.get("restart") in {"always", "unless-stopped", "on-failure"}, name
@@ -223,7 +236,7 @@ def test_the_feedback_api_is_published_on_8080(compose: Config) -> None:
     assert not published_ports(compose["services"]["feedback-join"]), "the join has no API"
 
 
-def test_nats_runs_the_users_config_with_both_passwords(compose: Config) -> None:
+def test_nats_runs_the_users_config_with_every_password(compose: Config) -> None:
     nats = compose["services"]["nats"]
     includes = re.findall(r"^\s*include\s+\.?/?(\S+)", NATS_SECURE_CONF.read_text(), re.M)
     assert sorted(includes) == ["auth.conf", "nats.conf"], includes
@@ -235,30 +248,43 @@ def test_nats_runs_the_users_config_with_both_passwords(compose: Config) -> None
 
 def test_the_feedback_api_holds_only_the_feedback_user(compose: Config) -> None:
     """The product-facing container runs role=api without provisioning, and nothing in its
-    definition carries the rlpipe user's password."""
+    definition carries another user's password."""
     api = compose["services"]["feedback-api"]
     environment = api["environment"]
     assert environment["RLPIPE_FEEDBACK_INGESTER_ROLE"] == "api"
     assert str(environment["RLPIPE_FEEDBACK_INGESTER_PROVISION"]).lower() == "false"
     assert environment["RLPIPE_NATS_URL"] == FEEDBACK_API_URL
     assert environment["RLPIPE_FEEDBACK_INGESTER_API_NATS_URL"] == FEEDBACK_API_URL
-    services_password = PASSWORDS["RLPIPE_NATS_SERVICES_PASSWORD"]
-    assert services_password not in json.dumps(api), "the API container holds the rlpipe password"
-    assert "rlpipe:" not in json.dumps(environment)
-    # Provisioning is the join's job: the API starts once the feedback stream exists.
+    others = [p for v, p in PASSWORDS.items() if v != "RLPIPE_NATS_FEEDBACK_API_PASSWORD"]
+    assert not [p for p in others if p in json.dumps(api)], "the API holds another password"
+    assert "RLPIPE_NATS_USER" not in environment
     assert api["depends_on"]["feedback-join"]["condition"] == "service_healthy"
 
 
-def test_the_feedback_join_runs_as_the_services_user(compose: Config) -> None:
-    join = compose["services"]["feedback-join"]
-    environment = join["environment"]
-    assert environment["RLPIPE_FEEDBACK_INGESTER_ROLE"] == "join"
-    assert environment["RLPIPE_NATS_URL"] == SERVICES_URL
-    assert str(environment.get("RLPIPE_FEEDBACK_INGESTER_PROVISION", "true")).lower() == "true"
-    assert "RLPIPE_FEEDBACK_INGESTER_API_NATS_URL" not in environment
+def test_every_service_connects_as_its_own_user_and_provisions_nothing(compose_gpu: Config) -> None:
+    for name, user in USERS.items():
+        environment = compose_gpu["services"][name]["environment"]
+        assert environment["RLPIPE_NATS_USER"] == user, name
+        variable = f"RLPIPE_NATS_{user.upper().replace('-', '_')}_PASSWORD"
+        assert environment["RLPIPE_NATS_PASSWORD"] == PASSWORDS[variable], name
+        assert str(environment["RLPIPE_PROVISION"]).lower() == "false", name
+        assert environment["RLPIPE_NATS_URL"] == SERVICES_URL, name
+    join = compose_gpu["services"]["feedback-join"]["environment"]
+    assert join["RLPIPE_FEEDBACK_INGESTER_ROLE"] == "join"
+    assert "RLPIPE_FEEDBACK_INGESTER_API_NATS_URL" not in join
 
 
-def test_the_secure_nats_config_is_valid_and_needs_both_passwords() -> None:
+def test_provisioning_runs_once_as_the_admin(compose: Config) -> None:
+    provision = compose["services"]["provision"]
+    assert provision["command"] == ["provision"]
+    assert provision["environment"]["RLPIPE_NATS_USER"] == "admin"
+    admin = PASSWORDS["RLPIPE_NATS_ADMIN_PASSWORD"]
+    assert provision["environment"]["RLPIPE_NATS_PASSWORD"] == admin
+    holders = [n for n, s in compose["services"].items() if admin in json.dumps(s)]
+    assert sorted(holders) == ["nats", "nats-2", "nats-3", "provision"], holders
+
+
+def test_the_secure_nats_config_is_valid_and_needs_every_password() -> None:
     """`nats-server -t` on the shipped nats-secure.conf, as the nats container gets it."""
     binary = find_nats_server()
     env = {k: v for k, v in os.environ.items() if not k.startswith("RLPIPE_")}

@@ -29,6 +29,8 @@ from kubernetes_validate.utils import latest_version
 
 from apps.cli import build_parser
 from libs.nats_server import find_nats_server
+from proto import permissions
+from proto.permissions import REGION_ROLES, ROLES, password_variable
 from tests.compose_support import PASSWORDS, ROOT
 
 K8S = ROOT / "deploy" / "k8s"
@@ -137,7 +139,7 @@ def test_every_rlpipe_container_runs_a_real_command(overlay: str) -> None:
     parser = build_parser()
     for container in rlpipe_containers(overlay):
         args = parser.parse_args(container["args"])  # exits (fails) on an unknown command
-        assert args.command in {"run", "weights"}, container["name"]
+        assert args.command in {"run", "weights", "provision"}, container["name"]
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -208,6 +210,8 @@ def test_nats_runs_the_repositorys_config_and_nats_server_accepts_it(
     nats = next(c for _, c in workloads(overlay) if c["image"].startswith("nats:"))
     assert f"/etc/nats/rlpipe/{config}" in " ".join(nats["args"])
     env = {k: v for k, v in os.environ.items() if not k.startswith("RLPIPE_")} | PASSWORDS
+    env |= {password_variable(name, "region"): f"{name}Pw0" for name in REGION_ROLES}
+    env["RLPIPE_NATS_LEAF_URL"] = "nats-leaf://leaf-region-a:pw@hub.example.internal:7422"
     result = subprocess.run(
         [find_nats_server(), "-t", "-c", str(tmp_path / config)],
         env=env, capture_output=True, text=True, timeout=30, check=False,
@@ -220,9 +224,11 @@ def test_region_workers_take_weights_from_the_region_and_tasks_from_the_hub() ->
     env = env_values(worker)
     weights = urlsplit(env["RLPIPE_ROLLOUT_WORKER_WEIGHTS_NATS_URL"])
     assert weights.hostname == find("region", "Service", "nats")["metadata"]["name"]
-    leaf = config_map_files("region", "rlpipe-nats-region-config")["region-leaf.conf"]
+    leaf_server = next(c for _, c in workloads("region") if c["image"].startswith("nats:"))
+    leaf_url = urlsplit(env_values(leaf_server)["RLPIPE_NATS_LEAF_URL"])
     hub = urlsplit(env["RLPIPE_NATS_URL"])
-    assert f"nats-leaf://{hub.hostname}:7422" in leaf, "the workers' hub is not the leaf's hub"
+    assert leaf_url.hostname == hub.hostname, "the workers' hub is not the leaf's hub"
+    assert leaf_url.port == 7422 and leaf_url.username == f"leaf-{permissions.REGIONS[0]}"
     hub_ports = {p["port"] for p in find("hub", "Service", "nats-regions")["spec"]["ports"]}
     assert {hub.port, 7422} <= hub_ports
 
@@ -241,3 +247,30 @@ def test_region_workers_scale_on_the_hubs_task_backlog() -> None:
     }
     exporter = next(c for _, c in workloads("hub") if "prometheus-nats-exporter" in c["image"])
     assert "-jsz=all" in exporter["args"], "the hub exports no consumer backlog"
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_namespace_denies_ingress_but_what_it_names(overlay: str) -> None:
+    policies = {m["metadata"]["name"]: m["spec"] for _, m in manifests(overlay)
+                if m["kind"] == "NetworkPolicy"}  # fmt: skip
+    deny = policies["default-deny-ingress"]
+    assert deny["podSelector"] == {} and deny["policyTypes"] == ["Ingress"]
+    assert "ingress" not in deny, "the default policy admits nothing"
+    nats = policies["nats"]
+    assert nats["podSelector"] == {"matchLabels": {"app.kubernetes.io/name": "nats"}}
+
+
+def test_every_service_connects_as_its_role_and_only_the_provision_job_as_admin() -> None:
+    users = {}
+    for overlay in OVERLAYS:
+        for container in rlpipe_containers(overlay):
+            env = env_values(container)
+            users[container["name"]] = env.get("RLPIPE_NATS_USER")
+            if container["args"][0] == "run":
+                service = container["args"][1].upper().replace("-", "_")
+                switch = env.get(f"RLPIPE_{service}_PROVISION", env.get("RLPIPE_PROVISION", ""))
+                assert str(switch).lower() == "false", container["name"]
+    assert users["provision"] == "admin"
+    assert [n for n, u in users.items() if u == "admin"] == ["provision"]
+    for name in ("trainer", "weight-broadcaster", "reward", "env-gateway", "rollout-worker"):
+        assert users[name] == name and name in ROLES

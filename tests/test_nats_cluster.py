@@ -36,6 +36,7 @@ from libs.bus.publisher import Publisher
 from libs.nats_server import NatsCluster, find_nats_server, free_port
 from proto import streams
 from proto.messages import DeadLetter, Rollout, ScoredRollout, Task
+from proto.permissions import ROLES
 from proto.streams import StreamSpec
 from tests.chaos_support import (
     _cursor,
@@ -378,9 +379,9 @@ def task_id_of(message: Task | Rollout | ScoredRollout) -> str:
 # --- the shipped cluster config (deploy/nats/cluster.conf, compose's cluster profile) -----
 
 CLUSTER_CONF = REPO_ROOT / "deploy" / "nats" / "cluster.conf"
+# Every user's password (auth.conf, included by cluster.conf through nats-secure.conf).
 PASSWORDS = {
-    "RLPIPE_NATS_SERVICES_PASSWORD": "services0secret",
-    "RLPIPE_NATS_FEEDBACK_API_PASSWORD": "feedback0secret",
+    role.password_variable: f"{role.name.replace('-', '')}0secret" for role in ROLES.values()
 }
 
 
@@ -408,7 +409,7 @@ async def test_the_shipped_cluster_config_forms_a_cluster_that_outlives_a_node(
     tmp_path: Path,
 ) -> None:
     """Three nats-server processes on deploy/nats/cluster.conf, with users, only their
-    addresses (loopback ports) and store folders replaced: the services' user provisions R3
+    addresses (loopback ports) and store folders replaced: the admin user provisions R3
     through the first node, which then dies; the client carries on through a node it learned
     from the cluster (with the credentials of its URL)."""
     binary = find_nats_server()
@@ -431,8 +432,8 @@ async def test_the_shipped_cluster_config_forms_a_cluster_that_outlives_a_node(
             )
         for (client, _, _), process, index in zip(ports, processes, range(3), strict=True):
             await accepting_clients(client, process, tmp_path / f"n{index}.log")
-        password = PASSWORDS["RLPIPE_NATS_SERVICES_PASSWORD"]
-        first = f"nats://rlpipe:{password}@127.0.0.1:{ports[0][0]}"
+        password = PASSWORDS[ROLES["admin"].password_variable]
+        first = f"nats://admin:{password}@127.0.0.1:{ports[0][0]}"
         bus = await connect_bus(first, name="pytest")
         try:
             await ride_through(lambda: provision(bus.js, replicas=3), "provision", limit_s=60)

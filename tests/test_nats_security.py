@@ -31,13 +31,14 @@ from libs.feedback.restricted_bus import DEFAULT_INBOX_PREFIX, connect_restricte
 from libs.nats_server import NatsServer, free_port
 from proto import streams, subjects
 from proto.messages import FeedbackEvent
+from proto.permissions import ROLES
 from services.feedback_ingester.service import FeedbackIngesterService
 from services.feedback_ingester.settings import FeedbackIngesterSettings
 from services.reward.settings import RewardSettings
 from tests.feedback_support import ACME, auth, event_json, settings
 
 AUTH_CONF = Path(__file__).resolve().parents[1] / "deploy" / "nats" / "auth.conf"
-SERVICES_PASSWORD = "services-test-password"
+SERVICES_PASSWORD = "admin-test-password"  # the admin's: provisioning, reading back
 FEEDBACK_PASSWORD = "feedback-test-password"
 EVENT = FeedbackEvent(
     event_id="ev-1", generation_id="gen-1", product="acme", signal="accepted", occurred_at=1.0
@@ -45,7 +46,8 @@ EVENT = FeedbackEvent(
 
 
 class SecuredNatsServer(NatsServer):
-    """The test server's own settings (port, store) plus the shipped auth.conf."""
+    """The test server's own settings (port, store) plus the shipped auth.conf (every
+    role's user; tests/test_bus_permissions.py checks them all)."""
 
     def write_config(self) -> Path:
         config = super().write_config()
@@ -62,7 +64,9 @@ def secured_server(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[SecuredNatsServer]:
     with pytest.MonkeyPatch.context() as env:  # the config reads passwords from the environment
-        env.setenv("RLPIPE_NATS_SERVICES_PASSWORD", SERVICES_PASSWORD)
+        for role in ROLES.values():  # every user of auth.conf needs its password
+            env.setenv(role.password_variable, f"{role.name}-test-password")
+        env.setenv("RLPIPE_NATS_ADMIN_PASSWORD", SERVICES_PASSWORD)
         env.setenv("RLPIPE_NATS_FEEDBACK_API_PASSWORD", FEEDBACK_PASSWORD)
         server = SecuredNatsServer(store_dir=tmp_path_factory.mktemp("nats-secured"))
         server.start()
@@ -72,7 +76,7 @@ def secured_server(
 
 @pytest.fixture
 async def services_bus(secured_server: SecuredNatsServer) -> AsyncIterator[Bus]:
-    bus = await connect_bus(secured_server.url_for("rlpipe", SERVICES_PASSWORD), name="admin")
+    bus = await connect_bus(secured_server.url_for("admin", SERVICES_PASSWORD), name="admin")
     for info in await bus.js.streams_info():
         assert info.config.name is not None
         await bus.js.delete_stream(info.config.name)
@@ -205,8 +209,8 @@ async def test_the_ingester_command_runs_as_compose_runs_its_api_with_the_feedba
     secured_server: SecuredNatsServer, services_bus: Bus, tmp_path: Path
 ) -> None:
     """`rlpipe run feedback-ingester` with compose's feedback-api environment: role=api,
-    provisioning off, no rlpipe credentials anywhere. It starts, stores a POSTed event (read
-    back here as rlpipe), drains on SIGTERM, and never hit a permissions violation."""
+    provisioning off, no other credentials anywhere. It starts, stores a POSTed event (read
+    back here as the admin), drains on SIGTERM, and never hit a permissions violation."""
     feedback_url = secured_server.url_for("feedback-api", FEEDBACK_PASSWORD)
     http_port, api_port = free_port(), free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("RLPIPE_")}

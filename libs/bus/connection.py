@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import re
-from collections.abc import Awaitable, Callable
+import ssl
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import TypeVar
+from pathlib import Path
+from typing import Any, TypeVar
 from urllib.parse import unquote, urlsplit
 
 import nats
@@ -15,6 +17,8 @@ from nats.aio.client import Client
 from nats.js import JetStreamContext
 
 from libs.nats_server import MIN_SERVER_VERSION, parse_version
+from proto.permissions import REGION_ROLES, ROLES
+from proto.permissions import inbox_prefix as role_inbox_prefix
 
 log = structlog.get_logger(__name__)
 
@@ -23,6 +27,80 @@ T = TypeVar("T")
 
 class BusConnectError(RuntimeError):
     """The bus could not be reached, or the server there is unsuitable."""
+
+
+@dataclass(frozen=True)
+class NatsOptions:
+    """Who a connection is and how it is protected: credentials (user and password, an nkey
+    seed file or a creds file; a password in the URL works too) and TLS (the CA that signed
+    the server's certificate; a client certificate and key where the server verifies
+    clients). Built from a service's settings (`ServiceSettings.nats_options`)."""
+
+    user: str | None = None
+    password: str | None = None
+    nkey_seed_file: Path | None = None
+    creds_file: Path | None = None
+    # Where replies arrive; None: `_INBOX_<role>` for a user named after a role of
+    # proto/permissions.py (the only inbox that user may read), else nats-py's `_INBOX`.
+    inbox_prefix: str | None = None
+    tls_ca_file: Path | None = None
+    tls_cert_file: Path | None = None
+    tls_key_file: Path | None = None
+
+    def connect_options(self, urls: list[str]) -> dict[str, Any]:
+        """nats-py's connect keywords for these options and the URLs' own credentials."""
+        options: dict[str, Any] = url_credentials(urls)
+        if self.user is not None:
+            options = {"user": self.user, "password": self.password or ""}
+        if self.nkey_seed_file is not None:
+            options["nkeys_seed"] = str(self.nkey_seed_file)
+        if self.creds_file is not None:
+            options["user_credentials"] = str(self.creds_file)
+        prefix = self.inbox_prefix or default_inbox_prefix(options.get("user"))
+        if prefix:
+            options["inbox_prefix"] = prefix
+        context = self.tls_context()
+        if context is not None:
+            options["tls"] = context
+        return options
+
+    def tls_context(self) -> ssl.SSLContext | None:
+        """A client TLS context trusting `tls_ca_file` (with the client certificate when
+        given), or None when no TLS option is set."""
+        if self.tls_ca_file is None and self.tls_cert_file is None:
+            return None
+        context = ssl.create_default_context(
+            cafile=str(self.tls_ca_file) if self.tls_ca_file else None
+        )
+        if self.tls_cert_file is not None:
+            key = str(self.tls_key_file) if self.tls_key_file else None
+            context.load_cert_chain(str(self.tls_cert_file), key)
+        return context
+
+
+def options_from_environment(environ: Mapping[str, str]) -> NatsOptions:
+    """The shared variables a service's settings also read (RLPIPE_NATS_USER, _PASSWORD,
+    _TLS_CA_FILE, ...), for commands without settings of their own (`rlpipe provision`)."""
+
+    def path(name: str) -> Path | None:
+        value = environ.get(f"RLPIPE_NATS_{name}")
+        return Path(value) if value else None
+
+    return NatsOptions(
+        user=environ.get("RLPIPE_NATS_USER") or None,
+        password=environ.get("RLPIPE_NATS_PASSWORD") or None,
+        nkey_seed_file=path("NKEY_SEED_FILE"),
+        creds_file=path("CREDS_FILE"),
+        inbox_prefix=environ.get("RLPIPE_NATS_INBOX_PREFIX") or None,
+        tls_ca_file=path("TLS_CA_FILE"),
+        tls_cert_file=path("TLS_CERT_FILE"),
+        tls_key_file=path("TLS_KEY_FILE"),
+    )
+
+
+def default_inbox_prefix(user: str | None) -> str | None:
+    """`_INBOX_<role>` for a user named after a role, so its replies land where it may read."""
+    return role_inbox_prefix(user) if user in ROLES or user in REGION_ROLES else None
 
 
 @dataclass
@@ -50,19 +128,19 @@ async def connect_bus(
     retry_delay_s: float = 0.5,
     connect_timeout_s: float = 2.0,
     inbox_prefix: str | None = None,
+    options: NatsOptions | None = None,
 ) -> Bus:
     """Connect to `url`, retrying up to `max_attempts` times, and check the server.
 
     `url` may list every node of a cluster, comma-separated (`nats://a:4222,nats://b:4222`):
-    the client connects to one and, when that node dies, reconnects to another (nats-py also
-    learns the cluster's other nodes from the server; the URL's credentials go along to
-    those). Once connected, nats-py reconnects on its own forever; only the first contact is
-    bounded so a wrong URL fails in seconds with a message naming it (credentials left out).
-    `inbox_prefix` is for users whose permissions allow replies only under that prefix.
+    the client connects to one and, when that node dies, to another (nats-py also learns the
+    other nodes from the server; the URL's credentials go along). Once connected, nats-py
+    reconnects forever; the first contact is bounded so a wrong URL fails in seconds, named.
+    `options`: who connects and over what (credentials, TLS); `inbox_prefix` overrides theirs.
     """
     shown_url, servers = redact_url(url), server_urls(url)
-    options = {"inbox_prefix": inbox_prefix} if inbox_prefix else {}
-    options |= url_credentials(servers)
+    connect_options = (options or NatsOptions()).connect_options(servers)
+    connect_options |= {"inbox_prefix": inbox_prefix} if inbox_prefix else {}
     last_error: Exception | None = None
     callbacks = ConnectionCallbacks()
     for attempt in range(1, max_attempts + 1):
@@ -80,7 +158,7 @@ async def connect_bus(
                     error_cb=callbacks.on_error,
                     disconnected_cb=callbacks.on_disconnected,
                     reconnected_cb=_on_reconnected,
-                    **options,
+                    **connect_options,
                 ),
                 timeout=connect_timeout_s * 2,
             )

@@ -23,7 +23,7 @@ from nats.js import JetStreamContext
 from nats.js import api as js_api
 from nats.js.errors import APIError, BucketNotFoundError, NotFoundError
 
-from libs.bus.connection import connect_bus
+from libs.bus.connection import NatsOptions, connect_bus
 from proto import streams
 from proto.streams import ConsumerSpec, KeyValueSpec, StreamSpec
 
@@ -326,9 +326,12 @@ async def provision(
     return report
 
 
-async def provision_bus(url: str, replicas: int = 1) -> ProvisionReport:
-    """Connect to `url`, provision everything in proto/ on `replicas` nodes, disconnect."""
-    bus = await connect_bus(url, name="rlpipe-provision")
+async def provision_bus(
+    url: str, replicas: int = 1, options: NatsOptions | None = None
+) -> ProvisionReport:
+    """Connect to `url` (as the admin: `options` or the URL's credentials), provision
+    everything in proto/ on `replicas` nodes, disconnect."""
+    bus = await connect_bus(url, name="rlpipe-provision", options=options)
     try:
         return await provision(bus.js, replicas=replicas)
     finally:

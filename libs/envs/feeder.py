@@ -119,7 +119,7 @@ class FeederState(msgspec.Struct, kw_only=True):
 
 
 def feeder_state_key(env: str) -> str:
-    return f"task_feeder.{env}"
+    return f"{streams.TASK_FEEDER_KEY_PREFIX}{env}"
 
 
 async def read_policy_version(kv: KeyValue) -> int:

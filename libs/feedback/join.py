@@ -44,7 +44,6 @@ from dataclasses import dataclass
 import msgspec
 import structlog
 from nats.js import JetStreamContext
-from nats.js import api as js_api
 from nats.js.errors import (
     BucketNotFoundError,
     KeyNotFoundError,
@@ -57,13 +56,14 @@ from prometheus_client import Counter, Gauge
 from libs.bus import wire
 from libs.bus.consumer import PermanentError, PullConsumer
 from libs.bus.dead_letter import Delivery, publish_dead_letter
+from libs.bus.provision import ProvisionError
 from libs.bus.publisher import Publisher
 from proto import streams, subjects
 from proto.messages import FeedbackEvent, OnlineSample, ServedGeneration
 
 log = structlog.get_logger(__name__)
 
-BUCKET = "feedback_join"
+BUCKET = streams.FEEDBACK_JOIN.bucket
 GEN_PREFIX = "gen."
 WAIT_PREFIX = "wait."
 MAX_CAS_ATTEMPTS = 20
@@ -130,18 +130,16 @@ class SweepReport:
 
 
 async def setup_join_state(js: JetStreamContext) -> KeyValue:
-    """The join's KV bucket, created if absent (per-key TTLs need nats-server >= 2.11)."""
+    """The join's KV bucket (streams.FEEDBACK_JOIN). Provisioning creates it, not the
+    ingester: its NATS user may read and write the bucket's keys, never create buckets."""
     try:
         return await js.key_value(BUCKET)
     except BucketNotFoundError:
-        return await js.create_key_value(
-            config=js_api.KeyValueConfig(
-                bucket=BUCKET,
-                description="Feedback join: generation index and events waiting for one.",
-                history=1,
-                storage=js_api.StorageType.FILE,
-            )
-        )
+        raise ProvisionError(
+            f"the KV bucket {BUCKET} does not exist: provision the bus first (`rlpipe "
+            "provision` as the admin user, or RLPIPE_PROVISION=true where the service's user "
+            "may create buckets)"
+        ) from None
 
 
 def _encode(value: msgspec.Struct) -> bytes:

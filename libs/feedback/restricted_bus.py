@@ -8,7 +8,7 @@ prefix the server config allows.
 
 from __future__ import annotations
 
-from libs.bus.connection import Bus, BusConnectError, connect_bus
+from libs.bus.connection import Bus, BusConnectError, NatsOptions, connect_bus
 
 DEFAULT_INBOX_PREFIX = "_INBOX_feedback_api"
 
@@ -18,9 +18,10 @@ async def connect_restricted_bus(
     name: str,
     inbox_prefix: str = DEFAULT_INBOX_PREFIX,
     connect_timeout_s: float = 2.0,
+    tls: NatsOptions | None = None,
 ) -> Bus:
     """Connect with credentials in `url` (nats://user:password@host:port); one attempt, then
-    nats-py reconnects on its own."""
+    nats-py reconnects on its own. `tls`: the TLS fields of the service's own options."""
     try:
         return await connect_bus(
             url,
@@ -28,6 +29,7 @@ async def connect_restricted_bus(
             max_attempts=1,
             connect_timeout_s=connect_timeout_s,
             inbox_prefix=inbox_prefix,
+            options=tls,
         )
     except BusConnectError as exc:
         raise BusConnectError(

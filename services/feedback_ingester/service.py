@@ -22,7 +22,7 @@ import structlog
 
 from libs.api_server import ApiServer
 from libs.background_tasks import BackgroundTasks
-from libs.bus.connection import Bus
+from libs.bus.connection import Bus, NatsOptions
 from libs.bus.publisher import Publisher
 from libs.feedback.api import ApiLimits, FeedbackIngest, create_app
 from libs.feedback.auth import build_key_store
@@ -70,8 +70,14 @@ class FeedbackIngesterService(Service):
         settings = self.settings
         keys = build_key_store(settings.api_keys, settings.api_keys_file)
         if settings.api_nats_url:
+            options = settings.nats_options()
+            tls = NatsOptions(
+                tls_ca_file=options.tls_ca_file,
+                tls_cert_file=options.tls_cert_file,
+                tls_key_file=options.tls_key_file,
+            )
             self._api_bus = await connect_restricted_bus(
-                settings.api_nats_url, f"{self.name}-api", settings.api_nats_inbox_prefix
+                settings.api_nats_url, f"{self.name}-api", settings.api_nats_inbox_prefix, tls=tls
             )
         publisher = Publisher(
             (self._api_bus or bus).js,

@@ -22,6 +22,7 @@ requests finish before the batcher ends.
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 from typing import Any
 
 import structlog
@@ -219,7 +220,12 @@ class RolloutWorkerService(Service):
         if not url:
             return bus
         name = f"{self.settings.worker_id}-weights"
-        self.regional_bus = await connect_bus(url, name=name)
+        # The regional server's user comes with its URL; TLS as on the service connection.
+        tls_only = replace(
+            self.settings.nats_options(),
+            user=None, password=None, nkey_seed_file=None, creds_file=None, inbox_prefix=None,
+        )  # fmt: skip
+        self.regional_bus = await connect_bus(url, name=name, options=tls_only)
         log.info("fetching weights from the regional relay", nats_url=redact_url(url))
         return self.regional_bus
 

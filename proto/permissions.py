@@ -1,0 +1,359 @@
+"""Who may do what on the bus: one NATS identity per role, least privilege, from proto/.
+
+Each role lists the subjects it publishes and subscribes to, drawn from `proto.subjects` and
+`proto.streams`: its own subjects, the JetStream API calls on its own streams and consumers
+(`$JS.API.CONSUMER.*`, `$JS.API.STREAM.INFO`, direct gets), `$JS.ACK.<stream>.<consumer>.>`
+for the acks of its durable consumers, `$KV.<bucket>.<key>` for the keys it writes, and its
+own reply inbox (`_INBOX_<role>.>`: a client connects with that inbox prefix, so it cannot
+read other clients' replies). Creating, changing or deleting streams, consumers and buckets
+is the admin's alone (provisioning, `rlpipe provision`).
+
+`rlpipe nats-config render` writes deploy/nats/auth.conf from this module (`--check` fails
+when the shipped file is stale), and tests/test_bus_permissions.py checks every role against
+a real nats-server: each does its own job and is refused everything else.
+
+    role = ROLES["reward"]
+    role.publish      # ("rl.rollouts.scored", "rl.dead.rl_rollouts_raw", "$JS.API...", ...)
+
+Depends on nothing heavy (any process may import proto).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from proto import same_host, streams, subjects
+from proto.streams import ConsumerSpec, KeyValueSpec, StreamSpec
+
+API = "$JS.API"
+INBOX_PREFIX = "_INBOX"
+
+
+@dataclass(frozen=True)
+class Role:
+    """One bus identity: a NATS user named `name` with these permissions."""
+
+    name: str
+    description: str
+    publish: tuple[str, ...]
+    subscribe: tuple[str, ...]
+    # May answer requests it received (env-gateway's replies), whatever their reply subject.
+    allow_responses: bool = False
+
+    @property
+    def inbox_prefix(self) -> str:
+        return inbox_prefix(self.name)
+
+    @property
+    def password_variable(self) -> str:
+        """The hub server's environment variable that holds this user's password."""
+        return password_variable(self.name)
+
+
+def password_variable(name: str, server: str = "") -> str:
+    """`RLPIPE_NATS_<NAME>_PASSWORD`; a regional server's users: `RLPIPE_NATS_REGION_...`."""
+    server_part = f"{server.upper()}_" if server else ""
+    return f"RLPIPE_NATS_{server_part}{name.upper().replace('-', '_')}_PASSWORD"
+
+
+def inbox_prefix(role: str) -> str:
+    """The reply-inbox prefix of `role`'s connections: `_INBOX_reward`, `_INBOX_feedback_api`."""
+    return f"{INBOX_PREFIX}_{role.replace('-', '_')}"
+
+
+# --- JetStream API building blocks ----------------------------------------------------------
+
+
+def stream_info(stream: StreamSpec | str) -> tuple[str, ...]:
+    return (f"{API}.STREAM.INFO.{_name(stream)}",)
+
+
+def direct_reads(stream: StreamSpec | str) -> tuple[str, ...]:
+    """Reading single messages: direct gets (by subject, batched) and the leader's get."""
+    name = _name(stream)
+    return (
+        *stream_info(name),
+        f"{API}.DIRECT.GET.{name}",
+        f"{API}.DIRECT.GET.{name}.>",
+        f"{API}.STREAM.MSG.GET.{name}",
+    )
+
+
+def ephemeral_reader(stream: StreamSpec | str) -> tuple[str, ...]:
+    """Reading a stream through consumers of its own (unacked, removed when idle): create,
+    fetch, look up and remove them. It can create consumers on this stream only."""
+    name = _name(stream)
+    return (
+        *direct_reads(name),
+        f"{API}.CONSUMER.CREATE.{name}",
+        f"{API}.CONSUMER.CREATE.{name}.>",
+        f"{API}.CONSUMER.INFO.{name}.>",
+        f"{API}.CONSUMER.MSG.NEXT.{name}.>",
+        f"{API}.CONSUMER.DELETE.{name}.>",
+        f"$JS.FC.{name}.>",
+        f"$JS.FC.*.*.{name}.>",
+    )
+
+
+def durable_consumer(spec: ConsumerSpec) -> tuple[str, ...]:
+    """Pulling from and acking a durable consumer provisioning made; dead-lettering what fails.
+    Acks take either form the server may name: `$JS.ACK.<stream>...` and, in a JetStream
+    domain, `$JS.ACK.<domain>.<account hash>.<stream>...`."""
+    return (
+        *stream_info(spec.stream),
+        f"{API}.CONSUMER.INFO.{spec.stream}.{spec.durable}",
+        f"{API}.CONSUMER.MSG.NEXT.{spec.stream}.{spec.durable}",
+        f"$JS.ACK.{spec.stream}.{spec.durable}.>",
+        f"$JS.ACK.*.*.{spec.stream}.{spec.durable}.>",
+        subjects.dead_letter_subject(spec.stream),
+    )
+
+
+def consumer_lookup(spec: ConsumerSpec) -> tuple[str, ...]:
+    """Reading a consumer's state (its backlog) without consuming."""
+    return (f"{API}.CONSUMER.INFO.{spec.stream}.{spec.durable}",)
+
+
+def kv_reads(spec: KeyValueSpec) -> tuple[str, ...]:
+    """Binding a bucket and reading (or watching) any of its keys."""
+    return ephemeral_reader(f"KV_{spec.bucket}")
+
+
+def kv_writes(spec: KeyValueSpec, *keys: str) -> tuple[str, ...]:
+    """Putting, updating and deleting `keys` (NATS wildcards allowed) of a bucket."""
+    return tuple(f"$KV.{spec.bucket}.{key}" for key in keys)
+
+
+def _name(stream: StreamSpec | str) -> str:
+    return stream if isinstance(stream, str) else stream.name
+
+
+def _role(
+    name: str,
+    description: str,
+    publish: tuple[str, ...],
+    subscribe: tuple[str, ...] = (),
+    *,
+    allow_responses: bool = False,
+) -> Role:
+    """A role whose subscriptions include its own reply inbox (every request's answer, every
+    JetStream API reply and pulled message arrives there)."""
+    unique = tuple(dict.fromkeys(publish))
+    inbox = f"{inbox_prefix(name)}.>"
+    return Role(name, description, unique, (*subscribe, inbox), allow_responses)
+
+
+# --- the roles ------------------------------------------------------------------------------
+
+WEIGHT_READS = (
+    *ephemeral_reader(streams.WEIGHTS_ANNOUNCE),
+    *direct_reads(streams.WEIGHT_CHUNKS),
+    # A forged or broken announcement is dead-lettered by the receiver that read it.
+    subjects.dead_letter_subject(streams.WEIGHTS_ANNOUNCE.name),
+)
+STATE_READS = kv_reads(streams.STATE)
+TRAINER_KEYS = (
+    streams.POLICY_VERSION_KEY,
+    streams.GROUPS_TAKEN_KEY,
+    streams.BATCH_GROUPS_KEY,
+    streams.MAX_STALENESS_KEY,
+    streams.PROMOTED_VERSION_KEY,
+    streams.POLICY_IDENTITY_KEY,
+    same_host.same_host_shelf_key("*"),
+    same_host.same_host_version_key("*"),
+)
+
+ADMIN = Role(
+    "admin",
+    "Provisioning and operators: creates, changes and deletes streams, consumers and buckets "
+    "(`rlpipe provision`, the demo launcher); everything else too. Never a service's.",
+    publish=(">",),
+    subscribe=(">",),
+)
+TRAINER = _role(
+    "trainer",
+    "Reads scored rollouts and online samples from its own position; stages weight versions "
+    "for the broadcaster; writes its progress, policy identity and promotions; its eval "
+    "gate plays episodes against the env-gateway (request/reply).",
+    publish=(
+        subjects.ENV_ALL,
+        *ephemeral_reader(streams.ROLLOUTS_SCORED),
+        *ephemeral_reader(streams.ROLLOUTS_ONLINE),
+        subjects.dead_letter_subject(streams.ROLLOUTS_SCORED.name),
+        subjects.dead_letter_subject(streams.ROLLOUTS_ONLINE.name),
+        subjects.WEIGHTS_STAGED,
+        *stream_info(streams.WEIGHTS_STAGED),
+        subjects.PROMOTIONS,
+        *direct_reads(streams.PROMOTIONS),
+        *direct_reads(streams.WEIGHTS_ANNOUNCE),
+        same_host.same_host_subject("*"),
+        *STATE_READS,
+        *kv_writes(streams.STATE, *TRAINER_KEYS),
+    ),
+)
+WEIGHT_BROADCASTER = _role(
+    "weight-broadcaster",
+    "Takes staged versions; stores their chunks and announces them; purges what no one needs "
+    "(everything before the latest snapshot) from its two streams.",
+    publish=(
+        *durable_consumer(streams.WEIGHT_BROADCASTER_STAGED),
+        subjects.WEIGHTS_ANNOUNCE_DELTA,
+        subjects.WEIGHTS_ANNOUNCE_SNAPSHOT,
+        subjects.WEIGHT_CHUNKS_ALL,
+        *direct_reads(streams.WEIGHTS_ANNOUNCE),
+        *direct_reads(streams.WEIGHT_CHUNKS),
+        f"{API}.STREAM.PURGE.{streams.WEIGHTS_ANNOUNCE.name}",
+        f"{API}.STREAM.PURGE.{streams.WEIGHT_CHUNKS.name}",
+        *STATE_READS,
+    ),
+)
+ROLLOUT_WORKER = _role(
+    "rollout-worker",
+    "Pulls tasks, runs episodes against the env-gateway (request/reply), publishes raw "
+    "rollouts; reads weights and the trainer's state, never writes them.",
+    publish=(
+        *durable_consumer(streams.ROLLOUT_WORKER_TASKS),
+        subjects.ROLLOUTS_RAW_ALL,
+        subjects.ENV_ALL,
+        *WEIGHT_READS,
+        *STATE_READS,
+    ),
+    subscribe=(same_host.same_host_subject("*"),),
+)
+SERVE_REPLICA = _role(
+    "serve-replica",
+    "A rollout-worker in serve mode facing users: follows weights and the promoted version, "
+    "records what it served; pulls no tasks, publishes no rollouts.",
+    publish=(subjects.SERVING_GENERATIONS, *WEIGHT_READS, *STATE_READS),
+)
+ENV_GATEWAY = _role(
+    "env-gateway",
+    "Answers env requests (runs model-written code in its sandbox); its feeder publishes "
+    "tasks, reads the task backlog and the trainer's state, keeps its own position.",
+    publish=(
+        subjects.TASKS_ALL,
+        *consumer_lookup(streams.ROLLOUT_WORKER_TASKS),
+        *stream_info(streams.TASKS),
+        *STATE_READS,
+        *kv_writes(streams.STATE, f"{streams.TASK_FEEDER_KEY_PREFIX}*"),
+    ),
+    subscribe=(subjects.ENV_ALL,),
+    allow_responses=True,
+)
+REWARD = _role(
+    "reward",
+    "Scores raw rollouts and publishes the scored ones.",
+    publish=(*durable_consumer(streams.REWARD_ROLLOUTS), subjects.ROLLOUTS_SCORED),
+)
+FEEDBACK_INGESTER = _role(
+    "feedback-ingester",
+    "The feedback join: reads served generations and feedback events, keeps its join state, "
+    "publishes online samples.",
+    publish=(
+        *durable_consumer(streams.JOINER_GENERATIONS),
+        *durable_consumer(streams.JOINER_FEEDBACK),
+        *direct_reads(streams.SERVING_GENERATIONS),
+        subjects.ROLLOUTS_ONLINE,
+        *kv_reads(streams.FEEDBACK_JOIN),
+        *kv_writes(streams.FEEDBACK_JOIN, ">"),
+    ),
+)
+FEEDBACK_API = _role(
+    "feedback-api",
+    "The product-facing HTTP API: stores feedback events, nothing else (no JetStream API).",
+    publish=(subjects.FEEDBACK_EVENTS,),
+)
+
+_CLIENT_ROLES: dict[str, Role] = {
+    role.name: role
+    for role in (
+        ADMIN,
+        TRAINER,
+        WEIGHT_BROADCASTER,
+        ROLLOUT_WORKER,
+        SERVE_REPLICA,
+        ENV_GATEWAY,
+        REWARD,
+        FEEDBACK_INGESTER,
+        FEEDBACK_API,
+    )
+}
+# --- regions ----------------------------------------------------------------------------------
+# A region runs its own nats-server, a leaf node of the hub (deploy/nats/region-leaf.conf),
+# whose weight streams mirror the hub's (libs/weights/relay.py). Its workers take tasks and
+# publish rollouts on the hub as `rollout-worker`, and read weights from the region.
+
+# The hub's JetStream domain (deploy/nats/hub.conf): a region's mirrors reach the hub's API
+# as `$JS.<domain>.API`.
+HUB_DOMAIN = "hub"
+# The regions the shipped hub config admits, each with its own leaf identity.
+REGIONS = ("region-a",)
+RELAYED_STREAMS = (streams.WEIGHTS_ANNOUNCE, streams.WEIGHT_CHUNKS)
+
+
+def leaf_role(region: str) -> Role:
+    """The identity `region`'s server links to the hub with (its leaf connection). From the
+    hub's side, what a leaf may publish is exported to the hub and what it may subscribe to
+    is imported into the region: here, creating the mirror consumers of the two weight
+    streams (and their flow control) out, and the API replies and mirrored messages in.
+    Nothing a region's client publishes reaches any other hub subject."""
+    hub_api = f"$JS.{HUB_DOMAIN}.API"
+    publish = tuple(
+        subject
+        for spec in RELAYED_STREAMS
+        for subject in (
+            f"{hub_api}.CONSUMER.CREATE.{spec.name}",
+            f"{hub_api}.CONSUMER.CREATE.{spec.name}.>",
+            f"{hub_api}.CONSUMER.DELETE.{spec.name}.>",
+            f"{hub_api}.STREAM.INFO.{spec.name}",
+            f"$JS.FC.{spec.name}.>",
+            f"$JS.FC.*.*.{spec.name}.>",
+        )
+    )
+    return Role(
+        f"leaf-{region}",
+        f"The leaf link of {region}'s server: mirrors the hub's weight streams, read-only.",
+        publish=publish,
+        # API replies to the region's server, mirrored messages, loop detection.
+        subscribe=("$JSC.R.>", "$JS.M.>", "$LDS.>"),
+    )
+
+
+LEAF_ROLES = tuple(leaf_role(region) for region in REGIONS)
+# Every user of the hub's server (deploy/nats/auth.conf): the clients and the regions' links.
+ROLES: dict[str, Role] = {**_CLIENT_ROLES, **{role.name: role for role in LEAF_ROLES}}
+
+# The users of a regional server (deploy/nats/region-auth.conf): its relay keeps the mirrors,
+# its workers read them. Nobody there may publish anything the leaf link would carry.
+REGION_RELAY = _role(
+    "relay",
+    "A region's relay (relay-setup, relay-prune): creates, updates and prunes the regional "
+    "mirrors of the weight streams; reads weights.",
+    publish=tuple(
+        subject
+        for spec in RELAYED_STREAMS
+        for subject in (
+            *ephemeral_reader(spec),
+            f"{API}.STREAM.CREATE.{spec.name}",
+            f"{API}.STREAM.UPDATE.{spec.name}",
+            f"{API}.STREAM.PURGE.{spec.name}",
+        )
+    ),
+)
+REGION_WORKER = _role(
+    "rollout-worker",
+    "A region's rollout-worker on its regional server: reads the mirrored weights only.",
+    publish=WEIGHT_READS,
+)
+REGION_ROLES: dict[str, Role] = {role.name: role for role in (REGION_RELAY, REGION_WORKER)}
+
+# The role each service connects as by default (a serve-only worker: serve-replica; the
+# ingester's API: feedback-api, through its own connection).
+SERVICE_ROLES: dict[str, str] = {
+    "trainer": "trainer",
+    "rollout-worker": "rollout-worker",
+    "env-gateway": "env-gateway",
+    "reward": "reward",
+    "weight-broadcaster": "weight-broadcaster",
+    "feedback-ingester": "feedback-ingester",
+}
