@@ -116,7 +116,7 @@ def test_every_secret_a_pod_needs_comes_from_the_overlays_generator(overlay: str
     """The generated Secret holds every key a container reads (optional ones aside), and the
     example env file docs/deployment.md tells users to copy lists exactly those keys."""
     kustomization = yaml.safe_load((K8S / overlay / "kustomization.yaml").read_text())
-    generated = {g["name"]: g["envs"] for g in kustomization["secretGenerator"]}
+    generated = {g["name"]: g.get("envs", g.get("files")) for g in kustomization["secretGenerator"]}
     example_keys = {
         line.split("=", 1)[0]
         for line in (K8S / overlay / "nats-users.env.example").read_text().splitlines()
@@ -130,8 +130,37 @@ def test_every_secret_a_pod_needs_comes_from_the_overlays_generator(overlay: str
                 assert ref["name"] in generated, f"{variable['name']}: no Secret {ref['name']}"
                 needed.add(ref["key"])
     assert needed == example_keys, f"pods read {needed}; nats-users.env.example has {example_keys}"
-    assert generated == {"rlpipe-nats-users": ["nats-users.env"]}
+    signing = {"rlpipe-weights-signing": ["weights-signing/weights-signing.key"]}
+    assert generated == {"rlpipe-nats-users": ["nats-users.env"]} | (
+        signing if overlay == "hub" else {}
+    )
     assert "deploy/k8s/*/nats-users.env" in (ROOT / ".gitignore").read_text()
+    assert "deploy/k8s/*/weights-signing/" in (ROOT / ".gitignore").read_text()
+
+
+def test_the_trainers_pod_alone_holds_the_signing_key_and_region_workers_verify() -> None:
+    """The weight-signing private key is mounted into the trainer and weight-broadcaster
+    (one pod) and named by their settings; the region's workers and pruner get the public
+    key (docs/weights.md, "Signing weight versions")."""
+    holders = []
+    for overlay in OVERLAYS:
+        for pod, container in workloads(overlay):
+            volumes = {v["name"]: v for v in pod.get("volumes", [])}
+            mounts = {m["name"] for m in container.get("volumeMounts", [])}
+            if "secret" in volumes.get("weights-signing", {}) and "weights-signing" in mounts:
+                holders.append(container["name"])
+    assert sorted(holders) == ["trainer", "weight-broadcaster"]
+    names = {c["name"]: c for c in rlpipe_containers("hub")}
+    assert env_values(names["weight-broadcaster"])["RLPIPE_WEIGHT_BROADCASTER_SIGNING_KEY"]
+    assert env_values(names["trainer"])["RLPIPE_TRAINER_SAME_HOST_SIGNING_KEY"]
+    for container in rlpipe_containers("region"):
+        env = container.get("env", [])
+        refs = {e["name"]: e.get("valueFrom", {}).get("configMapKeyRef") for e in env}
+        signers = refs.get("RLPIPE_ROLLOUT_WORKER_WEIGHTS_SIGNERS") or refs.get(
+            "RLPIPE_WEIGHTS_SIGNERS"
+        )
+        if container["name"] in ("rollout-worker", "relay-prune"):
+            assert signers == {"name": "rlpipe-weights-signers", "key": "weights-signing.pub"}
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
