@@ -237,7 +237,18 @@ ENV_GATEWAY = _role(
         *STATE_READS,
         *kv_writes(streams.STATE, f"{streams.TASK_FEEDER_KEY_PREFIX}*"),
     ),
-    subscribe=(subjects.ENV_ALL,),
+    # The feeder hears the trainer's progress as it is written: a KV put is a publish on
+    # `$KV.<bucket>.<key>` (libs/envs/feeder.py).
+    subscribe=(
+        subjects.ENV_ALL,
+        *kv_writes(
+            streams.STATE,
+            streams.POLICY_VERSION_KEY,
+            streams.GROUPS_TAKEN_KEY,
+            streams.MAX_STALENESS_KEY,
+            streams.BATCH_GROUPS_KEY,
+        ),
+    ),
     allow_responses=True,
 )
 REWARD = _role(
