@@ -55,6 +55,18 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
         "bucket on 3 of them (default: 1, one nats-server)",
     )
     parser.add_argument(
+        "--open-bus",
+        action="store_true",
+        help="run the bus without users (default: a user per role from proto/permissions.py, "
+        "passwords made for the run, each service its own)",
+    )
+    parser.add_argument(
+        "--tls",
+        action="store_true",
+        help="the bus over TLS with client certificates, from a CA made for the run "
+        "(run folder tls/); clients without a certificate are refused",
+    )
+    parser.add_argument(
         "--rollout-workers",
         type=int,
         default=1,
@@ -136,6 +148,8 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
         nats_cluster=args.nats_cluster,
         rollout_workers=args.rollout_workers,
         commands=commands,
+        secure_bus=not args.open_bus,
+        tls=args.tls,
     )
 
 

@@ -18,7 +18,7 @@ import nats.errors
 from nats.js import api as js_api
 
 from libs.bus import wire
-from libs.bus.connection import connect_bus
+from libs.bus.connection import NatsOptions, connect_bus
 from libs.rollout.figures import episode_figures
 from libs.trainer.metrics import latest_per_step, read_step_samples
 from proto import streams
@@ -28,12 +28,12 @@ REPORT_BATCH = 1000
 FETCH_TIMEOUT_S = 5.0
 
 
-async def read_scored(nats_url: str) -> list[ScoredRollout]:
+async def read_scored(nats_url: str, options: NatsOptions | None = None) -> list[ScoredRollout]:
     """Every scored rollout on the bus at `nats_url`, in stream order.
 
     Read in batches through an ephemeral consumer that acks nothing: one `get_msg` per
     message cost a round trip each (~15 s for a 2-minute demo's 14K rollouts on 2 cores)."""
-    bus = await connect_bus(nats_url, "launcher-report", max_attempts=2)
+    bus = await connect_bus(nats_url, "launcher-report", max_attempts=2, options=options)
     try:
         name = streams.ROLLOUTS_SCORED.name
         info = await bus.js.stream_info(name)
@@ -91,9 +91,12 @@ def first_last_report(
     }
 
 
-async def episode_report(run_dir: Path, nats_url: str, window: int = 5) -> dict[str, Any]:
-    """`first_last_report` of this run's steps and the bus's scored rollouts."""
+async def episode_report(
+    run_dir: Path, nats_url: str, options: NatsOptions | None = None, window: int = 5
+) -> dict[str, Any]:
+    """`first_last_report` of this run's steps and the bus's scored rollouts (read as the
+    user of `options`, the admin on a secured bus)."""
     steps = step_sample_ids(run_dir)
     if not steps:
         return {}
-    return first_last_report(steps, await read_scored(nats_url), window)
+    return first_last_report(steps, await read_scored(nats_url, options), window)

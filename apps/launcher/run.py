@@ -42,7 +42,7 @@ from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from apps.launcher.episode_report import episode_report
 from apps.launcher.harness import harness_tables
@@ -55,6 +55,7 @@ from apps.launcher.recipe import (
     run_recipe,
     write_recipe,
 )
+from apps.launcher.secure_bus import SecureBus
 from apps.launcher.status_view import Bound, LauncherLog, StatusView
 from apps.launcher.summary import build_summary, print_summary
 from apps.launcher.supervisor import Backoff, ChildSpec, Supervisor
@@ -62,6 +63,9 @@ from apps.launcher.weight_keys import signing_environment
 from libs.nats_server import NatsCluster, NatsServer, free_port
 from libs.settings import CONFIG_VARIABLE, OVERRIDES_VARIABLE
 from proto.services import SERVICES
+
+if TYPE_CHECKING:
+    from libs.bus.connection import NatsOptions
 
 EXIT_OK, EXIT_NATS_FAILED, EXIT_UNHEALTHY, EXIT_PROVISION_FAILED = 0, 2, 3, 4
 EXIT_FORCED = 130
@@ -96,8 +100,14 @@ class LaunchOptions:
     # Rollout-worker processes, each with the same settings: "rollout-worker", then
     # "rollout-worker-2", ... (their own health port, logs and worker id; one task stream).
     rollout_workers: int = 1
+    # A user per role from proto/permissions.py, passwords made for the run (secure_bus.py
+    # says why this is the default); `tls` adds a CA made for the run and client certificates.
+    secure_bus: bool = True
+    tls: bool = False
 
     def __post_init__(self) -> None:
+        if self.tls and not self.secure_bus:
+            raise ValueError("tls needs the secured bus: drop --open-bus or --tls")
         if self.nats_cluster == 2 or self.nats_cluster < 1:
             raise ValueError(
                 f"nats_cluster must be 1 or at least 3 (got {self.nats_cluster}): a cluster "
@@ -190,10 +200,15 @@ def default_run_dir() -> Path:
 
 
 def service_spec(
-    name: str, options: LaunchOptions, nats_url: str, run_dir: Path, instance: str | None = None
+    name: str,
+    options: LaunchOptions,
+    nats_url: str,
+    run_dir: Path,
+    instance: str | None = None,
+    bus_env: Mapping[str, str] | None = None,
 ) -> tuple[ChildSpec, str]:
     """How to start one service (as `instance`, default its own name), and the URL of its
-    health check."""
+    health check. `bus_env`: its identity on a secured bus (SecureBus.service_environment)."""
     pkg = name.replace("-", "_")
     prefix, port = f"RLPIPE_{pkg.upper()}", free_port()
     env = {
@@ -211,6 +226,7 @@ def service_spec(
         # so torch in the trainer and the workers does not oversubscribe them.
         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
         **trainer_bound(name, options),
+        **(bus_env or {}),
         **signing_environment(name, run_dir),
     }
     argv = list(options.commands.get(name) or [sys.executable, "-m", f"services.{pkg}"])
@@ -234,6 +250,7 @@ class LocalRun:
         self.options, self.log = options, log
         self.run_dir = (options.run_dir or default_run_dir()).resolve()
         self.nats: NatsServer | NatsCluster | None = None
+        self.secure: SecureBus | None = None
         self.supervisor: Supervisor | None = None
         self.monitor: HealthMonitor | None = None
         self.stop_reason: str | None = None
@@ -270,16 +287,27 @@ class LocalRun:
         return not self._stop.is_set()
 
     def _nats_server(self, log_path: Path) -> NatsServer | NatsCluster:
+        if self.options.secure_bus:
+            self.secure = SecureBus.generate(self.run_dir, tls=self.options.tls)
+        extra = self.secure.server_config() if self.secure else ""
         if self.options.nats_cluster == 1:
             return NatsServer(
-                store_dir=self.run_dir / "nats", log_path=log_path, start_new_session=True
+                store_dir=self.run_dir / "nats",
+                log_path=log_path,
+                start_new_session=True,
+                extra_config=extra,
             )
         return NatsCluster(
             root=self.run_dir / "nats",
             size=self.options.nats_cluster,
             log_dir=log_path.parent,
             start_new_session=True,
+            extra_config=extra,
         )
+
+    def _admin_options(self) -> NatsOptions | None:
+        """The launcher's own connections (provisioning, the episode report): the admin."""
+        return self.secure.admin_options() if self.secure else None
 
     async def _provision(self) -> bool:
         if self._stop.is_set() or not self.options.provision:
@@ -288,7 +316,8 @@ class LocalRun:
 
         assert self.nats is not None
         try:
-            provisioning = provision_bus(self.nats.url, nats_replicas(self.options))
+            replicas = nats_replicas(self.options)
+            provisioning = provision_bus(self.nats.url, replicas, self._admin_options())
             report = await asyncio.wait_for(provisioning, timeout=60)
         except Exception as exc:  # any failure ends the run, with its reason in the summary
             reason = f"{type(exc).__name__}: {exc}"
@@ -297,8 +326,16 @@ class LocalRun:
         return not self._stop.is_set()
 
     def _setup_services(self, nats_url: str) -> tuple[Supervisor, HealthMonitor]:
+        secure = self.secure
         pairs = [
-            service_spec(service, self.options, nats_url, self.run_dir, instance)
+            service_spec(
+                service,
+                self.options,
+                nats_url,
+                self.run_dir,
+                instance,
+                bus_env=secure.service_environment(service, nats_url) if secure else None,
+            )
             for instance, service in self.options.instances()
         ]
         self.supervisor = Supervisor(
@@ -394,7 +431,7 @@ class LocalRun:
         if self.nats is None or not self.nats.url or "trainer" not in self.options.services:
             return
         try:
-            report = episode_report(self.run_dir, self.nats.url)
+            report = episode_report(self.run_dir, self.nats.url, self._admin_options())
             self.episode_figures = await asyncio.wait_for(report, timeout=60)
         except Exception as exc:  # a report is a nicety: the run's outcome does not depend on it
             self.log.error("episode figures unavailable", reason=f"{type(exc).__name__}: {exc}")
