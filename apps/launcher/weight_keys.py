@@ -48,3 +48,14 @@ def run_keys_assumed() -> Iterator[None]:
     finally:
         for name in unset:
             os.environ.pop(name, None)
+
+
+def run_signing_environment(run_dir: Path) -> dict[str, str]:
+    """Every service's key variables for a run on this machine (`rlpipe ray up` without
+    --address), the pair made in the run folder; none where this environment names a key."""
+    if any(name in os.environ for name in VARIABLES):
+        return {}
+    env: dict[str, str] = {}
+    for service in ("weight-broadcaster", "trainer", "rollout-worker"):
+        env |= signing_environment(service, run_dir)
+    return env

@@ -141,6 +141,7 @@ def recipe_variables(path: Path | None) -> dict[str, str]:
 
 
 def on_up(args: argparse.Namespace) -> int:
+    from apps.launcher.weight_keys import run_signing_environment
     from apps.ray_deploy.controller import deploy
 
     run_dir = (args.run_dir or Path("runs") / time.strftime("ray-%Y%m%dT%H%M%SZ")).resolve()
@@ -156,7 +157,13 @@ def on_up(args: argparse.Namespace) -> int:
         services=tuple(s.strip() for s in args.services.split(",") if s.strip()),
         cpus={k: float(v) for k, v in parse_assignments(args.cpus, "--cpus").items()},
         gpus={k: float(v) for k, v in parse_assignments(args.gpus, "--gpus").items()},
-        env={**parse_assignments(args.env, "--env"), **recipe_variables(args.recipe)},
+        env={
+            # One machine: a key pair for the run signs the weight versions (a cluster's
+            # nodes get theirs from the environment or --env: docs/weights.md).
+            **({} if args.address else run_signing_environment(run_dir)),
+            **parse_assignments(args.env, "--env"),
+            **recipe_variables(args.recipe),
+        },
         nats_replicas=args.nats_replicas or 1,
         trainer_ranks=args.trainer_ranks,
         scale=ScalePolicy(
