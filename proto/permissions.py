@@ -340,21 +340,26 @@ REGION_RELAY = _role(
     "relay",
     "A region's relay (relay-setup, relay-prune): creates, updates and prunes the regional "
     "mirrors of the weight streams; reads weights.",
-    publish=tuple(
-        subject
-        for spec in RELAYED_STREAMS
-        for subject in (
-            *ephemeral_reader(spec),
-            f"{API}.STREAM.CREATE.{spec.name}",
-            f"{API}.STREAM.UPDATE.{spec.name}",
-            f"{API}.STREAM.PURGE.{spec.name}",
-        )
+    publish=(
+        *(
+            subject
+            for spec in RELAYED_STREAMS
+            for subject in (
+                *ephemeral_reader(spec),
+                f"{API}.STREAM.CREATE.{spec.name}",
+                f"{API}.STREAM.UPDATE.{spec.name}",
+                f"{API}.STREAM.PURGE.{spec.name}",
+            )
+        ),
+        # Looked up where weights are read (the trainer's version and policy): absent on a
+        # regional server, so the lookup answers "no bucket" at once, not a violation.
+        *STATE_READS,
     ),
 )
 REGION_WORKER = _role(
     "rollout-worker",
     "A region's rollout-worker on its regional server: reads the mirrored weights only.",
-    publish=WEIGHT_READS,
+    publish=(*WEIGHT_READS, *STATE_READS),
 )
 REGION_ROLES: dict[str, Role] = {role.name: role for role in (REGION_RELAY, REGION_WORKER)}
 

@@ -19,6 +19,7 @@ import shutil
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import nats
@@ -27,6 +28,7 @@ import pytest
 from libs.bus.connection import NatsOptions, connect_bus
 from libs.bus.provision import provision
 from libs.nats_server import NatsServer, free_port
+from libs.weights.announcements import newest_policy_version
 from libs.weights.relay import setup_relay
 from proto import permissions, streams, subjects
 from proto.permissions import REGION_ROLES, ROLES, password_variable
@@ -144,20 +146,29 @@ async def test_a_regional_worker_reads_the_hubs_weights_and_publishes_rollouts_t
         chunk = subjects.weight_chunk_subject(1, "snapshot", 0)
         await broadcaster.js.publish(chunk, b"chunk 1.0")
 
-        async def mirrored() -> bool:
+        async def mirrored(stream: str, subject: str) -> bytes | None:
             try:
-                got = await worker.js.get_msg(
-                    streams.WEIGHT_CHUNKS.name, subject=chunk, direct=True
-                )
+                got = await worker.js.get_msg(stream, subject=subject, direct=True)
             except nats.js.errors.NotFoundError:
-                return False
-            return got.data == b"chunk 1.0"
+                return None  # the two mirrors copy independently: not there yet
+            return got.data
 
-        await wait_for(mirrored, 30, "the chunk in the region's mirror")
-        announced = await worker.js.get_msg(
-            streams.WEIGHTS_ANNOUNCE.name, subject=subjects.WEIGHTS_ANNOUNCE_SNAPSHOT, direct=True
-        )
-        assert announced.data == b"announcement 1"
+        async def arrived(stream: str, subject: str) -> bool:
+            return await mirrored(stream, subject) is not None
+
+        snapshot = subjects.WEIGHTS_ANNOUNCE_SNAPSHOT
+        await wait_for(partial(arrived, streams.WEIGHT_CHUNKS.name, chunk), 30, "the chunk")
+        announce = streams.WEIGHTS_ANNOUNCE.name
+        await wait_for(partial(arrived, announce, snapshot), 30, "the announcement")
+        assert await mirrored(streams.WEIGHT_CHUNKS.name, chunk) == b"chunk 1.0"
+        announced = await mirrored(streams.WEIGHTS_ANNOUNCE.name, snapshot)
+        assert announced == b"announcement 1"
+        # What a receiver also asks where it reads weights (the trainer's state): no bucket
+        # on a regional server, answered as such, not refused.
+        assert await newest_policy_version(worker.js) is None
+        log = (region.store_dir / "nats-server.log").read_text().splitlines()
+        refused = [line for line in log if "Violation" in line and "KV_rl_state" in line]
+        assert not refused, refused
         # Rollouts go to the hub, as the hub's rollout-worker user.
         ack = await worker_hub.js.publish(subjects.rollout_raw_subject("arith"), b"rollout")
         assert ack.stream == streams.ROLLOUTS_RAW.name
