@@ -33,7 +33,19 @@ def compose(tmp_path_factory: pytest.TempPathFactory) -> Config:
 
 
 def rlpipe_services(compose: Config) -> list[str]:
-    return [n for n, s in compose["services"].items() if s.get("image", "").startswith("rlpipe")]
+    """The long-running rlpipe services: not the one-shot commands run before them
+    (`provision`, `weights-keys`), which serve no metrics and have their health check off
+    (`disable: true`, which the resolved file writes as the test ["NONE"])."""
+    return [
+        n
+        for n, s in compose["services"].items()
+        if s.get("image", "").startswith("rlpipe") and not _health_check_off(s)
+    ]
+
+
+def _health_check_off(service: Config) -> bool:
+    check = service.get("healthcheck", {})
+    return bool(check.get("disable")) or check.get("test") == ["NONE"]
 
 
 def mounted_at(service: Config, host_path: Path) -> str:
