@@ -130,6 +130,10 @@ def test_every_poison_message_is_dead_lettered_and_training_goes_on(tmp_path: Pa
                 str(run_dir),
                 "--duration-s",
                 "330",
+                # Poison as a compromised producer would send it, on every consumed subject:
+                # the open bus lets one client play every producer (who may publish what is
+                # tests/test_bus_permissions.py's matter).
+                "--open-bus",
             ],
             cwd=REPO_ROOT,
             stdout=out,
