@@ -499,6 +499,29 @@ def test_demo_with_two_rollout_workers_shares_the_work_between_them(run_dir: Pat
 
 
 @E2E
+def test_demo_over_tls_with_client_certificates_reaches_its_bound(run_dir: Path) -> None:
+    result = subprocess.run(
+        [PY, "-m", "apps.cli", "demo", "--tls", "--max-trainer-steps", "10",
+         "--run-dir", str(run_dir)],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )  # fmt: skip
+
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = last_json_line(result.stdout)
+    assert summary["stop_reason"] == "max_trainer_steps" and summary["all_services_seen_healthy"]
+    # Every service connected with the run's client certificate: the server took no other
+    # (tests/test_nats_tls.py: a client without one is refused by such a server).
+    server_log = (run_dir / "logs" / "nats-server.log").read_text()
+    assert "TLS required for client connections" in server_log
+    assert "verify: true" in (run_dir / "nats" / "nats.conf").read_text()
+    made = {path.name for path in (run_dir / "tls").iterdir()}
+    assert {"ca.pem", "client.pem", "client-key.pem"} <= made
+
+
+@E2E
 def test_demo_stops_cleanly_on_ctrl_c_once_every_service_is_up(run_dir: Path) -> None:
     process = subprocess.Popen(
         [PY, "-m", "apps.cli", "demo", "--run-dir", str(run_dir)],
