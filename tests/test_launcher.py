@@ -474,19 +474,24 @@ def test_demo_runs_every_service_and_leaves_nothing_behind(run_dir: Path) -> Non
     assert not [pid for pid in recorded_pids(run_dir) if is_alive(pid)]
 
 
-@E2E
-def test_demo_with_two_rollout_workers_shares_the_work_between_them(run_dir: Path) -> None:
+def run_demo_to_steps(run_dir: Path, steps: int, *flags: str) -> dict[str, Any]:
+    """`rlpipe demo --max-trainer-steps STEPS FLAGS...`: its summary, once it exited 0."""
     result = subprocess.run(
-        [PY, "-m", "apps.cli", "demo", "--max-trainer-steps", "20", "--rollout-workers", "2",
+        [PY, "-m", "apps.cli", "demo", "--max-trainer-steps", str(steps), *flags,
          "--run-dir", str(run_dir)],
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,
         timeout=400,
     )  # fmt: skip
-
     assert result.returncode == 0, result.stderr[-3000:]
-    summary = last_json_line(result.stdout)
+    return last_json_line(result.stdout)
+
+
+@E2E
+def test_demo_with_two_rollout_workers_shares_the_work_between_them(run_dir: Path) -> None:
+    summary = run_demo_to_steps(run_dir, 20, "--rollout-workers", "2")
+
     assert summary["stop_reason"] == "max_trainer_steps"
     workers = {"rollout-worker", "rollout-worker-2"}
     assert set(summary["services"]) == set(ALL_SERVICES) | workers
@@ -500,17 +505,8 @@ def test_demo_with_two_rollout_workers_shares_the_work_between_them(run_dir: Pat
 
 @E2E
 def test_demo_over_tls_with_client_certificates_reaches_its_bound(run_dir: Path) -> None:
-    result = subprocess.run(
-        [PY, "-m", "apps.cli", "demo", "--tls", "--max-trainer-steps", "10",
-         "--run-dir", str(run_dir)],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=400,
-    )  # fmt: skip
+    summary = run_demo_to_steps(run_dir, 10, "--tls")
 
-    assert result.returncode == 0, result.stderr[-3000:]
-    summary = last_json_line(result.stdout)
     assert summary["stop_reason"] == "max_trainer_steps" and summary["all_services_seen_healthy"]
     # Every service connected with the run's client certificate: the server took no other
     # (tests/test_nats_tls.py: a client without one is refused by such a server).
