@@ -206,7 +206,12 @@ def test_tensors_cross_into_spare_buffers_that_swap_with_the_mirror(
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_device_apply_writes_in_place_and_matches_the_target(device: str) -> None:
+@pytest.mark.parametrize("min_device_elements", [0, gpu_apply.DEVICE_DECODE_MIN_ELEMENTS])
+def test_device_apply_writes_in_place_and_matches_the_target(
+    device: str, min_device_elements: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Dense pieces decoded on the device (every one, at 0) or, when small, on the host."""
+    monkeypatch.setattr(gpu_apply, "DEVICE_DECODE_MIN_ELEMENTS", min_device_elements)
     base, new = mixed_states(device, seed=1)
     manifest, chunks = encode(host(base), host(new), base_version=4, version=5, options=SMALL)
     state = {name: tensor.clone() for name, tensor in base.items()}
@@ -301,6 +306,7 @@ def test_a_state_of_many_tensors_is_diffed_with_one_copy_to_the_host(
 def test_a_chunk_of_many_pieces_crosses_in_one_copy_each_way_per_step(
     device: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setattr(gpu_apply, "DEVICE_DECODE_MIN_ELEMENTS", 0)  # its dense pieces are small
     base, new = mixed_states(device, seed=3)
     manifest, chunks = encode(host(base), host(new), base_version=1, version=2)
     assert len(chunks) == 1 and len(chunks[0].header.pieces) >= 10  # one chunk, many pieces
@@ -316,7 +322,11 @@ def test_a_chunk_of_many_pieces_crosses_in_one_copy_each_way_per_step(
     assert len(uploads) == 2 and len(downloads) == 1
     width = {name: tensor.element_size() for name, tensor in new.items()}
     pieces = chunks[0].header.pieces
-    there = [p for p in pieces if gpu_apply.decoded_on_device(p.encoding, width[p.name])]
+    there = [
+        p
+        for p in pieces
+        if gpu_apply.decoded_on_device(p.encoding, width[p.name], p.stop - p.start)
+    ]
     assert there, "the test needs a dense piece decoded on the device"
     assert uploads[1] == len(pieces) - len(there)
     applier.commit(prepared)
@@ -366,6 +376,30 @@ def test_dense_codes_packed_on_the_device_encode_byte_identical_to_the_host(devi
         base[str(dtype)] = master.to(dtype).to(device)
         new[str(dtype)] = moved.to(dtype).to(device)
     new[str(torch.float32)][5] = float("nan")  # a NaN payload among the dense changes
+    want = encode(host(base), host(new), base_version=1, version=2, options=SMALL)
+    got = encode_device(base, new, host(base), base_version=1, version=2, options=SMALL)
+    assert_same_delta(got, want)
+    assert {p.encoding for c in got[1] for p in c.header.pieces} == {"dense_add"}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("batch_elements", [1 << 28, 100_000, 1])
+def test_dense_codes_batched_across_tensors_encode_byte_identical_to_the_host(
+    device: str, batch_elements: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Tensors of several widths and odd sizes coded together in one batch, in batches that
+    cut between them, and one by one give the same delta as the host encoder."""
+    monkeypatch.setattr(gpu, "CODES_BATCH_ELEMENTS", batch_elements)
+    gen = torch.Generator().manual_seed(11)
+    base, new = {}, {}
+    for i, (dtype, size) in enumerate(
+        [(torch.bfloat16, 70_001), (torch.float32, 4_099), (torch.float16, 60_002)]
+    ):
+        master = torch.randn(size, generator=gen) * 0.02
+        moved = master + torch.randn(size, generator=gen) * 1e-3
+        moved[::97] += 1.0  # escapes: codes of 3 and more
+        base[f"t{i}"] = master.to(dtype).to(device)
+        new[f"t{i}"] = moved.to(dtype).to(device)
     want = encode(host(base), host(new), base_version=1, version=2, options=SMALL)
     got = encode_device(base, new, host(base), base_version=1, version=2, options=SMALL)
     assert_same_delta(got, want)

@@ -221,19 +221,44 @@ def dense_add_codes(
     tensors' integer view), computed in a wider integer type, so no step relies on how a
     narrow signed type overflows."""
     old_bits, new_bits = int_view(base.contiguous()), int_view(new.contiguous())
+    codes = _zigzag_codes(old_bits, new_bits)
+    packed = torch.empty((codes.numel() + 3) // 4, dtype=torch.uint8, device=codes.device)
+    _pack_symbols(codes, packed)
+    positions = (codes >= 3).nonzero().view(-1)  # a wait
+    return packed, positions, _escapes(old_bits, new_bits, positions)
+
+
+def _zigzag_codes(old_bits: torch.Tensor, new_bits: torch.Tensor) -> torch.Tensor:
+    """zigzag((new - old) mod 2^bits) of integer views, in the wider type: in [0, 2^bits)."""
     width = old_bits.element_size()
     wide, bits = _WIDER[width], 8 * width
     mask, half = (1 << bits) - 1, 1 << (bits - 1)
     diff = (new_bits.to(wide) - old_bits.to(wide)) & mask
     signed = ((diff + half) & mask) - half
-    codes = (signed << 1) ^ (signed >> (bits - 1))  # zigzag: in [0, 2^bits)
-    symbols = torch.zeros(-(-codes.numel() // 4) * 4, dtype=torch.uint8, device=codes.device)
+    return (signed << 1) ^ (signed >> (bits - 1))
+
+
+def _pack_symbols(codes: torch.Tensor, out: torch.Tensor) -> None:
+    """The codes clamped to 3, as 2-bit symbols packed 4 per byte into `out`."""
+    symbols = torch.zeros(out.numel() * 4, dtype=torch.uint8, device=codes.device)
     symbols[: codes.numel()] = codes.clamp(max=3).to(torch.uint8)
     quads = symbols.view(-1, 4)
-    packed = quads[:, 0] | (quads[:, 1] << 2) | (quads[:, 2] << 4) | (quads[:, 3] << 6)
-    positions = (codes >= 3).nonzero().view(-1)  # a wait
-    escapes = ((codes[positions] - 3 + half) & mask) - half
-    return packed, positions, escapes.to(old_bits.dtype)
+    torch.bitwise_or(
+        quads[:, 0] | (quads[:, 1] << 2), (quads[:, 2] << 4) | (quads[:, 3] << 6), out=out
+    )
+
+
+def _escapes(old_bits: torch.Tensor, new_bits: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
+    """code - 3 of the escaped elements `at`, in the tensors' integer view."""
+    bits = 8 * old_bits.element_size()
+    mask, half = (1 << bits) - 1, 1 << (bits - 1)
+    codes = _zigzag_codes(old_bits[at], new_bits[at])
+    return (((codes - 3 + half) & mask) - half).to(old_bits.dtype)
+
+
+# Elements whose dense_add codes are found in one batch: one search for escapes and one copy
+# to the host per batch, not per tensor (byte-3b has 252 dense tensors in 2.8G elements).
+CODES_BATCH_ELEMENTS = 1 << 28
 
 
 def device_codes(
@@ -241,16 +266,59 @@ def device_codes(
 ) -> dict[str, DenseCodes]:
     """`dense_add_codes` of the named tensors of a width in _WIDER, on the host: the host
     then only compresses them (numpy's subtract, zigzag and symbol packing cost more than
-    zstd there), and a quarter of a byte per element crosses to it, not two."""
-    out: dict[str, DenseCodes] = {}
+    zstd there), and a quarter of a byte per element crosses to it, not two. Tensors are
+    coded in batches of up to CODES_BATCH_ELEMENTS, each with two waits on the device."""
+    batches: list[list[str]] = []
+    size = 0
     for name in names:
-        if new[name].element_size() not in _WIDER or not new[name].numel():
+        numel = new[name].numel()
+        if new[name].element_size() not in _WIDER or not numel:
             continue
-        packed, positions, escapes = dense_add_codes(base[name], new[name])
-        packed_h, positions_h, escapes_h = host_arrays([packed, positions, escapes])
+        if not batches or size + numel > CODES_BATCH_ELEMENTS:
+            batches.append([])
+            size = 0
+        batches[-1].append(name)
+        size += numel
+    out: dict[str, DenseCodes] = {}
+    for batch in batches:
+        out.update(_codes_batch(base, new, batch))
+    return out
+
+
+def _codes_batch(
+    base: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor], names: list[str]
+) -> dict[str, DenseCodes]:
+    """`device_codes` of tensors of one device: every tensor's symbols packed into one
+    buffer, its escapes marked in one flat mask searched by one `nonzero`, all of it read to
+    the host in one copy."""
+    device = new[names[0]].device
+    views = [(int_view(base[n].contiguous()), int_view(new[n].contiguous())) for n in names]
+    starts, packed_starts = [0], [0]
+    for old_bits, _ in views:
+        starts.append(starts[-1] + old_bits.numel())
+        packed_starts.append(packed_starts[-1] + (old_bits.numel() + 3) // 4)
+    packed = torch.empty(packed_starts[-1], dtype=torch.uint8, device=device)
+    escaped = torch.empty(starts[-1], dtype=torch.bool, device=device)
+    for i, (old_bits, new_bits) in enumerate(views):
+        codes = _zigzag_codes(old_bits, new_bits)
+        _pack_symbols(codes, packed[packed_starts[i] : packed_starts[i + 1]])
+        torch.ge(codes, 3, out=escaped[starts[i] : starts[i + 1]])
+        del codes
+    hits = escaped.nonzero().view(-1)  # a wait
+    del escaped
+    bounds = torch.searchsorted(hits, torch.tensor(starts, device=device)).tolist()  # another
+    positions = [hits[bounds[i] : bounds[i + 1]] - starts[i] for i in range(len(names))]
+    escapes = [_escapes(o, n, at) for (o, n), at in zip(views, positions, strict=True)]
+    host = host_arrays([packed, *positions, *escapes])
+    packed_h, positions_h, escapes_h = host[0], host[1 : len(names) + 1], host[len(names) + 1 :]
+    out: dict[str, DenseCodes] = {}
+    for i, name in enumerate(names):
         kind = unsigned_dtype(new[name].element_size())
         out[name] = DenseCodes(
-            packed_h, positions_h.view(np.int64), escapes_h.view(kind), new[name].numel()
+            packed_h[packed_starts[i] : packed_starts[i + 1]],
+            positions_h[i].view(np.int64),
+            escapes_h[i].view(kind),
+            new[name].numel(),
         )
     return out
 

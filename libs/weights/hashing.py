@@ -40,34 +40,36 @@ def digest(data: bytes | memoryview | np.ndarray) -> bytes:
     return xxhash.xxh3_128_digest(data.data if isinstance(data, np.ndarray) else data)
 
 
-def _leaves(data: np.ndarray) -> bytes:
-    """Concatenated digests of the 4 MiB segments of a buffer (one digest when empty)."""
+def _segments(data: np.ndarray) -> list[np.ndarray]:
+    """A buffer's 4 MiB segments (one empty segment when it is empty)."""
     if data.size == 0:
-        return digest(b"")
-    step = SEGMENT_BYTES
-    return b"".join(digest(data[i : i + step]) for i in range(0, data.size, step))
+        return [data]
+    return [data[i : i + SEGMENT_BYTES] for i in range(0, data.size, SEGMENT_BYTES)]
 
 
-def _groups(data: np.ndarray, count: int) -> list[np.ndarray]:
-    """Split a buffer into `count` parts on segment boundaries (for parallel hashing)."""
-    segments = max(1, -(-data.size // SEGMENT_BYTES))
-    per = -(-segments // count) * SEGMENT_BYTES
-    return [data[i : i + per] for i in range(0, max(data.size, 1), per)]
+def _hash_all(segments: list[np.ndarray]) -> list[bytes]:
+    return [digest(segment) for segment in segments]
 
 
 def tensor_digests(tensors: Iterable[RawTensor], threads: int = 1) -> list[str]:
-    """Digest of each tensor (hex), hashing segments on `threads` threads."""
-    jobs = [_groups(t.data, threads) for t in tensors]
-    flat = [part for parts in jobs for part in parts]
+    """Digest of each tensor (hex), hashing segments on `threads` threads.
+
+    Every segment of every tensor is hashed by one of `threads` jobs over contiguous runs of
+    segments: a future per tensor part costs more than its hashing when a state has hundreds
+    of small tensors (byte-0.5b: 76 ms a version of futures for 1 GB hashed in ~70 ms)."""
+    per_tensor = [_segments(t.data) for t in tensors]
+    flat = [segment for segments in per_tensor for segment in segments]
     if threads > 1 and len(flat) > 1:
-        with ThreadPoolExecutor(threads) as pool:
-            leaves = list(pool.map(_leaves, flat))
+        step = -(-len(flat) // threads)
+        runs = [flat[i : i + step] for i in range(0, len(flat), step)]
+        with ThreadPoolExecutor(len(runs)) as pool:
+            leaves = [leaf for run in pool.map(_hash_all, runs) for leaf in run]
     else:
-        leaves = [_leaves(part) for part in flat]
+        leaves = _hash_all(flat)
     digests, at = [], 0
-    for parts in jobs:
-        digests.append(digest(b"".join(leaves[at : at + len(parts)])).hex())
-        at += len(parts)
+    for segments in per_tensor:
+        digests.append(digest(b"".join(leaves[at : at + len(segments)])).hex())
+        at += len(segments)
     return digests
 
 
