@@ -7,8 +7,9 @@ from typing import TypeVar
 
 import msgspec
 
+from libs.malformed_input import describe_malformed
 from proto.messages import Message
-from proto.validation import InvalidValue, check_message
+from proto.validation import check_message
 
 SCHEMA_HEADER = "Rlpipe-Schema"
 MSG_ID_HEADER = "Nats-Msg-Id"
@@ -47,7 +48,9 @@ def decode(message_type: type[M], data: bytes, headers: Mapping[str, str] | None
     A missing header is accepted (other-language producers may omit it); a header naming
     another type, or a newer major version than this code knows, is refused. A decoded
     message is then checked against its type's invariants (proto.validation): one that
-    breaks them is "invalid" like one of the wrong shape.
+    breaks them is "invalid" like one of the wrong shape. Every failure is an InvalidMessage,
+    whatever the decoder raised (msgspec raises RecursionError on deeply nested input), so
+    a consumer can always dead-letter what it cannot read.
     """
     schema = (headers or {}).get(SCHEMA_HEADER)
     if schema is not None and schema != message_type.schema_id():
@@ -55,11 +58,16 @@ def decode(message_type: type[M], data: bytes, headers: Mapping[str, str] | None
             "schema_mismatch",
             f"expected {message_type.schema_id()}, message says {schema}",
         )
+    name = message_type.__name__
     try:
         message = msgspec.msgpack.decode(data, type=message_type)
+    except msgspec.ValidationError as exc:
+        raise InvalidMessage("invalid", f"{name}: {exc}") from exc
+    except Exception as exc:  # DecodeError, RecursionError (nested too deep), anything else:
+        # one that escaped would leave the message neither acked nor dead-lettered.
+        raise InvalidMessage("undecodable", f"{name}: {describe_malformed(exc)}") from exc
+    try:
         check_message(message)
-    except (msgspec.ValidationError, InvalidValue) as exc:
-        raise InvalidMessage("invalid", f"{message_type.__name__}: {exc}") from exc
-    except msgspec.DecodeError as exc:
-        raise InvalidMessage("undecodable", f"not msgpack: {exc}") from exc
+    except Exception as exc:  # InvalidValue, or a check tripped by a value it did not foresee
+        raise InvalidMessage("invalid", f"{name}: {describe_malformed(exc)}") from exc
     return message

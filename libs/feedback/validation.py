@@ -3,6 +3,8 @@
 The fast path is one msgspec decode straight into the proto struct (the schema is proto's,
 not written twice). Only when it fails are the fields checked one by one, so a 422 names
 every failing field, FastAPI style: `{"loc": ["body", "events", 3, "signal"], "msg": ...}`.
+Whatever the decoder raises on a malformed body (a body nested too deep raises
+RecursionError: libs.malformed_input) is an InvalidBody, never a 500.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from typing import Any, Literal, get_args, get_origin
 
 import msgspec
 
+from libs.malformed_input import MALFORMED_INPUT_ERRORS, describe_malformed
 from proto.messages import FeedbackEvent
 
 MAX_REPORTED_ERRORS = 50
@@ -53,7 +56,7 @@ def parse_event(body: bytes) -> FeedbackEvent:
     """One event from a JSON body; raises InvalidBody."""
     try:
         return _decode_event(body)
-    except (msgspec.ValidationError, msgspec.DecodeError):
+    except MALFORMED_INPUT_ERRORS:  # RecursionError too: a body nested too deep
         pass
     raise InvalidBody(_event_errors(_json_or_raise(body), ("body",)))
 
@@ -62,7 +65,7 @@ def parse_batch(body: bytes, max_events: int) -> list[FeedbackEvent]:
     """The events of a `{"events": [...]}` JSON body (1 to `max_events`); raises InvalidBody."""
     try:
         events = _decode_batch(body).events
-    except (msgspec.ValidationError, msgspec.DecodeError):
+    except MALFORMED_INPUT_ERRORS:
         document = _json_or_raise(body)
         raise InvalidBody(_batch_errors(document)) from None
     if not 1 <= len(events) <= max_events:
@@ -81,9 +84,9 @@ def parse_batch(body: bytes, max_events: int) -> list[FeedbackEvent]:
 def _json_or_raise(body: bytes) -> Any:
     try:
         return msgspec.json.decode(body)
-    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+    except MALFORMED_INPUT_ERRORS as exc:
         raise InvalidBody(
-            [FieldError(("body",), f"not valid JSON: {exc}", "json_invalid")]
+            [FieldError(("body",), f"not valid JSON: {describe_malformed(exc)}", "json_invalid")]
         ) from None
 
 
@@ -114,20 +117,20 @@ def _event_errors(raw: Any, loc: tuple[str | int, ...]) -> list[FieldError]:
             continue
         try:
             msgspec.convert(raw[field.encode_name], field.type)
-        except msgspec.ValidationError as exc:
+        except MALFORMED_INPUT_ERRORS as exc:
             errors.append(
                 FieldError((*loc, field.encode_name), _explain(exc, field.type), "value_error")
             )
     if not errors:  # defensive: the whole-object decode failed for a reason no field shows
         try:
             msgspec.convert(raw, FeedbackEvent)
-        except msgspec.ValidationError as exc:
-            errors.append(FieldError(loc, str(exc), "value_error"))
+        except MALFORMED_INPUT_ERRORS as exc:
+            errors.append(FieldError(loc, describe_malformed(exc), "value_error"))
     return errors
 
 
-def _explain(exc: msgspec.ValidationError, field_type: Any) -> str:
+def _explain(exc: Exception, field_type: Any) -> str:
     """msgspec's message, plus the allowed values of an enumeration."""
     if get_origin(field_type) is Literal:
         return f"{exc}; one of: {', '.join(map(str, get_args(field_type)))}"
-    return str(exc)
+    return describe_malformed(exc)

@@ -34,6 +34,7 @@ from typing import Any
 
 from libs.chat.template import ChatTemplate, render_tool_results, with_tools
 from libs.chat.tool_calls import format_tool_call
+from libs.malformed_input import MALFORMED_INPUT_ERRORS, describe_malformed
 from proto.messages import ChatMessage, ToolResult, ToolSpec
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -161,8 +162,9 @@ def parse_line(line: str, path: str, number: int) -> Transcript:
     """One JSONL line as a Transcript; TranscriptError names the line and field."""
     try:
         value = json.loads(line)
-    except json.JSONDecodeError as exc:
-        raise TranscriptError(path, number, "(line)", f"not valid JSON: {exc}") from None
+    except MALFORMED_INPUT_ERRORS as exc:
+        message = f"not valid JSON: {describe_malformed(exc)}"
+        raise TranscriptError(path, number, "(line)", message) from None
     return _Reader(path, number).transcript(value)
 
 

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from libs.domains.coding.tasks import CodingTask, HiddenCase
+from libs.malformed_input import MALFORMED_INPUT_ERRORS
 from libs.sandbox import SandboxError, SandboxFactory, SandboxResult
 
 RUNNER_SOURCE = (Path(__file__).parent / "sandbox_runner.py").read_text()
@@ -124,7 +125,7 @@ def read_reports(stdout: bytes, nonce: str) -> tuple[dict[str, dict[str, Any]], 
             continue
         try:
             record = json.loads(line[len(prefix) :])
-        except ValueError:
+        except MALFORMED_INPUT_ERRORS:  # the agent's code shares the runner's process
             continue
         if not isinstance(record, dict):
             continue

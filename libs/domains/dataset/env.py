@@ -37,6 +37,7 @@ from typing import Any, ClassVar
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from libs.envs.base import Environment, Episode, Opening, StepResult, TaskSource
+from libs.malformed_input import describe_malformed
 from proto.messages import Task, ToolCall
 
 ENV_NAME = "dataset"
@@ -124,6 +125,10 @@ def _jsonl_records(path: Path) -> list[tuple[str, Any]]:
         except json.JSONDecodeError as exc:
             raise DatasetError(
                 f"dataset {path}: line {number}: not valid JSON ({exc.msg} at column {exc.colno})"
+            ) from None
+        except RecursionError as exc:
+            raise DatasetError(
+                f"dataset {path}: line {number}: not valid JSON ({describe_malformed(exc)})"
             ) from None
     return records
 
