@@ -30,6 +30,7 @@ import torch
 from transformers import PreTrainedModel
 
 from libs.chat.template import chat_template_for, save_tokenizer
+from libs.durable_files import publish_durably
 from libs.policy import PolicyConfig, build_policy, load_policy_tokenizer, save_policy
 from libs.sft.loss import Example, sft_loss
 from libs.sft.transcript import read_transcripts, render_transcript, without_system_message
@@ -181,7 +182,7 @@ def _optimizer(model: PreTrainedModel, config: SftConfig) -> torch.optim.Optimiz
 def _save_checkpoint(
     model: PreTrainedModel, optimizer: torch.optim.Optimizer, config: SftConfig, step: int
 ) -> None:
-    """Write the checkpoint to a temporary folder and rename it into place."""
+    """Write the checkpoint to a temporary folder and rename it into place, durably."""
     final = config.out / CHECKPOINT_DIR
     staging = config.out / f"{CHECKPOINT_DIR}.tmp"
     shutil.rmtree(staging, ignore_errors=True)
@@ -189,7 +190,7 @@ def _save_checkpoint(
     torch.save(optimizer.state_dict(), staging / "optimizer.pt")
     (staging / "state.json").write_text(json.dumps({"step": step, "config": _config_json(config)}))
     shutil.rmtree(final, ignore_errors=True)
-    staging.rename(final)
+    publish_durably(staging, final)
 
 
 def _finish(

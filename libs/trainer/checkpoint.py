@@ -3,8 +3,9 @@
 Layout: `<dir>/step-<N>/` with `config.json` + `model.safetensors` and the tokenizer's files
 (a model folder: `policy_path` or `transformers` load it as is), `optimizer.pt`, and
 `state.json` (step, version, cursors, online baselines). A checkpoint is written to a
-temporary folder and renamed into place, so a crash mid-write leaves the previous one
-intact; `latest_checkpoint` only ever sees complete folders.
+temporary folder, made durable (every file and folder fsynced) and renamed into place
+(libs.durable_files), so a crash mid-write, of the process or of the machine, leaves the
+previous one intact; `latest_checkpoint` only ever sees complete folders.
 
 A sharded trainer (libs.trainer.ranks, N ranks) writes the same folder with `sharded/` (each
 rank's shard of the weights and AdamW state, torch.distributed.checkpoint) in place of
@@ -35,6 +36,7 @@ import torch
 from transformers import PreTrainedModel
 
 from libs.chat.template import save_tokenizer
+from libs.durable_files import publish_durably
 from libs.policy import save_policy
 from libs.rl.online import OnlineBaselines
 from libs.tokenizer import Tokenizer
@@ -165,7 +167,7 @@ def write_checkpoint(
     save_tokenizer(tokenizer, partial)
     (partial / STATE_FILE).write_bytes(msgspec.json.encode(state))
     shutil.rmtree(final, ignore_errors=True)
-    partial.rename(final)
+    publish_durably(partial, final)
     _prune(directory, keep, set(protected))
     return final
 

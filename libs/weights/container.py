@@ -28,6 +28,7 @@ from typing import TypeVar, overload
 
 import msgspec
 
+from libs.durable_files import publish_durably
 from libs.weights.errors import CorruptDeltaError
 from libs.weights.format import Chunk, ChunkHeader, Manifest, chunk_prefix, encode_manifest
 from libs.weights.hashing import DIGEST_BYTES, digest
@@ -137,13 +138,14 @@ def _decode(raw: memoryview, kind: type[_Record], what: str) -> _Record:
 
 
 def write_delta_file(path: str | Path, manifest: Manifest, chunks: Sequence[Chunk]) -> None:
-    """Write a delta file (to a temporary name first, so a crash leaves no partial file)."""
+    """Write a delta file (to a temporary name first, so a crash leaves no partial file, and
+    on disk before its name: libs.durable_files)."""
     target = Path(path)
     partial = target.with_name(target.name + ".partial")
     with partial.open("wb") as file:  # record by record: no copy of the whole file in memory
         for part in _records(manifest, chunks):
             file.write(part)
-    partial.replace(target)
+    publish_durably(partial, target)
 
 
 def read_delta_file(path: str | Path) -> tuple[Manifest, list[Chunk]]:

@@ -5,8 +5,9 @@ or one volume mounted in both). For each new version the trainer calls
 
     await stage_weights(publisher, staging_dir, state_dict, version)
 
-which writes `<staging_dir>/v<version>.safetensors` (to a temporary name, then an atomic
-rename, so the broadcaster never sees half a file) and then publishes a `WeightsStaged`
+which writes `<staging_dir>/v<version>.safetensors` (to a temporary name, fsynced, then an
+atomic rename, fsynced: libs.durable_files, so the broadcaster never sees half a file, not
+even after the machine crashed) and then publishes a `WeightsStaged`
 message (version, file name, size) to `rl.weights.staged` (stream RL_WEIGHTS_STAGED, a work
 queue, msg id `staged.<version>` so a retried publish is not a second version). The
 broadcaster consumes it durably (consumer `weight-broadcaster`, one at a time, in order),
@@ -53,6 +54,7 @@ from typing import Any
 import structlog
 
 from libs.bus.publisher import Publisher
+from libs.durable_files import publish_durably
 from libs.weights.container import EncodedChunks, map_delta_file, write_delta_file
 from libs.weights.errors import CorruptDeltaError
 from libs.weights.format import Chunk, Manifest
@@ -122,7 +124,7 @@ def write_staged_delta(staging_dir: str | Path, manifest: Manifest, chunks: list
     link = path.with_name(path.name + ".link")
     link.unlink(missing_ok=True)
     link.symlink_to(shared / path.name)
-    link.replace(path)  # atomic: the broadcaster never sees a half-made name
+    publish_durably(link, path)  # atomic: the broadcaster never sees a half-made name
     return path
 
 
@@ -165,7 +167,7 @@ def release_shm(staging_dir: str | Path) -> None:
         if path.is_symlink() and path.readlink().parent == folder and path.exists():
             partial = path.with_name(path.name + ".partial")
             shutil.copyfile(path, partial)
-            partial.replace(path)
+            publish_durably(partial, path)
     shutil.rmtree(folder, ignore_errors=True)
 
 

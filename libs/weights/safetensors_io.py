@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
+from libs.durable_files import publish_durably
 from libs.weights.tensors import RawTensor, check_dtype
 
 _MAX_HEADER_BYTES = 100 << 20
@@ -75,4 +76,4 @@ def write_safetensors(path: str | Path, state: Mapping[str, RawTensor]) -> None:
         out.write(encoded)
         for tensor in state.values():
             out.write(tensor.data.data)
-    partial.replace(target)
+    publish_durably(partial, target)
