@@ -2,6 +2,10 @@
 
 Two GET endpoints need no web framework; keeping it on asyncio's stream server means no
 extra thread and no second signal handler fighting the service's own.
+
+Slow or stuck clients cannot pile up: a request's head must arrive within
+`HEAD_TIMEOUT_S` of the connection (else 400 and closed), and past `MAX_CONNECTIONS` open
+connections a new one is closed at once.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ log = structlog.get_logger(__name__)
 
 HEALTHY_STATUSES = frozenset({"ok", "idle"})
 MAX_REQUEST_BYTES = 8192
+HEAD_TIMEOUT_S = 5.0
+MAX_CONNECTIONS = 64
 _REASONS = {
     200: "OK",
     404: "Not Found",
@@ -43,6 +49,7 @@ class HealthServer:
         self._port = port
         self._registry = registry
         self._server: asyncio.Server | None = None
+        self._num_connections = 0
 
     @property
     def port(self) -> int:
@@ -52,7 +59,9 @@ class HealthServer:
         return port
 
     async def start(self) -> None:
-        self._server = await asyncio.start_server(self._on_connection, self._host, self._port)
+        self._server = await asyncio.start_server(
+            self._on_connection, self._host, self._port, limit=MAX_REQUEST_BYTES
+        )
         log.info("health server listening", host=self._host, port=self.port)
 
     async def stop(self) -> None:
@@ -63,12 +72,24 @@ class HealthServer:
     async def _on_connection(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
+        if self._num_connections >= MAX_CONNECTIONS:
+            writer.close()
+            return
+        self._num_connections += 1
         try:
-            request_line = await asyncio.wait_for(reader.readline(), timeout=5)
-            await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout=5)
-            status, content_type, body = self._respond(request_line)
-        except (TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError):
-            status, content_type, body = 400, "text/plain", b"bad request\n"
+            await self._answer(reader, writer)
+        finally:
+            self._num_connections -= 1
+
+    async def _answer(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            async with asyncio.timeout(HEAD_TIMEOUT_S):
+                request_line = await reader.readline()
+                await reader.readuntil(b"\r\n\r\n")
+        except (TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError):
+            # ValueError: a line over MAX_REQUEST_BYTES (readline's own limit error)
+            request_line = b""
+        status, content_type, body = self._respond(request_line)
         head = (
             f"HTTP/1.1 {status} {_REASONS.get(status, '')}\r\nContent-Type: {content_type}\r\n"
             f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
@@ -76,7 +97,7 @@ class HealthServer:
         with contextlib.suppress(ConnectionError):
             writer.write(head.encode() + body)
             await writer.drain()
-            writer.close()
+        writer.close()
 
     def _respond(self, request_line: bytes) -> tuple[int, str, bytes]:
         parts = request_line.decode("latin-1").split()
