@@ -12,7 +12,9 @@ How a batch runs: prompts are repeated `num_samples` times (a GRPO group), left-
 prefilled once into a `DynamicCache`, then decoded one token per step. Rows that finish
 are dropped from the batch and its cache, so long stragglers do not make finished rows
 cost compute. Position ids count only real tokens, so padding does not shift RoPE and a
-row decodes the same alone or in a batch (up to float rounding).
+row decodes the same alone or in a batch (up to float rounding). Rows a call cuts at
+`max_tokens` keep their KV cache for a call that continues exactly them
+(`libs.engine.continuations`: serve mode's holds), until the weights change.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from libs.engine.base import (
     SamplingParams,
     T,
 )
+from libs.engine.continuations import ContinuationCache
 from libs.engine.requests import check_request, check_version, hits_stop, stage_update
 from libs.engine.sampling import SampledTokens, make_generator, sample_next_tokens
 from libs.policy import position_ids_from_mask, sequence_logprobs
@@ -43,6 +46,9 @@ from libs.tokenizer import Tokenizer
 # Attention kernels allowed while decoding: all but cuDNN's, which builds a graph for every
 # new (batch, length) shape, and decoding makes a new shape every step (3x slower with it).
 DECODE_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+CONTINUATION_CACHE_TOKENS = 131_072
+"""Tokens of suspended rows' KV kept for their continuation: serve mode's 4 running requests
+of 16 rows x 2,048 tokens (the tiny preset's fp32 KV: 2 KiB a token, 256 MiB in all)."""
 
 
 @dataclass
@@ -62,6 +68,14 @@ class _Batch:
     live: list[int]
     attention_mask: torch.Tensor  # [B, prompt + generated so far], 0 on left padding
     cache: DynamicCache
+
+
+@dataclass
+class _Suspended:
+    """Rows cut by max_tokens: their cache holds all but `last_ids` [B], not fed yet."""
+
+    batch: _Batch
+    last_ids: torch.Tensor
 
 
 def left_pad(
@@ -99,6 +113,9 @@ class HFEngine(InferenceEngine):
         # mixes two versions, and the update's pause is exactly the time it holds the lock.
         self._lock = threading.Lock()
         self._cache_kwarg = _cache_kwarg_name(model)
+        self._continuations: ContinuationCache[_Suspended] = ContinuationCache(
+            CONTINUATION_CACHE_TOKENS
+        )
 
     @property
     def policy_version(self) -> int:
@@ -144,6 +161,7 @@ class HFEngine(InferenceEngine):
                     self._tensors[name].copy_(tensor)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
+            self._continuations.clear()  # their KV is the old weights'
             self._version = version
             return time.perf_counter() - start_s
 
@@ -164,7 +182,8 @@ class HFEngine(InferenceEngine):
         with self._lock:
             check_version(version, self._version)
             start_s = time.perf_counter()
-            result = write()
+            self._continuations.clear()  # their KV is the old weights' (cleared before
+            result = write()  # the write: one that fails leaves the weights unknown)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             self._version = version
@@ -212,23 +231,57 @@ class HFEngine(InferenceEngine):
         self, prompts: list[list[int]], params: SamplingParams, generator: torch.Generator
     ) -> list[_Row]:
         """Completions of `prompts` (one row each), decoded together."""
-        input_ids, attention_mask = left_pad(prompts, self.tokenizer.pad_id, self.device)
-        batch = _Batch(
-            list(range(len(prompts))), attention_mask, DynamicCache(config=self.model.config)
-        )
-        logits = self._forward(input_ids, batch, position_ids_from_mask(attention_mask))
+        batch, logits = self._resume(prompts) or self._prefill(prompts)
         rows = [_Row() for _ in prompts]
         for step in range(params.max_tokens):
             sampled = sample_next_tokens(logits, params, generator)
             running = self._record(rows, batch.live, sampled, params)
-            if not running or step == params.max_tokens - 1:
+            if not running:
+                break
+            if step == params.max_tokens - 1:
+                self._suspend(prompts, rows, batch, running, sampled.token_ids)
                 break
             next_ids = _advance(batch, running, sampled.token_ids)
-            position_ids = batch.attention_mask.sum(dim=-1, keepdim=True) - 1
-            logits = self._forward(next_ids, batch, position_ids)
+            logits = self._forward(next_ids, batch, _next_positions(batch))
         for row in rows:
             row.finish_reason = row.finish_reason or "length"
         return rows
+
+    def _prefill(self, prompts: list[list[int]]) -> tuple[_Batch, torch.Tensor]:
+        """A new batch of `prompts` and the logits of each one's next token."""
+        input_ids, attention_mask = left_pad(prompts, self.tokenizer.pad_id, self.device)
+        batch = _Batch(
+            list(range(len(prompts))), attention_mask, DynamicCache(config=self.model.config)
+        )
+        return batch, self._forward(input_ids, batch, position_ids_from_mask(attention_mask))
+
+    def _resume(self, prompts: list[list[int]]) -> tuple[_Batch, torch.Tensor] | None:
+        """The batch a call that cut exactly these rows left, fed its last tokens; or None."""
+        suspended = self._continuations.take(self._version, prompts)
+        if suspended is None:
+            return None
+        batch = suspended.batch
+        next_ids = _advance(batch, list(range(len(batch.live))), suspended.last_ids)
+        return batch, self._forward(next_ids, batch, _next_positions(batch))
+
+    def _suspend(
+        self,
+        prompts: list[list[int]],
+        rows: list[_Row],
+        batch: _Batch,
+        running: list[int],
+        token_ids: torch.Tensor,
+    ) -> None:
+        """Keep the rows cut by max_tokens (slots `running`) for a call that continues them."""
+        if len(running) < len(batch.live):
+            keep = torch.tensor(running, device=token_ids.device)
+            batch.cache.batch_select_indices(keep)
+            batch.attention_mask = batch.attention_mask[keep]
+            token_ids = token_ids[keep]
+        indices = [batch.live[slot] for slot in running]
+        sequences = [[*prompts[i], *rows[i].token_ids] for i in indices]
+        batch.live = list(range(len(indices)))  # row i of the continuing call
+        self._continuations.put(self._version, sequences, _Suspended(batch, token_ids))
 
     def _forward(
         self, input_ids: torch.Tensor, batch: _Batch, position_ids: torch.Tensor
@@ -271,6 +324,11 @@ def _cache_kwarg_name(model: PreTrainedModel) -> str:
     `past_key_values` before (still accepted, with a FutureWarning, until 5.40)."""
     parameters = inspect.signature(model.forward).parameters
     return "cache" if "cache" in parameters else "past_key_values"
+
+
+def _next_positions(batch: _Batch) -> torch.Tensor:
+    """Position ids [B, 1] of the token fed next: real tokens so far, minus one."""
+    return batch.attention_mask.sum(dim=-1, keepdim=True) - 1
 
 
 def _advance(batch: _Batch, running: list[int], token_ids: torch.Tensor) -> torch.Tensor:

@@ -26,19 +26,28 @@ are unusable. In continuous mode the gate is held across overlapping calls; once
 waits for it (`gate.wanted`), no new call starts and the running ones finish first, so every
 completion still comes from one version. `meter` measures the busy fraction (time inside
 `generate` over wall time) and generated tokens per second.
+
+Served requests (serve mode: `generate_served`, each a short hold of the engine,
+libs.serve.holds) come second to rollouts: after a call with served rows, a waiting rollout
+request goes next, and served calls take at most `served_share` of the engine's time
+(`ServedShare`: a credit of engine seconds that grows at `served_share` a second; a served
+call starts only while it is positive). So a rollout waits behind at most one served hold,
+and a weight swap behind the call running now.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import time
 from collections import deque
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Literal
 
 import structlog
-from prometheus_client import Histogram
+from prometheus_client import Gauge, Histogram
 
 from libs.engine.base import Completion, ContinuationScores, InferenceEngine, SamplingParams
 from libs.rollout.throughput import ThroughputMeter
@@ -54,6 +63,9 @@ BATCH_REQUESTS = Histogram(
     "rlpipe_rollout_batch_requests",
     "Requests (episode turns, task groups, API calls) decoded together in one generate call",
     buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512),
+)
+SERVED_IN_ENGINE = Gauge(
+    "rlpipe_serve_engine_calls_running", "Served requests inside an engine call now"
 )
 
 
@@ -78,11 +90,39 @@ class SwapGate(asyncio.Lock):
                 self.wanted.clear()
 
 
+class ServedShare:
+    """At most `share` of the engine's time for served calls: a credit of engine seconds
+    that grows at `share` per second up to `burst_s`; a served call may start while it is
+    positive and is charged its duration when it ends. `share` 1: no bound."""
+
+    def __init__(self, share: float = 1.0, burst_s: float = 1.0) -> None:
+        if not 0 < share <= 1:
+            raise ValueError(f"served share must be in (0, 1], got {share}")
+        self.share = share
+        self.burst_s = burst_s
+        self._credit_s = burst_s
+        self._at = time.monotonic()
+
+    def wait_s(self) -> float:
+        """Seconds until a served call may start (0: now)."""
+        if self.share >= 1:
+            return 0.0
+        now = time.monotonic()
+        self._credit_s = min(self.burst_s, self._credit_s + (now - self._at) * self.share)
+        self._at = now
+        return 0.0 if self._credit_s > 0 else -self._credit_s / self.share + 1e-3
+
+    def charge(self, seconds: float) -> None:
+        self.wait_s()  # bring the credit up to now first
+        self._credit_s -= seconds
+
+
 @dataclass
 class _Request:
     prompts: list[list[int]]
     params: SamplingParams
     future: asyncio.Future[list[Completion]]
+    served: bool = False
 
     @property
     def key(self) -> SamplingParams:
@@ -100,6 +140,7 @@ class GenerationBatcher:
         max_batch_rows: int = DEFAULT_MAX_BATCH_ROWS,
         batch_window_s: float = 0.005,
         meter: ThroughputMeter | None = None,
+        served_share: float = 1.0,
     ) -> None:
         if max_batch_rows < 1:
             raise ValueError(f"max_batch_rows must be >= 1, got {max_batch_rows}")
@@ -111,15 +152,29 @@ class GenerationBatcher:
         self.open = asyncio.Event()
         self._pending: deque[_Request] = deque()
         self._arrived = asyncio.Event()
+        self.share = ServedShare(served_share)
+        self._last_served = False  # the last call decoded served rows: a rollout goes next
         self.num_calls = 0
         self.largest_batch = 0  # most requests decoded in one call so far
+        self.num_served_in_engine = 0
 
     async def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
         """One completion per prompt (a prompt listed G times gives a group of G), in order."""
+        return await self._submit(prompts, params, served=False)
+
+    async def generate_served(
+        self, prompts: list[list[int]], params: SamplingParams
+    ) -> list[Completion]:
+        """As `generate`, for a served request's hold: after rollouts, within the share."""
+        return await self._submit(prompts, params, served=True)
+
+    async def _submit(
+        self, prompts: list[list[int]], params: SamplingParams, *, served: bool
+    ) -> list[Completion]:
         if not prompts:
             return []
         future: asyncio.Future[list[Completion]] = asyncio.get_running_loop().create_future()
-        self._pending.append(_Request(prompts, params, future))
+        self._pending.append(_Request(prompts, params, future, served))
         self._arrived.set()
         return await future
 
@@ -163,9 +218,7 @@ class GenerationBatcher:
         running: set[asyncio.Task[None]] = set()
         try:
             while True:
-                while not self._pending:
-                    self._arrived.clear()
-                    await self._arrived.wait()
+                await self._wait_for_takeable()
                 await self._acquire_open_gate()
                 try:
                     await self._hand_over(running)
@@ -196,22 +249,50 @@ class GenerationBatcher:
                 task.add_done_callback(ended)
             if not running:
                 return
-            await _first_set(self._arrived, self.gate.wanted)
+            # Served requests left pending (over the share) wake the loop when credit is back.
+            served_wait = self.share.wait_s() if self._pending else None
+            async with _deadline(served_wait):
+                await _first_set(self._arrived, self.gate.wanted)
         if running:
             await asyncio.wait(set(running))
 
     def _take_all(self) -> list[_Request]:
-        """Every pending request whose caller still waits."""
-        taken = [request for request in self._pending if not request.future.done()]
-        self._pending.clear()
+        """Every pending request whose caller still waits (served ones within the share)."""
+        self._drop_done()
+        allow_served = self.share.wait_s() == 0
+        taken = [r for r in self._pending if allow_served or not r.served]
+        self._pending = deque(r for r in self._pending if not (allow_served or not r.served))
         return taken
+
+    def _drop_done(self) -> None:
+        """Forget requests whose callers stopped waiting (a cancelled task)."""
+        if any(request.future.done() for request in self._pending):
+            self._pending = deque(r for r in self._pending if not r.future.done())
+
+    def _takeable_wait_s(self) -> float | None:
+        """0 when a pending request may start now, None when none is pending, else the
+        seconds until the share lets a pending served request start."""
+        self._drop_done()
+        if not self._pending:
+            return None
+        if any(not request.served for request in self._pending):
+            return 0.0
+        return self.share.wait_s()
+
+    async def _wait_for_takeable(self) -> None:
+        """Until a pending request may start."""
+        while (wait_s := self._takeable_wait_s()) != 0:
+            self._arrived.clear()
+            async with _deadline(wait_s):
+                await self._arrived.wait()
 
     async def _run_alone(self, request: _Request) -> None:
         """One engine call for one request (continuous mode), resolving its future."""
         start = time.monotonic()
         try:
-            call = self.engine.submit(request.prompts, request.params, 1)
-            completions = await asyncio.wrap_future(call)
+            with self._engine_call([request]):
+                call = self.engine.submit(request.prompts, request.params, 1)
+                completions = await asyncio.wrap_future(call)
         except asyncio.CancelledError:
             request.future.cancel()
             raise
@@ -224,35 +305,34 @@ class GenerationBatcher:
         _resolve(request, completions)
 
     async def _wait_for_requests(self) -> None:
-        """Until a request is pending, then a short window for others to join it."""
-        while not self._pending:
-            self._arrived.clear()
-            await self._arrived.wait()
+        """Until a request may start, then a short window for others to join it."""
+        await self._wait_for_takeable()
         pending_rows = sum(len(request.prompts) for request in self._pending)
         if pending_rows < self.max_batch_rows and self.batch_window_s > 0:
             await asyncio.sleep(self.batch_window_s)
 
     def _take_batch(self) -> list[_Request]:
-        """The oldest live request and the later ones that match it, while their rows fit in
-        max_batch_rows (the oldest goes even if it alone is larger: the engine chunks it)."""
-        while self._pending and self._pending[0].future.done():  # its task was cancelled
-            self._pending.popleft()
-        if not self._pending:
+        """The oldest request that may start and the later ones that match it, while their
+        rows fit in max_batch_rows (the first goes even if it alone is larger: the engine
+        chunks it). Served requests may start within the share, not right after a served
+        call while a rollout request waits, and go alone: a hold continues exactly the rows
+        of the one before (the engine's continuation cache)."""
+        self._drop_done()
+        waiting_rollout = any(not request.served for request in self._pending)
+        allow_served = self.share.wait_s() == 0 and not (self._last_served and waiting_rollout)
+        eligible = [r for r in self._pending if allow_served or not r.served]
+        if not eligible:
             return []
-        key = self._pending[0].key
-        batch: list[_Request] = []
-        kept: deque[_Request] = deque()
-        rows = 0
-        for request in self._pending:
-            if request.future.done():
-                continue
-            fits = not batch or rows + len(request.prompts) <= self.max_batch_rows
-            if fits and request.key == key:
+        batch = [eligible[0]]
+        rows = len(eligible[0].prompts)
+        for request in eligible[1:] if not eligible[0].served else ():
+            fits = rows + len(request.prompts) <= self.max_batch_rows
+            if fits and not request.served and request.key == batch[0].key:
                 batch.append(request)
                 rows += len(request.prompts)
-            else:
-                kept.append(request)
-        self._pending = kept
+        taken = {id(request) for request in batch}
+        self._pending = deque(r for r in self._pending if id(r) not in taken)
+        self._last_served = any(request.served for request in batch)
         return batch
 
     async def _run_batch(self, batch: list[_Request]) -> None:
@@ -295,7 +375,8 @@ class GenerationBatcher:
             batch[0].params, max_tokens=max(r.params.max_tokens for r in batch)
         )
         start = time.monotonic()
-        completions = await asyncio.to_thread(self.engine.generate, rows, params, 1)
+        with self._engine_call(batch):
+            completions = await asyncio.to_thread(self.engine.generate, rows, params, 1)
         end = time.monotonic()
         self.num_calls += 1
         self.largest_batch = max(self.largest_batch, len(batch))
@@ -308,6 +389,21 @@ class GenerationBatcher:
             out.append([_truncated(c, request.params.max_tokens, i) for i, c in enumerate(mine)])
         self.meter.record(start, end, sum(len(c.token_ids) for group in out for c in group))
         return out
+
+    @contextlib.contextmanager
+    def _engine_call(self, batch: list[_Request]) -> Iterator[None]:
+        """Around one engine call: count its served requests and charge their time."""
+        served = sum(1 for request in batch if request.served)
+        self.num_served_in_engine += served
+        SERVED_IN_ENGINE.inc(served)
+        start = time.monotonic()
+        try:
+            yield
+        finally:
+            self.num_served_in_engine -= served
+            SERVED_IN_ENGINE.dec(served)
+            if served:
+                self.share.charge(time.monotonic() - start)
 
 
 def _truncated(completion: Completion, max_tokens: int, index: int) -> Completion:
@@ -332,6 +428,20 @@ def _resolve(request: _Request, completions: list[Completion]) -> None:
 def _fail(request: _Request, exc: BaseException) -> None:
     if not request.future.done():
         request.future.set_exception(exc)
+
+
+def _deadline(seconds: float | None) -> contextlib.AbstractAsyncContextManager[object]:
+    """Waits inside end quietly after `seconds` (None: never)."""
+    if seconds is None:
+        return contextlib.nullcontext()
+    return _quiet_timeout(seconds)
+
+
+@contextlib.asynccontextmanager
+async def _quiet_timeout(seconds: float) -> AsyncIterator[None]:
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(seconds):
+            yield
 
 
 async def _first_set(*events: asyncio.Event) -> None:

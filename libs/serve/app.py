@@ -11,29 +11,38 @@ order, in the `X-Generation-Id` header; `X-Generation-Recorded: true|false` says
 the generations are stored on the bus (absent when recording is off).
 
 Errors are OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`: 400 for a
-body the API cannot serve (bad JSON, a bad or unsupported field, named in `param`), 401
-without the configured key (`Authorization: Bearer <key>`), 404 for another model name,
-413 for a body over the limit, 503 while the worker has no weights yet (Retry-After), and
-500 only for our own failures.
+body the API cannot serve (bad JSON, a bad or unsupported field, a bound passed: `n`,
+`max_tokens`, `stop`; named in `param`), 401 without a configured key
+(`Authorization: Bearer <key>`), 404 for another model name, 413 for a body over the limit,
+429 when admission control is full (libs.serve.admission; Retry-After), 503 while the worker
+has no weights yet (Retry-After), and 500 only for our own failures.
+
+A request whose client disconnects is abandoned at once: its generation is cancelled (the
+hold running in the engine ends, no next one starts) and nothing is recorded. When the
+server stops, open requests get its graceful time to finish; then `stop_open` cancels the
+rest, which are answered 503 (Retry-After) before the connections close.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import time
-from collections.abc import Awaitable, Callable
-from typing import Any
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar
 
 import orjson
 import structlog
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from prometheus_client import Counter, Histogram
-from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from libs.chat.template import ChatTemplate
 from libs.engine.base import SamplingParams
+from libs.serve.admission import Admission, AdmissionLimits
+from libs.serve.config import ServeConfig, hash_key
 from libs.serve.generation import GenerationRequest, ServedPolicy, ServedResult
 from libs.serve.protocol import (
     ApiError,
@@ -64,34 +73,13 @@ REQUEST_SECONDS = Histogram(
 LEGACY_DEFAULT_MAX_TOKENS = 16
 GENERATION_ID_HEADER = "X-Generation-Id"
 RECORDED_HEADER = "X-Generation-Recorded"
+# Not sent (the client is gone); the status requests_total counts an abandoned request under.
+CLIENT_CLOSED = 499
+ANONYMOUS = "anonymous"
+"""The budget requests share when no key is configured (loopback only)."""
 
 Reply = tuple[dict[str, Any], dict[str, str]]
-
-
-class ServeConfig(BaseModel):
-    """Where the OpenAI-compatible API listens, what it serves and accepts (the
-    rollout-worker's `serve`)."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    port: int = Field(
-        0, ge=0, le=65535, description="Port of the OpenAI-compatible API; 0: serve mode off"
-    )
-    host: str = Field("127.0.0.1", description="Address the OpenAI-compatible API binds")
-    model_name: str = Field(
-        "rlpipe-policy", min_length=1, description="Model name the API serves (`model` field)"
-    )
-    api_key: str | None = Field(
-        None, description="Secret required as `Authorization: Bearer <key>`; unset: open"
-    )
-    max_choices: int = Field(16, ge=1, description="Largest `n` of one request")
-    default_max_tokens: int = Field(
-        256, ge=1, description="Chat completion tokens when a request sets no max"
-    )
-    max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024, description="Largest request body")
-    not_ready_retry_after_s: int = Field(
-        1, ge=0, description="Retry-After of a 503 while no weights are loaded"
-    )
+T = TypeVar("T")
 
 
 class OpenAIApi:
@@ -109,56 +97,110 @@ class OpenAIApi:
         self.policy_version = policy_version
         self.config = config
         self.started = int(time.time())
+        self.admission = Admission(
+            AdmissionLimits(
+                max_running=config.max_running_requests,
+                max_queued=config.max_queued_requests,
+                max_requests_per_key=config.max_requests_per_key,
+                max_tokens_per_key=config.max_tokens_per_key,
+                retry_after_s=config.busy_retry_after_s,
+            )
+        )
+        self._keys = config.key_hashes()
+        self._open: set[asyncio.Task[Any]] = set()
 
-    def authorize(self, authorization: str | None) -> None:
-        expected = self.config.api_key
-        if not expected:
-            return
+    def stop_open(self) -> None:
+        """Cancel every open request's work: each is answered 503 (the server stops)."""
+        for task in self._open:
+            task.cancel()
+
+    async def unless_disconnected(self, request: Request, work: Coroutine[Any, Any, T]) -> T:
+        """What `work` returns; if the client disconnects first, `work` is cancelled (and
+        awaited) and ClientDisconnect raised; if `stop_open` cancelled it, a 503."""
+        task = asyncio.ensure_future(work)
+        self._open.add(task)
+        task.add_done_callback(self._open.discard)
+        watch = asyncio.ensure_future(_disconnect(request))
+        try:
+            done, _ = await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:  # also when this handler is cancelled
+            if not task.done():
+                task.cancel()
+            watch.cancel()
+            await asyncio.gather(task, watch, return_exceptions=True)
+        if task not in done:
+            raise ClientDisconnect()
+        if task.cancelled():
+            raise ApiError(
+                503,
+                "the server is stopping; retry (another replica)",
+                type="server_error",
+                code="server_stopping",
+                retry_after_s=self.config.not_ready_retry_after_s,
+            )
+        return task.result()
+
+    def authorize(self, authorization: str | None) -> str:
+        """The name of the caller's key (`anonymous` when no key is configured); 401 else."""
+        if not self._keys:
+            return ANONYMOUS
         scheme, _, key = (authorization or "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip(), expected):
+        # Headers arrive as latin-1 text: its bytes are what the client sent, any of 256
+        # values; compared as sha256 hex, so a non-ASCII key is a wrong key, not a crash.
+        presented = hash_key(key.strip().encode("latin-1"))
+        name = next((n for h, n in self._keys.items() if hmac.compare_digest(h, presented)), None)
+        if scheme.lower() != "bearer" or name is None:
             raise ApiError(
                 401,
                 "missing or wrong API key: send `Authorization: Bearer <key>`",
                 code="invalid_api_key",
             )
+        return name
 
     def models(self) -> dict[str, Any]:
         return models_body(self.config.model_name, self.started, self.policy_version())
 
-    async def chat(self, body: Any) -> Reply:
+    async def chat(self, body: Any, key: str) -> Reply:
         request = parse_request(ChatRequest, body)
-        self._admit(request)
+        max_tokens = (
+            request.max_completion_tokens or request.max_tokens or self.config.default_max_tokens
+        )
+        self._admit(request, max_tokens)
         messages = [
             ChatMessage(role="system" if m.role == "developer" else m.role, content=m.text())
             for m in request.messages
         ]
         prompt_ids = self.template.render(messages)
-        max_tokens = (
-            request.max_completion_tokens or request.max_tokens or self.config.default_max_tokens
-        )
         stop_ids = self.template.stop_token_ids
         params = _sampling_params(request, max_tokens, stop_ids)
-        result = await self.served.serve(
-            _generation(request, prompt_ids, params, "chatcmpl", stop_ids[:1])
-        )
+        generation = _generation(request, prompt_ids, params, "chatcmpl", stop_ids[:1])
+        result = await self._serve(generation, key)
         options = self._options(request, prompt_ids, request.logprobs)
         return chat_completion_body(result, options), _headers(result)
 
-    async def completions(self, body: Any) -> Reply:
+    async def completions(self, body: Any, key: str) -> Reply:
         request = parse_request(CompletionRequest, body)
-        self._admit(request)
+        max_tokens = request.max_tokens or LEGACY_DEFAULT_MAX_TOKENS
+        self._admit(request, max_tokens)
         prompt = request.prompt
         prompt_ids = self.served.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
         if not prompt_ids:
             raise invalid("prompt has no tokens", "prompt")
-        params = _sampling_params(request, request.max_tokens or LEGACY_DEFAULT_MAX_TOKENS, ())
+        params = _sampling_params(request, max_tokens, ())
         eos = (self.served.tokenizer.eos_id,)
-        result = await self.served.serve(_generation(request, prompt_ids, params, "cmpl", eos))
+        result = await self._serve(_generation(request, prompt_ids, params, "cmpl", eos), key)
         options = self._options(request, prompt_ids, request.logprobs is not None)
         return completion_body(result, options), _headers(result)
 
-    def _admit(self, request: CommonRequest) -> None:
-        """404 for another model, 400 for too many choices, 503 without weights."""
+    async def _serve(self, generation: GenerationRequest, key: str) -> ServedResult:
+        """Serve `generation` once admission control lets `key` in (429 when full)."""
+        rows = len(generation.choices or ()) or generation.num_choices
+        cost = rows * (len(generation.prompt_ids) + generation.params.max_tokens)
+        async with self.admission.admit(key, cost):
+            return await self.served.serve(generation)
+
+    def _admit(self, request: CommonRequest, max_tokens: int) -> None:
+        """404 for another model, 400 past a request bound, 503 without weights."""
         name = self.config.model_name
         if request.model is not None and request.model != name:
             raise ApiError(
@@ -167,14 +209,14 @@ class OpenAIApi:
                 param="model",
                 code="model_not_found",
             )
-        if request.n > self.config.max_choices:
-            raise invalid(f"n must be <= {self.config.max_choices}, got {request.n}", "n")
+        check_bounds(request, max_tokens, self.config)
         if self.policy_version() is None:
             raise ApiError(
                 503,
                 "the model has no weights yet (the worker waits for the first version); retry",
                 type="server_error",
                 code="model_not_ready",
+                retry_after_s=self.config.not_ready_retry_after_s,
             )
 
     def _options(
@@ -187,6 +229,30 @@ class OpenAIApi:
             logprobs=logprobs,
             logprobs_mode=request.logprobs_mode,
             return_token_ids=request.return_token_ids,
+        )
+
+
+def check_bounds(request: CommonRequest, max_tokens: int, config: ServeConfig) -> None:
+    """400 naming the bound a request passes: `n`, `max_tokens`, `stop` (count, length)."""
+    if request.n > config.max_choices:
+        raise invalid(f"n must be <= {config.max_choices}, got {request.n}", "n")
+    if max_tokens > config.max_tokens:
+        raise invalid(
+            f"max_tokens must be <= {config.max_tokens} (serve.max_tokens), got {max_tokens}",
+            "max_tokens",
+        )
+    stops = [request.stop] if isinstance(request.stop, str) else request.stop or []
+    if len(stops) > config.max_stop:
+        raise invalid(
+            f"stop may hold at most {config.max_stop} strings (serve.max_stop), got {len(stops)}",
+            "stop",
+        )
+    longest = max((len(text) for text in stops), default=0)
+    if longest > config.max_stop_chars:
+        raise invalid(
+            f"a stop string may be at most {config.max_stop_chars} characters "
+            f"(serve.max_stop_chars), got {longest}",
+            "stop",
         )
 
 
@@ -241,7 +307,7 @@ def create_app(api: OpenAIApi) -> FastAPI:
 
     @app.get("/v1/models", summary="The served model")
     async def models(request: Request) -> Response:
-        async def reply(_: Any) -> Reply:
+        async def reply(_: Any, __: str) -> Reply:
             return api.models(), {}
 
         return await _handle(request, "models", api, reply, read_body=False)
@@ -270,20 +336,20 @@ async def _handle(
     request: Request,
     route: str,
     api: OpenAIApi,
-    reply: Callable[[Any], Awaitable[Reply]],
+    reply: Callable[[Any, str], Coroutine[Any, Any, Reply]],
     read_body: bool = True,
 ) -> Response:
     started = time.perf_counter()
     try:
-        api.authorize(request.headers.get("authorization"))
+        key = api.authorize(request.headers.get("authorization"))
         body = await _read_json(request, api.config.max_body_bytes) if read_body else None
-        content, headers = await reply(body)
+        content, headers = await api.unless_disconnected(request, reply(body, key))
         response = _json(200, content, headers)
     except ApiError as exc:
-        headers = {}
-        if exc.status == 503:
-            headers["Retry-After"] = str(api.config.not_ready_retry_after_s)
-        response = _json(exc.status, exc.body(), headers)
+        retry = {} if exc.retry_after_s is None else {"Retry-After": str(exc.retry_after_s)}
+        response = _json(exc.status, exc.body(), retry)
+    except ClientDisconnect:  # nobody to answer: the work is cancelled, nothing recorded
+        response = Response(status_code=CLIENT_CLOSED)
     except Exception:  # deliberate: our own failure is a 500 in OpenAI's shape, and logged
         log.exception("serve-mode request failed", route=route)
         error = ApiError(500, "internal error while serving the request", type="server_error")
@@ -291,6 +357,12 @@ async def _handle(
     REQUESTS.labels(route, str(response.status_code)).inc()
     REQUEST_SECONDS.labels(route).observe(time.perf_counter() - started)
     return response
+
+
+async def _disconnect(request: Request) -> None:
+    """Returns when the client is gone (the body has been read: only a disconnect comes)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 async def _read_json(request: Request, limit: int) -> Any:

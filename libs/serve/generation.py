@@ -1,12 +1,13 @@
 """`ServedPolicy`: what serve mode does with a request, apart from HTTP.
 
 Prompt ids in; `n` completions out, either sampled by the engine (through the rollout
-worker's `GenerationBatcher`, so served requests batch with rollouts and never straddle a
-weight swap) or picked among given strings (`libs.serve.choice`, scored through the
-batcher too); each completion gets a generation id and is recorded as a `ServedGeneration`
-before the caller sees it:
+worker's `GenerationBatcher`, in holds of at most `hold_tokens` decode steps so rollouts
+and weight swaps get the engine between two: libs.serve.holds) or picked among given
+strings (`libs.serve.choice`, scored through the batcher too); each completion gets a
+generation id and is recorded as a `ServedGeneration` before the caller sees it:
 
-    served = ServedPolicy(batcher.generate, tokenizer, score=batcher.score, recorder=recorder)
+    served = ServedPolicy(batcher.generate_served, tokenizer, score=batcher.score,
+                          recorder=recorder, hold_tokens=32)
     result = await served.serve(GenerationRequest(prompt_ids, SamplingParams(), 1, "cmpl"))
 
 Generation ids: the response id (`chatcmpl-<32 hex>`, `cmpl-<32 hex>`) when one choice is
@@ -14,7 +15,9 @@ asked for, else `<response id>-<choice index>`. They fit the feedback API's id r
 (letters, digits, '-', '_'), so the product posts feedback with the id it received.
 
 Recorded logprobs are the sampling logprobs (under the distribution each token was drawn
-from: temperature and top-p applied; 0.0 at temperature 0). A constrained choice records
+from: temperature and top-p applied; 0.0 at temperature 0), and the recorded version is the
+one the first token came from (a weight swap between two holds moves the later tokens to
+a newer version: their logprobs are that version's). A constrained choice records
 its tokens' plain-softmax logprobs and `metadata["rlpipe_constraint"] = "choice"`, since no
 per-token sampling happened.
 """
@@ -28,6 +31,7 @@ from dataclasses import dataclass, field
 
 from libs.engine.base import Completion, ContinuationScores, SamplingParams
 from libs.serve.choice import pick_choices
+from libs.serve.holds import generate_in_holds
 from libs.serve.protocol import invalid
 from libs.serve.records import GenerationRecorder
 from libs.tokenizer import Tokenizer
@@ -87,12 +91,16 @@ class ServedPolicy:
         *,
         score: ScoreFn | None = None,
         recorder: GenerationRecorder | None = None,
+        hold_tokens: int = 32,
+        max_context_tokens: int | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.generate = generate
         self.tokenizer = tokenizer
         self.score = score
         self.recorder = recorder
+        self.hold_tokens = hold_tokens
+        self.max_context_tokens = max_context_tokens
         self._clock = clock
 
     async def serve(self, request: GenerationRequest) -> ServedResult:
@@ -121,7 +129,22 @@ class ServedPolicy:
         return ServedResult(response_id, int(now), choices, recorded)
 
     async def _sample(self, request: GenerationRequest) -> list[Completion]:
-        return await self.generate([request.prompt_ids] * request.num_choices, request.params)
+        limit, wanted = self.max_context_tokens, len(request.prompt_ids) + request.params.max_tokens
+        if limit is not None and wanted > limit:  # refused before the first hold, not mid-way
+            raise invalid(
+                f"prompt ({len(request.prompt_ids)} tokens) + max_tokens "
+                f"({request.params.max_tokens}) exceeds the model's {limit} tokens; lower "
+                "max_tokens or shorten the prompt",
+                "max_tokens",
+            )
+        return await generate_in_holds(
+            self.generate,
+            request.prompt_ids,
+            request.num_choices,
+            request.params,
+            hold_tokens=self.hold_tokens,
+            tokenizer=self.tokenizer,
+        )
 
     async def _choose(self, request: GenerationRequest, choices: list[str]) -> list[Completion]:
         """`num_choices` picks among `choices`, as completions of the picked token ids."""

@@ -39,6 +39,7 @@ class ApiError(Exception):
         type: str = "invalid_request_error",
         param: str | None = None,
         code: str | None = None,
+        retry_after_s: int | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -46,6 +47,8 @@ class ApiError(Exception):
         self.type = type
         self.param = param
         self.code = code
+        self.retry_after_s = retry_after_s
+        """Sent as `Retry-After` (429, 503): when the caller may try again."""
 
     def body(self) -> dict[str, Any]:
         return {

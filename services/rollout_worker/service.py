@@ -98,6 +98,7 @@ class RolloutWorkerService(Service):
         self.num_published = 0
         self.served: ServedPolicy | None = None
         self.serve_api: ServeServer | None = None
+        self.serve_openai: OpenAIApi | None = None
         self.identity: PolicyIdentity | None = None
         self._stopping = asyncio.Event()
 
@@ -113,6 +114,8 @@ class RolloutWorkerService(Service):
             self.engine,
             batch_window_s=s.batch_window_s,
             meter=ThroughputMeter(s.throughput_window_s),
+            # A replica that rolls out keeps most of its engine for rollouts.
+            served_share=s.serve.engine_share if s.consume_tasks else 1.0,
         )
         weights_bus = await self._weights_bus(bus)
         # Deltas are decoded beside the engine in a process of its own where weights are on a GPU.
@@ -269,15 +272,26 @@ class RolloutWorkerService(Service):
                 retry_window_s=0.0,
             )
             recorder = GenerationRecorder(publisher)
+        assert self.engine is not None
         self.served = ServedPolicy(
-            self.batcher.generate, tokenizer, score=self.batcher.score, recorder=recorder
+            self.batcher.generate_served,
+            tokenizer,
+            score=self.batcher.score,
+            recorder=recorder,
+            hold_tokens=s.serve.hold_tokens,
+            max_context_tokens=self.engine.max_context_tokens,
         )
         follower = self.follower
-        api = OpenAIApi(
+        self.serve_openai = OpenAIApi(
             self.served, chat_template_for(tokenizer), lambda: follower.policy_version, s.serve
         )
         self.serve_api = ServeServer(
-            create_app(api), s.serve.host, s.serve.port, graceful_s=s.drain_timeout_s
+            create_app(self.serve_openai),
+            s.serve.host,
+            s.serve.port,
+            graceful_s=s.drain_timeout_s,
+            limits=s.serve.http_limits(),
+            on_grace_over=self.serve_openai.stop_open,
         )
         await self.serve_api.start()
         if not s.record_generations:
@@ -294,11 +308,15 @@ class RolloutWorkerService(Service):
             await self.serve_api.stop()
 
     def _serve_health(self) -> dict[str, Any]:
-        if self.serve_api is None or self.served is None:
+        if self.serve_api is None or self.served is None or self.serve_openai is None:
             return {}
         recorder = self.served.recorder
+        admission = self.serve_openai.admission
         return {
             "serve_port": self.serve_api.port,
+            "serve_requests_running": admission.num_running,
+            "serve_requests_queued": admission.num_queued,
+            "serve_requests_in_engine": self.batcher.num_served_in_engine if self.batcher else 0,
             "generations_recorded": recorder.num_recorded if recorder else 0,
             "generation_records_lost": recorder.num_lost if recorder else 0,
         }

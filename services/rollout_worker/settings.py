@@ -9,7 +9,7 @@ from libs.engine.factory import EngineConfig
 from libs.policy import PolicyConfig
 from libs.rollout.agent import AgentSettings
 from libs.rollout.episode import RunnerSettings
-from libs.serve.app import ServeConfig
+from libs.serve.config import ServeConfig
 from libs.settings import NESTED_SETTINGS, ServiceSettings, env_prefix
 from libs.trainer.checkpoint import checkpoint_version
 from libs.weights.receiver import ReceiverConfig
