@@ -27,9 +27,11 @@ from libs.weights import (
     pack_delta,
     unpack_delta,
 )
-from libs.weights.encoder import encoded_size
+from libs.weights.chunking import TensorJob
+from libs.weights.encoder import SPARSE_THREADS, encode_threads, encoded_size
 from libs.weights.encodings import compress, decompress
 from libs.weights.format import Chunk, encode_chunk
+from libs.weights.scan import Changes
 from libs.weights.tensors import DTYPE_WIDTHS
 
 SMALL = EncodeOptions(max_chunk_bytes=16 << 10)  # forces many chunks on small tensors
@@ -334,3 +336,16 @@ def test_a_chunks_encoded_size_is_counted_without_encoding_its_payload(payload_b
     chunk = Chunk(header=chunks[0].header, payload=b"\x07" * payload_bytes)
     assert encoded_size(chunk) == len(encode_chunk(chunk))
     assert manifest.chunks[0].num_bytes == len(encode_chunk(chunks[0]))
+
+
+def test_a_version_of_mostly_sparse_pieces_is_encoded_on_fewer_threads() -> None:
+    """Sparse pieces hold the GIL between short numpy calls: past SPARSE_THREADS more threads
+    only wait; dense pieces (zstd) take every thread offered."""
+    changes = Changes(np.arange(1_000), np.zeros(1_000, np.uint16), np.ones(1_000, np.uint16))
+    sparse = TensorJob("sparse", 2, 1 << 20, changes)
+    small_dense = TensorJob("bias", 2, 896, None, dense=True)
+    big_dense = TensorJob("mlp", 2, 1 << 26, None, dense=True)
+    assert encode_threads([sparse, small_dense], 16) == SPARSE_THREADS
+    assert encode_threads([sparse, small_dense], 4) == 4
+    assert encode_threads([sparse, big_dense], 16) == 16
+    assert encode_threads([big_dense], 16) == 16
