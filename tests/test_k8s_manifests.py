@@ -15,6 +15,7 @@ Run: .venv/bin/python -m pytest tests/test_k8s_manifests.py -q
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 from collections.abc import Iterator
@@ -223,7 +224,7 @@ def config_map_files(overlay: str, name: str) -> dict[str, str]:
 @pytest.mark.parametrize(
     ("overlay", "config_map", "config"),
     [
-        ("hub", "rlpipe-nats-config", "hub.conf"),
+        ("hub", "rlpipe-nats-config", "hub-cluster.conf"),
         ("region", "rlpipe-nats-region-config", "region-leaf.conf"),
     ],
 )
@@ -241,11 +242,35 @@ def test_nats_runs_the_repositorys_config_and_nats_server_accepts_it(
     env = {k: v for k, v in os.environ.items() if not k.startswith("RLPIPE_")} | PASSWORDS
     env |= {password_variable(name, "region"): f"{name}Pw0" for name in REGION_ROLES}
     env["RLPIPE_NATS_LEAF_URL"] = "nats-leaf://leaf-region-a:pw@hub.example.internal:7422"
+    env["RLPIPE_NATS_NODE_NAME"] = "nats-0"
     result = subprocess.run(
         [find_nats_server(), "-t", "-c", str(tmp_path / config)],
         env=env, capture_output=True, text=True, timeout=30, check=False,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
+
+
+def test_the_hubs_bus_is_three_nodes_keeping_every_stream_and_fsyncing_every_write() -> None:
+    """What an acknowledged message survives (docs/deployment.md, "What durable means"):
+    a node's death (every stream on three nodes, R3) and a power loss (fsync before the ack)."""
+    nats = find("hub", "StatefulSet", "nats")["spec"]
+    provision = next(c for c in rlpipe_containers("hub") if c["args"][0] == "provision")
+    replicas = int(env_values(provision)["RLPIPE_NATS_REPLICAS"])
+    assert 3 <= replicas <= nats["replicas"]
+    names = find("hub", "Service", nats["serviceName"])["spec"]
+    assert names["clusterIP"] == "None" and names["publishNotReadyAddresses"]
+    hub_files = config_map_files("hub", "rlpipe-nats-config")
+    for index in range(nats["replicas"]):
+        route = f"nats-route://nats-{index}.{nats['serviceName']}:6222"
+        assert route in hub_files["hub-cluster.conf"], f"pod nats-{index} has no route"
+    node_name = next(e for e in nats["template"]["spec"]["containers"][0]["env"]
+                     if e["name"] == "RLPIPE_NATS_NODE_NAME")  # fmt: skip
+    assert node_name["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    region_files = config_map_files("region", "rlpipe-nats-region-config")
+    # Each config with a jetstream block of its own (hub.conf's replaces nats.conf's).
+    for name, text in [*hub_files.items(), *region_files.items()]:
+        if re.search(r"^jetstream \{", text, re.M):
+            assert re.search(r"^\s+sync_interval: always$", text, re.M), f"{name}: no sync policy"
 
 
 def test_region_workers_take_weights_from_the_region_and_tasks_from_the_hub() -> None:
