@@ -366,7 +366,12 @@ def test_dense_pieces_decoded_on_the_device_wrap_exactly_as_the_host_decode(
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_dense_codes_packed_on_the_device_encode_byte_identical_to_the_host(device: str) -> None:
+@pytest.mark.parametrize("min_device_elements", [0, gpu.DEVICE_CODES_MIN_ELEMENTS])
+def test_dense_codes_packed_on_the_device_encode_byte_identical_to_the_host(
+    device: str, min_device_elements: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Dense tensors coded on the device (every one, at 0) or, when small, on the host."""
+    monkeypatch.setattr(gpu, "DEVICE_CODES_MIN_ELEMENTS", min_device_elements)
     gen = torch.Generator().manual_seed(7)
     master = torch.randn(70_000, generator=gen) * 0.02
     master[:4] = torch.tensor([0.0, -0.0, float("nan"), float("-inf")])
@@ -390,6 +395,7 @@ def test_dense_codes_batched_across_tensors_encode_byte_identical_to_the_host(
     """Tensors of several widths and odd sizes coded together in one batch, in batches that
     cut between them, and one by one give the same delta as the host encoder."""
     monkeypatch.setattr(gpu, "CODES_BATCH_ELEMENTS", batch_elements)
+    monkeypatch.setattr(gpu, "DEVICE_CODES_MIN_ELEMENTS", 0)  # every tensor coded there
     gen = torch.Generator().manual_seed(11)
     base, new = {}, {}
     for i, (dtype, size) in enumerate(

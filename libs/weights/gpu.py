@@ -256,6 +256,9 @@ def _escapes(old_bits: torch.Tensor, new_bits: torch.Tensor, at: torch.Tensor) -
     return (((codes - 3 + half) & mask) - half).to(old_bits.dtype)
 
 
+# Dense tensors of fewer elements are coded on the host from the copies there: on the device
+# each costs a dozen kernel launches (byte-0.5b's 99 biases at lr 1e-6 took 0.04 s there).
+DEVICE_CODES_MIN_ELEMENTS = 1 << 16
 # Elements whose dense_add codes are found in one batch: one search for escapes and one copy
 # to the host per batch, not per tensor (byte-3b has 252 dense tensors in 2.8G elements).
 CODES_BATCH_ELEMENTS = 1 << 28
@@ -264,15 +267,16 @@ CODES_BATCH_ELEMENTS = 1 << 28
 def device_codes(
     base: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor], names: Mapping[str, Any]
 ) -> dict[str, DenseCodes]:
-    """`dense_add_codes` of the named tensors of a width in _WIDER, on the host: the host
-    then only compresses them (numpy's subtract, zigzag and symbol packing cost more than
-    zstd there), and a quarter of a byte per element crosses to it, not two. Tensors are
-    coded in batches of up to CODES_BATCH_ELEMENTS, each with two waits on the device."""
+    """`dense_add_codes` of the named tensors of a width in _WIDER and at least
+    DEVICE_CODES_MIN_ELEMENTS elements, on the host: the host then only compresses them
+    (numpy's subtract, zigzag and symbol packing cost more than zstd there), and a quarter of
+    a byte per element crosses to it, not two. Tensors are coded in batches of up to
+    CODES_BATCH_ELEMENTS, each with two waits on the device."""
     batches: list[list[str]] = []
     size = 0
     for name in names:
         numel = new[name].numel()
-        if new[name].element_size() not in _WIDER or not numel:
+        if new[name].element_size() not in _WIDER or numel < DEVICE_CODES_MIN_ELEMENTS:
             continue
         if not batches or size + numel > CODES_BATCH_ELEMENTS:
             batches.append([])
