@@ -1,10 +1,14 @@
-"""`rlpipe sandbox run`: one command in exactly the sandbox an episode gets, for debugging.
+"""`rlpipe sandbox run`: one command in exactly the sandbox an episode gets, for debugging;
+`rlpipe sandbox check`: what bounds a sandbox on this host.
 
     rlpipe sandbox run --workdir DIR [--cpu-s 10 --memory-mb 1024 ...] -- CMD [ARG...]
+    rlpipe sandbox check
 
 DIR is copied as the seed of a fresh working folder (DIR itself is never changed), the
 command runs there with the episode limits, its stdout and stderr are printed, and the
 folder is removed. Standalone: `python -m apps.sandbox_cli sandbox run --workdir DIR -- ...`.
+`check` prints, as JSON, the mechanisms in effect (seccomp filter, cgroup version and
+controllers or why there are none, disk quota, rlimits) and exits 1 when cgroups are missing.
 
 Exit codes:
     the command's own exit code (128 + N when killed by signal N), when no limit was hit
@@ -16,11 +20,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from libs.logs import configure_logging
 from libs.sandbox.base import SandboxError, SandboxResult
 from libs.sandbox.config import SandboxConfig
 from libs.sandbox.factory import build_sandbox_factory
@@ -45,7 +51,19 @@ def add_sandbox_parser(subparsers: argparse._SubParsersAction) -> None:
     run_parser.add_argument(
         "--memory-mb", type=int, default=DEFAULTS.memory_bytes // MIB, help="address space"
     )
+    run_parser.add_argument(
+        "--memory-total-mb",
+        type=int,
+        default=DEFAULTS.memory_total_bytes // MIB,
+        help="memory of all processes together (cgroup), working folder included",
+    )
+    run_parser.add_argument(
+        "--cpu-cores", type=float, default=DEFAULTS.cpu_cores, help="CPU share, all processes"
+    )
     run_parser.add_argument("--max-processes", type=int, default=DEFAULTS.max_processes)
+    run_parser.add_argument(
+        "--disk-mb", type=int, default=DEFAULTS.disk_bytes // MIB, help="working folder size"
+    )
     run_parser.add_argument(
         "--file-size-mb", type=int, default=DEFAULTS.file_size_bytes // MIB, help="largest file"
     )
@@ -55,6 +73,12 @@ def add_sandbox_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     run_parser.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD [ARG...]")
     run_parser.set_defaults(handler=_on_run)
+    check_parser = commands.add_parser(
+        "check",
+        help="print what bounds a sandbox on this host (JSON)",
+        description="Print the sandbox's enforcement on this host; exit 1 without cgroups.",
+    )
+    check_parser.set_defaults(handler=_on_check)
 
 
 def limits_from_args(args: argparse.Namespace) -> SandboxLimits:
@@ -62,7 +86,10 @@ def limits_from_args(args: argparse.Namespace) -> SandboxLimits:
     return SandboxLimits(
         cpu_s=args.cpu_s,
         memory_bytes=args.memory_mb * MIB,
+        memory_total_bytes=args.memory_total_mb * MIB,
+        cpu_cores=args.cpu_cores,
         max_processes=args.max_processes,
+        disk_bytes=args.disk_mb * MIB,
         file_size_bytes=args.file_size_mb * MIB,
         wall_s=args.wall_s,
         output_bytes=args.output_bytes,
@@ -82,6 +109,12 @@ def _on_run(args: argparse.Namespace) -> int:
     sys.stderr.buffer.write(result.stderr)
     sys.stderr.flush()
     return _report(result)
+
+
+def _on_check(args: argparse.Namespace) -> int:
+    enforcement = build_sandbox_factory(SandboxConfig()).enforcement
+    print(json.dumps(dict(enforcement), indent=2))
+    return 1 if enforcement["cgroup"].startswith("none") else 0
 
 
 async def _run_once(
@@ -112,6 +145,7 @@ def _report(result: SandboxResult) -> int:
 
 def run(args: argparse.Namespace) -> int:
     """Run a parsed `sandbox` command, mapping errors to exit codes and one-line messages."""
+    configure_logging("sandbox", level="warning")  # stdout is the command's alone
     try:
         return int(args.handler(args))
     except (SandboxError, OSError, ValueError) as exc:

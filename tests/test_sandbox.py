@@ -254,9 +254,10 @@ async def test_concurrent_sandboxes_all_succeed(factory: SandboxFactory) -> None
 async def test_sandbox_that_cannot_start_raises(tmp_path: Path) -> None:
     # pytest's tmp_path is private to root: the sandbox's host uid cannot reach folders in it.
     config = SandboxConfig(limits=LIMITS, root_dir=tmp_path / "sandboxes")
-    async with build_sandbox_factory(config).open() as sandbox:
-        with pytest.raises(SandboxError, match="could not start the sandbox"):
-            await sandbox.run(["true"])
+    with pytest.raises(SandboxError, match="could not start the sandbox"):
+        async with build_sandbox_factory(config).open():
+            pass
+    assert list((tmp_path / "sandboxes").glob("sbx-*")) == [], "a failed open leaves nothing"
 
 
 def test_mount_path_must_be_absolute_and_not_a_system_folder() -> None:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-LimitName = Literal["wall", "cpu", "memory", "processes", "file_size"]
+LimitName = Literal["wall", "cpu", "memory", "processes", "file_size", "disk"]
 
 
 class SandboxError(RuntimeError):
@@ -56,8 +56,10 @@ class Sandbox(abc.ABC):
     """One isolated working folder and the commands run against it."""
 
     workdir: Path
-    """The working folder on the host (read the agent's final files here, never following
-    symlinks: the sandboxed code may have planted links to host paths)."""
+    """The working folder as the host reaches it (read the agent's final files here, never
+    following symlinks: the sandboxed code may have planted links to host paths). For the
+    bubblewrap backend it is the sandbox's own size-limited tmpfs, reached through its
+    keeper process; the host only reads it."""
     mount_path: str
     """Where the working folder appears inside the sandbox (the commands' cwd)."""
 
@@ -75,6 +77,10 @@ class Sandbox(abc.ABC):
 
 class SandboxFactory(abc.ABC):
     """Opens sandboxes with one backend and one set of limits."""
+
+    enforcement: Mapping[str, str]
+    """What bounds a sandbox on this host, one line per mechanism (seccomp, cgroup, disk,
+    rlimits); a mechanism the host does not give says "none: <why>"."""
 
     @abc.abstractmethod
     def open(self, seed_dir: Path | None = None) -> AbstractAsyncContextManager[Sandbox]:

@@ -33,6 +33,10 @@ class SandboxConfig(BaseModel):
     """Host gid the sandbox runs as when rlpipe runs as root."""
     bwrap_path: str = "bwrap"
     """The bubblewrap executable (name on PATH or absolute path)."""
+    cgroups: Literal["auto", "required"] = "auto"
+    """Per-sandbox cgroups (memory, process and CPU totals): "auto" uses them where the host
+    lets this process make cgroups and logs a warning where not; "required" refuses to start
+    without them."""
 
     @field_validator("mount_path")
     @classmethod
