@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import time
 
-import msgspec
 import numpy as np
 import pytest
 import torch
@@ -21,14 +20,13 @@ from libs.weights import (
     encode,
     gpu,
     gpu_apply,
-    gpu_sparse,
 )
 from libs.weights.encoder import EncodeTimes
-from libs.weights.encodings import decompress, pack_codes, pack_stream, plane_streams, unzigzag
+from libs.weights.encodings import pack_codes, plane_streams, unzigzag
 from libs.weights.format import Chunk, encode_chunk, encode_manifest
 from libs.weights.gpu import device_changes, encode_device, on_device
 from libs.weights.gpu_apply import DeviceDeltaApplier
-from libs.weights.hashing import digest, state_hash
+from libs.weights.hashing import state_hash
 from libs.weights.scan import changed_elements
 from libs.weights.tensors import DTYPE_WIDTHS, _torch_dtypes, as_raw, raw_state
 
@@ -212,10 +210,8 @@ def test_tensors_cross_into_spare_buffers_that_swap_with_the_mirror(
 def test_device_apply_writes_in_place_and_matches_the_target(
     device: str, min_device_elements: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Dense and sparse_add pieces decoded on the device (every one, at 0) or, when small,
-    on the host."""
+    """Dense pieces decoded on the device (every one, at 0) or, when small, on the host."""
     monkeypatch.setattr(gpu_apply, "DEVICE_DECODE_MIN_ELEMENTS", min_device_elements)
-    monkeypatch.setattr(gpu_sparse, "MIN_CHANGES", min_device_elements)
     base, new = mixed_states(device, seed=1)
     manifest, chunks = encode(host(base), host(new), base_version=4, version=5, options=SMALL)
     state = {name: tensor.clone() for name, tensor in base.items()}
@@ -414,86 +410,3 @@ def test_dense_codes_batched_across_tensors_encode_byte_identical_to_the_host(
     got = encode_device(base, new, host(base), base_version=1, version=2, options=SMALL)
     assert_same_delta(got, want)
     assert {p.encoding for c in got[1] for p in c.header.pieces} == {"dense_add"}
-
-
-def sparse_step(device: str, size: int = 50_000) -> tuple[dict, dict]:
-    """A bf16 and an fp32 tensor moved by a unit or two in the last place at 2% of their
-    elements, some by far more (escaped codes), some after long runs (escaped gaps)."""
-    rng = np.random.default_rng(9)
-    base, new = {}, {}
-    for dtype, width in (("BF16", 2), ("F32", 4)):
-        kind = {2: np.uint16, 4: np.uint32}[width]
-        old = rng.integers(0, 1 << (8 * width) - 1, size, dtype=np.uint64).astype(kind)
-        at = np.sort(rng.choice(np.arange(2_000, size), size // 50, replace=False))
-        at[:3] = [0, 1, size - 1]  # a gap of 0, and the last element
-        moved = old.copy()
-        moved[at] += rng.choice(np.array([1, 2, -1, -2, 900, -70_000]), at.size).astype(kind)
-        base[dtype], new[dtype] = bits_tensor(old, dtype, device), bits_tensor(moved, dtype, device)
-    return base, new
-
-
-def with_stream(chunk: Chunk, piece_index: int, stream_index: int, edit) -> Chunk:
-    """`chunk` with one stream of one piece replaced by `edit(stream)`, re-packed and with a
-    payload hash that matches: what a bug on the encoding side could send."""
-    header, payload, at = chunk.header, memoryview(chunk.payload), 0
-    pieces, parts = [], []
-    for i, piece in enumerate(header.pieces):
-        sizes = []
-        for j, (size, raw) in enumerate(zip(piece.stream_sizes, piece.raw_sizes, strict=True)):
-            stream = payload[at : at + size]
-            at += size
-            if (i, j) == (piece_index, stream_index):
-                stream = pack_stream(edit(decompress(stream, raw).copy()), 1)
-            parts.append(bytes(stream))
-            sizes.append(len(parts[-1]))
-        pieces.append(msgspec.structs.replace(piece, stream_sizes=sizes))
-    body = b"".join(parts)
-    header = msgspec.structs.replace(header, pieces=pieces, payload_hash=digest(body).hex())
-    return Chunk(header=header, payload=body)
-
-
-@pytest.mark.parametrize("device", DEVICES)
-def test_sparse_add_pieces_decoded_on_the_device_match_the_host_and_refuse_corruption(
-    device: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(gpu_sparse, "MIN_CHANGES", 0)
-    base, new = sparse_step(device)
-    manifest, chunks = encode(host(base), host(new), base_version=1, version=2)
-    assert {p.encoding for c in chunks for p in c.header.pieces} == {"sparse_add"}
-    state = {name: tensor.clone() for name, tensor in base.items()}
-    applier = DeviceDeltaApplier(state, manifest, reuse_whole=True)
-    for chunk in chunks:
-        applier.commit(applier.prepare(chunk))
-    applier.finish(verify_full=True)
-    assert_same_bits(state, new)
-
-    def past_the_end(gaps: np.ndarray) -> np.ndarray:
-        gaps[-1] = 254  # the last position moves beyond the piece
-        return gaps
-
-    def unescaped_symbol(packed: np.ndarray) -> np.ndarray:
-        packed[5] |= 0b11  # a symbol 3 with no escape for it
-        return packed
-
-    def unescaped_gap(gaps: np.ndarray) -> np.ndarray:
-        gaps[7] = 255  # an escaped gap with no excess for it
-        return gaps
-
-    for stream, edit, reason in [
-        (0, past_the_end, "outside the piece"),
-        (2, unescaped_symbol, "value escape count"),
-        (0, unescaped_gap, "gap escape count"),
-    ]:
-        bad = with_stream(chunks[0], 0, stream, edit)
-        refs = [
-            msgspec.structs.replace(ref, payload_hash=bad.header.payload_hash)
-            if ref.index == 0
-            else ref
-            for ref in manifest.chunks
-        ]
-        listed = msgspec.structs.replace(manifest, chunks=refs)  # as the encoder listed it
-        fresh = {name: tensor.clone() for name, tensor in base.items()}
-        applier = DeviceDeltaApplier(fresh, listed, reuse_whole=True)
-        with pytest.raises(CorruptDeltaError, match=reason):
-            applier.prepare(bad)
-        assert_same_bits(fresh, base)  # nothing written

@@ -41,7 +41,6 @@ from libs.weights.format import (
     Chunk,
     Encoding,
     Manifest,
-    PieceHeader,
     TensorEntry,
     VersionInfo,
     check_format,
@@ -148,9 +147,10 @@ class DeltaApplier:
             raise CorruptDeltaError(f"chunk {header.index}: inconsistent header: {exc}") from exc
         ranges = [self._range(piece.name, piece.start, piece.stop) for piece in header.pieces]
         positions = [
-            self._piece_positions(header.index, piece, raw, target)
+            _decoding(header.index, piece.name, piece_positions,
+                      piece.encoding, raw, target.size, piece.num_changed)
             for piece, raw, target in zip(header.pieces, streams, ranges, strict=True)
-        ]
+        ]  # fmt: skip
         encodings = [piece.encoding for piece in header.pieces]
         targets = self._read_targets(ranges, positions, encodings, streams)
         hasher = new_hasher()
@@ -165,14 +165,6 @@ class DeltaApplier:
                 f"chunk {header.index}: decoded bytes do not match its output hash"
             )
         return self._prepared(header.index, writes)
-
-    def _piece_positions(
-        self, index: int, piece: PieceHeader, raw: list[np.ndarray], target: Any
-    ) -> Any:
-        """The relative positions a piece writes (None: all of a dense piece), decoded on
-        the host (a subclass may leave a piece's decode to `_read_targets`)."""
-        return _decoding(index, piece.name, piece_positions,
-                         piece.encoding, raw, target.size, piece.num_changed)  # fmt: skip
 
     def _read_targets(
         self,

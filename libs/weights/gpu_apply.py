@@ -22,11 +22,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from libs.weights import gpu_sparse
 from libs.weights.applier import DeltaApplier, PreparedChunk
 from libs.weights.encodings import Written, decode_piece
 from libs.weights.errors import BaseMismatchError, CorruptDeltaError
-from libs.weights.format import Encoding, Manifest, PieceHeader, TensorEntry, VersionInfo
+from libs.weights.format import Encoding, Manifest, TensorEntry, VersionInfo
 from libs.weights.gpu import INT_VIEWS, device_state_hash, host_bytes, int_view
 from libs.weights.tensors import _torch_dtypes, unsigned_dtype
 
@@ -320,105 +319,56 @@ class DeviceDeltaApplier(DeltaApplier):
             raise CorruptDeltaError(f"chunk piece {name!r}[{start}:{stop}] is not in the manifest")
         return GpuRange(target.bits, start, stop)  # type: ignore[attr-defined]
 
-    def _piece_positions(
-        self, index: int, piece: PieceHeader, raw: list[np.ndarray], target: Any
-    ) -> Any:
-        """A large sparse_add piece of a device-decoded width is decoded on the device by
-        `_read_targets` (its streams checked here); the rest as on the host."""
-        if gpu_sparse.decoded_here(piece.encoding, target.width, piece.num_changed):
-            try:
-                return gpu_sparse.checked_streams(raw, target.size, piece.num_changed, target.width)
-            except (ValueError, IndexError) as exc:
-                raise CorruptDeltaError(
-                    f"chunk {index}: piece {piece.name!r} does not decode: {exc}"
-                ) from exc
-        return super()._piece_positions(index, piece, raw, target)
-
     def _read_targets(
         self,
         ranges: list[Any],
-        positions: list[Any],
+        positions: list[np.ndarray | None],
         encodings: list[str],
         streams: list[list[np.ndarray]],
     ) -> list[Any]:
         """The chunk's ranges with the old values its pieces decode against, read from the
-        device together, and its large sparse_add pieces and dense pieces of a device-decoded
-        width decoded there: the positions and those pieces' streams go up in one copy, the
-        old values and those pieces' new values (and positions, for the output hash) come
-        down in one."""
+        device together, and its dense pieces of a device-decoded width decoded there: the
+        positions and those pieces' streams go up in one copy, the old values and those
+        pieces' new values (for the output hash) come down in one."""
         if not ranges:
             return []
-        sparse = [isinstance(p, gpu_sparse.SparseAddStreams) for p in positions]
-        dense = [
+        on_device = [
             decoded_on_device(e, r.width, r.size) for r, e in zip(ranges, encodings, strict=True)
         ]
         sent: list[np.ndarray] = []
-        for target, encoding, raw, at, on_device in zip(
-            ranges, encodings, streams, positions, dense, strict=True
+        for target, encoding, raw, decoded in zip(
+            ranges, encodings, streams, on_device, strict=True
         ):
-            if isinstance(at, gpu_sparse.SparseAddStreams):
-                sent += at.arrays()
-            elif on_device:
+            if decoded:
                 sent += checked_streams(encoding, raw, target.size, target.width)
-        plain = [p for p, s in zip(positions, sparse, strict=True) if p is not None and not s]
-        staged = iter(upload(plain + sent, self.device))
+        staged = iter(upload([p for p in positions if p is not None] + sent, self.device))
         device_positions = [
-            None if p is None or s else next(staged).view(torch.int64)
-            for p, s in zip(positions, sparse, strict=True)
+            None if p is None else next(staged).view(torch.int64) for p in positions
         ]
-        news: list[torch.Tensor | None] = []
-        for t, e, raw, at, on_device in zip(
-            ranges, encodings, streams, positions, dense, strict=True
-        ):
-            if isinstance(at, gpu_sparse.SparseAddStreams):
-                found, new = gpu_sparse.decode(at, [next(staged) for _ in range(4)], t._view())
-                device_positions[len(news)] = found
-                news.append(new)
-            else:
-                news.append(
-                    dense_on_device(e, [next(staged) for _ in raw], t._view())
-                    if on_device
-                    else None
-                )
-        return self._fetched(ranges, positions, device_positions, encodings, news)
-
-    def _fetched(
-        self,
-        ranges: list[Any],
-        positions: list[Any],
-        device_positions: list[torch.Tensor | None],
-        encodings: list[str],
-        news: list[torch.Tensor | None],
-    ) -> list[_Fetched]:
-        """What `_read_targets` found, read back in one copy: the old values of the pieces
-        decoded on the host, the new values (and positions) of those decoded here."""
+        news = [
+            dense_on_device(e, [next(staged) for _ in raw], t._view()) if d else None
+            for t, e, raw, d in zip(ranges, encodings, streams, on_device, strict=True)
+        ]
         reads: list[torch.Tensor] = []
-        for target, at, device_at, encoding, new in zip(
-            ranges, positions, device_positions, encodings, news, strict=True
+        for target, at, encoding, new in zip(
+            ranges, device_positions, encodings, news, strict=True
         ):
-            if isinstance(at, gpu_sparse.SparseAddStreams):
-                reads += [device_at, new]  # type: ignore[list-item]
-            elif device_at is not None:
-                reads.append(target._view()[device_at])
+            if at is not None:
+                reads.append(target._view()[at])
             elif new is not None:
                 reads.append(new)
             elif encoding != "raw":  # a dense delta decoded on the host reads its whole range
                 reads.append(target._view())
         hosts = iter(_download(reads))
         fetched = []
-        for target, at, device_at, encoding, new in zip(
+        for target, host, at, encoding, new in zip(
             ranges, positions, device_positions, encodings, news, strict=True
         ):
-            if isinstance(at, gpu_sparse.SparseAddStreams):
-                found = next(hosts).view(np.int64)
-                gpu_sparse.check_positions(found, target.size)
-                fetched.append(_Fetched(target, found, device_at, None, new, next(hosts)))
-                continue
-            read = next(hosts) if device_at is not None or encoding != "raw" else None
+            read = next(hosts) if at is not None or encoding != "raw" else None
             if new is not None:
-                fetched.append(_Fetched(target, at, device_at, None, new, read))
+                fetched.append(_Fetched(target, host, at, None, new, read))
             else:
-                fetched.append(_Fetched(target, at, device_at, read))
+                fetched.append(_Fetched(target, host, at, read))
         return fetched
 
     def _decode_piece(
@@ -433,7 +383,7 @@ class DeviceDeltaApplier(DeltaApplier):
         host."""
         if isinstance(target, _Fetched) and target.decoded is not None:
             assert target.decoded_host is not None
-            return _DeviceWritten(target.positions, target.decoded_host, target.decoded)
+            return _DeviceWritten(None, target.decoded_host, target.decoded)
         return decode_piece(encoding, raw, target, num_changed, positions)
 
     def _prepared(self, index: int, writes: list[tuple[Any, Any]]) -> DevicePreparedChunk:
