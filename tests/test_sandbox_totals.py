@@ -91,8 +91,8 @@ wait_for(f"count-{other}")
 
 SPIN = """
 import os, time
-os.fork()  # two processes spin, each until it has had 0.2 s of CPU
-while time.process_time() < 0.2:
+os.fork()  # two processes spin, each until it has had 0.1 s of CPU
+while time.process_time() < 0.1:
     pass
 """
 
@@ -156,12 +156,14 @@ async def test_the_cpu_share_throttles_all_processes_together(
     factory: BubblewrapSandboxFactory,
 ) -> None:
     needs(factory, "cpu")
-    slow = build_sandbox_factory(SandboxConfig(limits=LIMITS.model_copy(update={"cpu_cores": 0.1})))
+    slow = build_sandbox_factory(
+        SandboxConfig(limits=LIMITS.model_copy(update={"cpu_cores": 0.05}))
+    )
     async with slow.open() as sandbox:
         assert isinstance(sandbox, BubblewrapSandbox) and sandbox.cgroup is not None
         result = await sandbox.run(["python3", "-c", SPIN])
         assert result.ok, result
-        # 0.4 CPU seconds at 0.1 cores: the kernel held the processes back, period after period.
+        # 0.2 CPU seconds at 0.05 cores (5 ms per 100 ms period): the kernel held them back.
         assert sandbox.cgroup.counters().cpu_throttled_periods > 0
 
 
