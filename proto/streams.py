@@ -1,6 +1,20 @@
 """Stream, consumer and KV definitions: what the bus provisions, in one place.
 
 These are plain data; `libs.bus.provision` turns them into JetStream API calls.
+
+Every stream and bucket is bounded (`max_bytes`, or `max_msgs` for the weight chunks), so
+no producer, flood or stuck consumer fills the server's disk. JetStream reserves each
+stream's `max_bytes` against the server's `max_file_store` (by default 75% of the free disk
+when it starts), so the figures fit one machine: the sum is about 6 GiB. What happens at a
+limit is each one's `discard`:
+- "new" (work queues, weights, KV buckets): the publish that would pass the limit is refused
+  with an error; the publisher retries and then fails loudly (a 503, a nak, a dead service),
+  and nothing stored is lost. Those streams empty as they are consumed or pruned, so
+  reaching the limit means a consumer is down.
+- "old" (logs: generations, feedback, samples, scored rollouts, dead letters, promotions):
+  the oldest messages are dropped to make room; readers past them lose nothing, a reader
+  still behind them skips them.
+docs/architecture.md#storage-limits lists the figures.
 """
 
 from __future__ import annotations
@@ -13,6 +27,7 @@ from proto import subjects
 
 DAY_S = 24 * 3600.0
 MIB = 1024 * 1024
+GIB = 1024 * MIB
 # Exactly-once by construction: a message redelivered after a crash between publish and ack
 # is republished within its first copy's duplicate window, so it is dropped as a duplicate.
 # A consumer redelivers at most ack_wait after its last in-progress ack, and a failing
@@ -32,7 +47,10 @@ class StreamSpec(msgspec.Struct, kw_only=True, frozen=True):
     retention: Literal["limits", "workqueue", "interest"] = "limits"
     storage: Literal["file", "memory"] = "file"
     max_age_s: float = 7 * DAY_S
+    # Every stream of proto/ has a size bound (-1: none, for a test's own streams);
+    # `discard` says what happens at it (module docstring).
     max_bytes: int = -1
+    max_msgs: int = -1
     max_msg_bytes: int = -1
     # Window in which a repeated Nats-Msg-Id is dropped as a duplicate.
     duplicate_window_s: float = REDELIVERY_WINDOW_S
@@ -57,12 +75,16 @@ class ConsumerSpec(msgspec.Struct, kw_only=True, frozen=True):
 
 
 class KeyValueSpec(msgspec.Struct, kw_only=True, frozen=True):
-    """A KV bucket for live state."""
+    """A KV bucket for live state. At `max_bytes` a write of a new value is refused (a KV
+    bucket discards new), so whoever writes it sees an error instead of losing old keys."""
 
     bucket: str
     description: str
+    max_bytes: int = -1
     history: int = 1
     storage: Literal["file", "memory"] = "file"
+    # Reads by direct get (any replica answers; no JetStream API round trip to the leader).
+    direct: bool = False
 
 
 TASKS = StreamSpec(
@@ -70,23 +92,30 @@ TASKS = StreamSpec(
     subjects=(subjects.TASKS_ALL,),
     description="Tasks to roll out; each is handed to one worker.",
     retention="workqueue",
+    max_bytes=256 * MIB,
+    discard="new",
 )
 ROLLOUTS_RAW = StreamSpec(
     name="RL_ROLLOUTS_RAW",
     subjects=(subjects.ROLLOUTS_RAW_ALL,),
     description="Finished episodes waiting for the reward service.",
     retention="workqueue",
+    max_bytes=1 * GIB,
+    discard="new",
 )
 ROLLOUTS_SCORED = StreamSpec(
     name="RL_ROLLOUTS_SCORED",
     subjects=(subjects.ROLLOUTS_SCORED,),
     description="Scored episodes for the trainer; kept so a resumed trainer can replay.",
+    max_bytes=1 * GIB,
 )
 WEIGHTS_STAGED = StreamSpec(
     name="RL_WEIGHTS_STAGED",
     subjects=(subjects.WEIGHTS_STAGED,),
     description="Weight versions the trainer staged on disk, for the weight-broadcaster.",
     retention="workqueue",
+    max_bytes=64 * MIB,
+    discard="new",
 )
 # The weight-broadcaster deletes what no one needs (everything before the latest snapshot);
 # no age limit, or a long pause in training would expire the only snapshot.
@@ -96,6 +125,8 @@ WEIGHTS_ANNOUNCE = StreamSpec(
     description="Announcements of stored policy versions (deltas and snapshots).",
     max_age_s=0.0,
     allow_direct=True,
+    max_bytes=256 * MIB,
+    discard="new",
 )
 WEIGHT_CHUNKS = StreamSpec(
     name="RL_WEIGHT_CHUNKS",
@@ -104,11 +135,18 @@ WEIGHT_CHUNKS = StreamSpec(
     max_age_s=0.0,
     max_msg_bytes=8 * MIB,
     allow_direct=True,
+    # The broadcaster prunes it (everything before the latest snapshot), so it holds one or
+    # two snapshots and their deltas: far more bytes than any fixed budget that fits a
+    # laptop's disk, which JetStream would reserve. A bound in messages instead (each at most
+    # max_msg_bytes); the server's own max_file_store bounds the bytes.
+    max_msgs=1_000_000,
+    discard="new",
 )
 SERVING_GENERATIONS = StreamSpec(
     name="RL_SERVING_GENERATIONS",
     subjects=(subjects.SERVING_GENERATIONS,),
     description="Generations served to product users, for joining with feedback.",
+    max_bytes=1 * GIB,
 )
 FEEDBACK_EVENTS = StreamSpec(
     name="RL_FEEDBACK_EVENTS",
@@ -116,11 +154,13 @@ FEEDBACK_EVENTS = StreamSpec(
     description="Feedback events posted by the product.",
     # A client retrying an event within a day must not create it twice.
     duplicate_window_s=DAY_S,
+    max_bytes=1 * GIB,
 )
 ROLLOUTS_ONLINE = StreamSpec(
     name="RL_ROLLOUTS_ONLINE",
     subjects=(subjects.ROLLOUTS_ONLINE,),
     description="Served generations joined with feedback: online training samples.",
+    max_bytes=1 * GIB,
 )
 # Decisions are few and small, and the last one says what serves: no age limit.
 PROMOTIONS = StreamSpec(
@@ -128,12 +168,14 @@ PROMOTIONS = StreamSpec(
     subjects=(subjects.PROMOTIONS,),
     description="The trainer's eval-gate decisions: versions promoted to serving or rejected.",
     max_age_s=0.0,
+    max_bytes=16 * MIB,
 )
 DEAD_LETTERS = StreamSpec(
     name="RL_DEAD_LETTERS",
     subjects=(subjects.DEAD_ALL,),
     description="Messages no handler could process, with the reason in headers.",
     max_age_s=30 * DAY_S,
+    max_bytes=512 * MIB,
 )
 
 ALL_STREAMS: tuple[StreamSpec, ...] = (
@@ -201,6 +243,7 @@ ALL_CONSUMERS: tuple[ConsumerSpec, ...] = (
 STATE = KeyValueSpec(
     bucket="rl_state",
     description="Live state: current policy version, heartbeats, run config.",
+    max_bytes=64 * MIB,
 )
 
 # Keys of STATE the trainer writes (ASCII decimal integers) and the feeder reads.
@@ -225,6 +268,8 @@ TASK_FEEDER_KEY_PREFIX = "task_feeder."
 FEEDBACK_JOIN = KeyValueSpec(
     bucket="feedback_join",
     description="Feedback join: generation index and events waiting for one.",
+    max_bytes=512 * MIB,
+    direct=True,
 )
 
 ALL_KV: tuple[KeyValueSpec, ...] = (STATE, FEEDBACK_JOIN)

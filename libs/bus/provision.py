@@ -42,6 +42,7 @@ STREAM_MANAGED_FIELDS = (
     "storage",
     "max_age",
     "max_bytes",
+    "max_msgs",
     "max_msg_size",
     "duplicate_window",
     "discard",
@@ -57,6 +58,8 @@ CONSUMER_MANAGED_FIELDS = (
     "max_ack_pending",
     "filter_subject",
 )
+# Fields of a KV bucket's stream that proto/ defines and can change in place.
+BUCKET_MANAGED_FIELDS = ("num_replicas", "max_bytes", "allow_direct")
 # Fields JetStream refuses to change on an existing stream or consumer.
 STREAM_FIXED_FIELDS = ("retention", "storage")
 CONSUMER_FIXED_FIELDS = ("deliver_policy", "ack_policy", "filter_subject")
@@ -93,6 +96,7 @@ def stream_config(spec: StreamSpec, replicas: int = 1) -> js_api.StreamConfig:
         storage=js_api.StorageType(spec.storage),
         max_age=spec.max_age_s,
         max_bytes=spec.max_bytes,
+        max_msgs=spec.max_msgs,
         max_msg_size=spec.max_msg_bytes,
         duplicate_window=spec.duplicate_window_s,
         discard=js_api.DiscardPolicy(spec.discard),
@@ -276,8 +280,10 @@ async def ensure_key_value(js: JetStreamContext, spec: KeyValueSpec, replicas: i
             bucket=spec.bucket,
             description=spec.description,
             history=spec.history,
+            max_bytes=spec.max_bytes,
             storage=js_api.StorageType(spec.storage),
             replicas=replicas,
+            direct=spec.direct,
         )
         try:
             await _placed(lambda: js.create_key_value(config=config), f"kv {spec.bucket}")
@@ -286,20 +292,26 @@ async def ensure_key_value(js: JetStreamContext, spec: KeyValueSpec, replicas: i
                 raise _refused_replicas(exc, replicas) from exc
             raise
         return "created"
-    return await _scale_bucket(js, spec.bucket, replicas)
+    return await _update_bucket(js, spec, replicas)
 
 
-async def _scale_bucket(js: JetStreamContext, bucket: str, replicas: int) -> Outcome:
-    """A bucket is the stream `KV_<bucket>`: its replication is changed on that stream."""
-    info = await js.stream_info(f"KV_{bucket}")
-    if info.config.num_replicas == replicas:
+async def _update_bucket(js: JetStreamContext, spec: KeyValueSpec, replicas: int) -> Outcome:
+    """A bucket is the stream `KV_<bucket>`: its limit, direct gets and replication are
+    changed on that stream, in place."""
+    info = await js.stream_info(f"KV_{spec.bucket}")
+    updated = replace(
+        info.config, num_replicas=replicas, max_bytes=spec.max_bytes, allow_direct=spec.direct
+    )
+    changed = differences(updated.as_dict(), info.config.as_dict(), BUCKET_MANAGED_FIELDS)
+    if not changed:
         return "unchanged"
-    log.info("scaling kv bucket", bucket=bucket, replicas=replicas)
+    log.info("updating kv bucket", bucket=spec.bucket, fields=sorted(changed))
     try:
-        scaled = replace(info.config, num_replicas=replicas)
-        await _placed(lambda: js.update_stream(config=scaled), f"kv {bucket}")
+        await _placed(lambda: js.update_stream(config=updated), f"kv {spec.bucket}")
     except APIError as exc:
-        raise _refused_replicas(exc, replicas) from exc
+        if "num_replicas" in changed:
+            raise _refused_replicas(exc, replicas) from exc
+        raise ProvisionError(f"kv {spec.bucket}: the server refused the update: {exc}") from exc
     return "updated"
 
 
