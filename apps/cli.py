@@ -16,6 +16,8 @@ rlpipe domain list | demos --env ENV --out FILE | evaluate --env ENV [--policy-p
                                   domains; an expert's demonstrations; a policy's level
 rlpipe feedback-key --name NAME --products P [--key-out FILE] [--toml]
                                   a feedback API key and the entry the ingester stores
+rlpipe feedback-events list|purge --key NAME[:KEY_ID]
+                                  what one feedback key sent, everywhere; purge deletes it
 rlpipe schema [--check]           write (or check) the JSON Schema in proto/schema/
 rlpipe nats-config render [--check] | passwords
                                   write (or check) deploy/nats/auth.conf from proto/;
@@ -66,6 +68,7 @@ def settings_classes() -> dict[str, Callable[[], type[ServiceSettings]]]:
 def build_parser() -> argparse.ArgumentParser:
     from apps.config_cli import add_config_parser, add_set_argument
     from apps.domains_cli import add_domain_parser
+    from apps.feedback_events_cli import add_feedback_events_parser
     from apps.feedback_key_cli import add_feedback_key_parser
     from apps.launcher.arguments import add_demo_arguments
     from apps.nats_config_cli import add_nats_config_parser
@@ -110,6 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_nats_config_parser(commands)
     add_sandbox_parser(commands)
     add_feedback_key_parser(commands)
+    add_feedback_events_parser(commands)
     add_sft_parser(commands)
     add_domain_parser(commands)
     add_ray_parser(commands)
@@ -229,6 +233,12 @@ def on_feedback_key(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def on_feedback_events(args: argparse.Namespace) -> int:
+    from apps.feedback_events_cli import run
+
+    return run(args)
+
+
 def on_report(args: argparse.Namespace) -> int:
     from apps.report.command import run
 
@@ -261,6 +271,7 @@ HANDLERS = {
     "weights": on_weights,
     "sandbox": on_sandbox,
     "feedback-key": on_feedback_key,
+    "feedback-events": on_feedback_events,
     "ray": on_ray,
     "sft": on_sft,
     "domain": on_domain,

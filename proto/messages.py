@@ -265,6 +265,12 @@ class SamplingSettings(msgspec.Struct, kw_only=True):
     seed: int | None = None
 
 
+# The `metadata` entry of a ServedGeneration that names the product it was served for (serve
+# mode records a request's `metadata`): feedback on it is joined only when the event's
+# product is this one, so a key for another product cannot rate it (libs/feedback/join.py).
+GENERATION_PRODUCT_KEY = "product"
+
+
 class ServedGeneration(Message, kw_only=True):
     """A generation served to a product user, recorded so feedback can train on it."""
 
@@ -313,6 +319,12 @@ class FeedbackEvent(Message, kw_only=True):
     occurred_at: UnixTime
     # Set by the feedback-ingester when it accepts the event; a client's value is replaced.
     received_at: UnixTime = 0.0
+    # The API key that posted it (its name, and its id: the first 12 hex digits of its
+    # sha256), set by the feedback-ingester like received_at: every event can be traced to
+    # its key and purged with it (`rlpipe feedback-events`). Empty for events published on
+    # the bus directly.
+    key_name: ShortText = ""
+    key_id: ShortText = ""
     # Hashed by the product: raw user or session ids never enter the system.
     user_hash: ShortText = ""
     session_hash: ShortText = ""

@@ -256,10 +256,16 @@ REWARD = _role(
     "Scores raw rollouts and publishes the scored ones.",
     publish=(*durable_consumer(streams.REWARD_ROLLOUTS), subjects.ROLLOUTS_SCORED),
 )
+# The feedback API's shared rate limit: reading and compare-and-swapping its keys' buckets.
+FEEDBACK_RATE_STATE = (
+    *direct_reads(f"KV_{streams.FEEDBACK_RATE.bucket}"),
+    *kv_writes(streams.FEEDBACK_RATE, ">"),
+)
 FEEDBACK_INGESTER = _role(
     "feedback-ingester",
-    "The feedback join: reads served generations and feedback events, keeps its join state, "
-    "publishes online samples.",
+    "The feedback join: reads served generations and feedback events, keeps its join state "
+    "(removing a generation's waiting events at once by a purge of their keys), publishes "
+    "online samples; with role=all also the API's rate limit.",
     publish=(
         *durable_consumer(streams.JOINER_GENERATIONS),
         *durable_consumer(streams.JOINER_FEEDBACK),
@@ -267,12 +273,15 @@ FEEDBACK_INGESTER = _role(
         subjects.ROLLOUTS_ONLINE,
         *kv_reads(streams.FEEDBACK_JOIN),
         *kv_writes(streams.FEEDBACK_JOIN, ">"),
+        f"{API}.STREAM.PURGE.KV_{streams.FEEDBACK_JOIN.bucket}",
+        *FEEDBACK_RATE_STATE,
     ),
 )
 FEEDBACK_API = _role(
     "feedback-api",
-    "The product-facing HTTP API: stores feedback events, nothing else (no JetStream API).",
-    publish=(subjects.FEEDBACK_EVENTS,),
+    "The product-facing HTTP API: stores feedback events and keeps its keys' rate-limit "
+    "buckets, nothing else (no other JetStream API).",
+    publish=(subjects.FEEDBACK_EVENTS, *FEEDBACK_RATE_STATE),
 )
 
 _CLIENT_ROLES: dict[str, Role] = {

@@ -262,14 +262,25 @@ POLICY_IDENTITY_KEY = "policy_identity"
 # Keys the env-gateway's task feeder keeps its position under: `task_feeder.<env>`.
 TASK_FEEDER_KEY_PREFIX = "task_feeder."
 
-# The feedback join's state (libs/feedback/join.py): generations by id and events waiting for
-# theirs, each key with a per-key TTL (nats-server >= 2.11). Provisioned with the rest, so
-# the ingester needs no right to create buckets.
+# The feedback join's state (libs/feedback/join.py): generations by id (with the events
+# each admitted to training), one key per event waiting for its generation, and each API
+# key's budget of training samples; every key with a per-key TTL (nats-server >= 2.11), so
+# the bucket holds about one join window of traffic. Provisioned with the rest, so the
+# ingester needs no right to create buckets.
 FEEDBACK_JOIN = KeyValueSpec(
     bucket="feedback_join",
-    description="Feedback join: generation index and events waiting for one.",
+    description="Feedback join: generation index, events waiting for one, sample budgets.",
     max_bytes=512 * MIB,
     direct=True,
 )
+# The feedback API's rate limit, one token bucket per API key shared by every replica
+# (libs/feedback/rate_limit.py). Memory: a restart of the server refills every bucket.
+FEEDBACK_RATE = KeyValueSpec(
+    bucket="feedback_rate",
+    description="Feedback API: each API key's rate-limit bucket, shared by every replica.",
+    max_bytes=16 * MIB,
+    storage="memory",
+    direct=True,
+)
 
-ALL_KV: tuple[KeyValueSpec, ...] = (STATE, FEEDBACK_JOIN)
+ALL_KV: tuple[KeyValueSpec, ...] = (STATE, FEEDBACK_JOIN, FEEDBACK_RATE)

@@ -143,6 +143,7 @@ RLPIPE_NOT_RUN = {
     "sandbox": "needs the command's working folder (tests/test_sandbox.py runs it)",
     "report": "needs a run folder (tests/test_see_a_run.py runs it)",
     "feedback-key": "writes a key file (tests/test_readme_examples.py runs it)",
+    "feedback-events": "needs a NATS server (tests/test_feedback_caps.py runs list and purge)",
     "schema": "writes proto/schema/ (`--check` runs)",
     "nats-config": "render writes deploy/nats/ (`--check` runs; passwords runs)",
     "config": "every form runs",

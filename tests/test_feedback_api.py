@@ -19,7 +19,6 @@ import pytest
 from libs.bus import wire
 from libs.bus.connection import Bus
 from libs.feedback.auth import KeyStore, hash_key, load_key_file
-from libs.feedback.rate_limit import RateLimiter
 from libs.nats_server import NatsServer, free_port
 from proto import streams
 from proto.messages import FeedbackEvent
@@ -212,17 +211,6 @@ async def test_a_key_over_its_rate_gets_429_with_retry_after(bus: Bus) -> None:
             await post("/v1/feedback:batch", json=batch, headers=auth(GLOBEX_KEY))
         ).status_code == 429
         assert (await bus.js.stream_info(FEEDBACK)).state.messages == 6
-
-
-def test_token_bucket_refills_at_its_rate() -> None:
-    now = [0.0]
-    limiter = RateLimiter(rate_per_s=10.0, burst=3, clock=lambda: now[0])
-    assert [limiter.try_take("k") for _ in range(3)] == [0.0, 0.0, 0.0]
-    assert limiter.try_take("k") == pytest.approx(0.1)
-    now[0] += 0.25  # 2.5 tokens back
-    assert limiter.try_take("k", 2) == 0.0
-    assert limiter.try_take("k", 1) == pytest.approx(0.05)
-    assert limiter.try_take("k", 4) == float("inf"), "more than the burst never fits"
 
 
 async def test_503_when_the_feedback_stream_cannot_store(bus: Bus) -> None:

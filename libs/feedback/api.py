@@ -6,11 +6,13 @@
 
 Each request, in order: a known key (`Authorization: Bearer <key>`, else 401), a body within
 `max_body_bytes` (else 413), a valid body (else 422 naming every failing field), every
-event's product allowed for the key (else 403), the key's rate (else 429 with Retry-After),
-then the events are published to the feedback stream with `Nats-Msg-Id = event_id` and 202
-is answered only once the stream has acknowledged them (stored on disk). A repeated event
-id is dropped by the stream's duplicate window and answered exactly as the first time (the
-stream's ack names the first copy's sequence). If the bus cannot store them: 503.
+event's product allowed for the key (else 403), the key's rate, shared by every replica
+through the bus (else 429 with Retry-After; 503 when the bus cannot say), then the events,
+stamped with the key's name and id, are published to the feedback stream with
+`Nats-Msg-Id = event_id` and 202 is answered only once the stream has acknowledged them
+(stored on disk). A repeated event id is dropped by the stream's duplicate window and
+answered exactly as the first time (the stream's ack names the first copy's sequence). If
+the bus cannot store them: 503.
 
 The request body schema is proto's `FeedbackEvent` (through msgspec's JSON Schema), so the
 OpenAPI document and the wire contract cannot drift apart.
@@ -25,6 +27,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
+import nats.errors
+import nats.js.errors
 import structlog
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.openapi.utils import get_openapi
@@ -33,7 +37,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, Counter, Histogram,
 
 from libs.bus.publisher import Outgoing, Publisher, PublishError
 from libs.feedback.auth import KeyStore, Principal
-from libs.feedback.rate_limit import RateLimiter
+from libs.feedback.rate_limit import SharedStateUnavailable, SharedTokenBucket
 from libs.feedback.validation import FeedbackBatch, InvalidBody, parse_batch, parse_event
 from proto import subjects
 from proto.messages import FeedbackEvent
@@ -118,7 +122,7 @@ class FeedbackIngest:
     def __init__(
         self,
         keys: KeyStore,
-        limiter: RateLimiter,
+        limiter: SharedTokenBucket,
         publisher: Publisher,
         limits: ApiLimits,
         clock: Callable[[], float] = time.time,
@@ -161,7 +165,7 @@ class FeedbackIngest:
             413, ErrorMessage(detail=f"body over {self.limits.max_body_bytes} bytes: split it")
         )
 
-    def admit(self, principal: Principal, events: list[FeedbackEvent]) -> None:
+    async def admit(self, principal: Principal, events: list[FeedbackEvent]) -> None:
         """403 for a product the key may not post for, 429 over the key's rate."""
         for event in events:
             if not principal.may_post_for(event.product):
@@ -172,7 +176,7 @@ class FeedbackIngest:
                         f"{event.product!r}"
                     ),
                 )
-        wait_s = self.limiter.try_take(principal.name, len(events))
+        wait_s = await self._take_rate(principal, len(events))
         if wait_s > 0:
             retry_after = "3600" if math.isinf(wait_s) else str(max(1, math.ceil(wait_s)))
             raise RequestRefused(
@@ -184,10 +188,30 @@ class FeedbackIngest:
                 {"Retry-After": retry_after},
             )
 
-    async def store(self, events: list[FeedbackEvent]) -> list[Accepted]:
-        """Publish with msg id = event id; returns once the stream acknowledged every one."""
+    async def _take_rate(self, principal: Principal, num_events: int) -> float:
+        try:
+            return await self.limiter.take(principal.name, num_events)
+        except (SharedStateUnavailable, nats.errors.Error, nats.js.errors.Error) as exc:
+            log.error("rate limit state unavailable", error=repr(exc), key=principal.name)
+            raise self._unavailable("the rate limit's state") from exc
+
+    def _unavailable(self, what: str) -> RequestRefused:
+        return RequestRefused(
+            503,
+            ErrorMessage(detail=f"{what} is unavailable; retry (same event ids)"),
+            {"Retry-After": str(self.limits.unavailable_retry_after_s)},
+        )
+
+    async def store(self, principal: Principal, events: list[FeedbackEvent]) -> list[Accepted]:
+        """Publish with msg id = event id, stamped with the time and the key; returns once
+        the stream acknowledged every one."""
         now = self._clock()
-        stamped = [msgspec.structs.replace(e, received_at=now) for e in events]
+        stamped = [
+            msgspec.structs.replace(
+                e, received_at=now, key_name=principal.name, key_id=principal.key_id
+            )
+            for e in events
+        ]
         try:
             if len(stamped) == 1:
                 acks = [
@@ -201,11 +225,7 @@ class FeedbackIngest:
                 )
         except PublishError as exc:
             log.error("feedback not stored", error=str(exc), num_events=len(stamped))
-            raise RequestRefused(
-                503,
-                ErrorMessage(detail="the feedback store is unavailable; retry (same event ids)"),
-                {"Retry-After": str(self.limits.unavailable_retry_after_s)},
-            ) from exc
+            raise self._unavailable("the feedback store") from exc
         for ack in acks:
             (self._duplicate if ack.duplicate else self._stored).inc()
         return [
@@ -301,8 +321,8 @@ async def _handle(request: Request, route: str, ingest: FeedbackIngest, single: 
             events = [parse_event(body)]
         else:
             events = parse_batch(body, ingest.limits.max_batch_events)
-        ingest.admit(principal, events)
-        accepted = await ingest.store(events)
+        await ingest.admit(principal, events)
+        accepted = await ingest.store(principal, events)
         response = _json(202, accepted[0] if single else BatchAccepted(accepted=accepted))
     except InvalidBody as exc:
         response = _json(422, {"detail": [e.as_dict() for e in exc.errors]})

@@ -38,19 +38,31 @@ KEY_PREFIX = "rlfb_"
 class ApiKeyEntry(BaseModel):
     """One API key as configured: its name, the hash of the secret, and its products."""
 
-    name: str = Field(min_length=1, max_length=64, description="Who holds the key (for logs)")
+    name: str = Field(
+        min_length=1,
+        max_length=64,
+        pattern=r"^[A-Za-z0-9_-]+$",
+        description="Who holds the key (letters, digits, '-', '_'): stored with every event it "
+        "posts, the name its rate limit and sample budget are kept under",
+    )
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$", description="sha256 of the key, lowercase hex")
     products: list[str] = Field(
         min_length=1, description="Products the key may post feedback for; '*' for all"
     )
 
 
+# A key's id: the first hex digits of its sha256, stored with every event it posts, so two
+# keys of one holder (a rotation) can be told apart and the leaked one purged alone.
+KEY_ID_HEX_DIGITS = 12
+
+
 @dataclass(frozen=True)
 class Principal:
-    """The holder of a valid key."""
+    """The holder of a valid key: its name, the products it may rate, the key's id."""
 
     name: str
     products: frozenset[str]
+    key_id: str = ""
 
     def may_post_for(self, product: str) -> bool:
         return ALL_PRODUCTS in self.products or product in self.products
@@ -59,6 +71,11 @@ class Principal:
 def hash_key(key: str) -> str:
     """The stored form of a key: sha256 of its UTF-8 bytes, lowercase hex."""
     return hashlib.sha256(key.encode()).hexdigest()
+
+
+def key_id(sha256: str) -> str:
+    """The id of the key with this stored hash."""
+    return sha256[:KEY_ID_HEX_DIGITS]
 
 
 def new_api_key() -> str:
@@ -74,7 +91,9 @@ class KeyStore:
         for entry in entries:
             if entry.sha256 in self._by_hash:
                 raise ValueError(f"API key {entry.name!r}: the same key hash is configured twice")
-            self._by_hash[entry.sha256] = Principal(entry.name, frozenset(entry.products))
+            self._by_hash[entry.sha256] = Principal(
+                entry.name, frozenset(entry.products), key_id(entry.sha256)
+            )
 
     def __len__(self) -> int:
         return len(self._by_hash)

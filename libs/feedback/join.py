@@ -4,33 +4,40 @@ Inputs are the two durable consumers JOINER_GENERATIONS and JOINER_FEEDBACK; the
 an `OnlineSample` on ROLLOUTS_ONLINE with msg id = sample id = event id. The reward mapping
 is the trainer's; the joiner passes the signal through.
 
-State lives on the bus, in the KV bucket `feedback_join` (file storage), never only in
-memory, so a restart (or a second joiner) picks up where the last one stopped:
-
-- `gen.<generation_id>` -> GenerationRef (its sequence in SERVING_GENERATIONS and its
-  training-eligibility), created once per generation with a per-key TTL of the join window:
-  feedback arriving later than that finds no generation and waits, then expires;
-- `wait.<generation_id>` -> the feedback events waiting for that generation (updated with
-  compare-and-swap), each with its sequence in FEEDBACK_EVENTS.
+State lives on the bus, in the KV bucket `feedback_join` (libs/feedback/join_store.py: a
+generation index, one key per waiting event, every key with a TTL), never only in memory,
+so a restart (or a second joiner) picks up where the last one stopped. Work per event is
+bounded: parking is one write, joining one read and (while the generation's cap fills) one
+compare-and-swap of a small value, whatever else rates the same generation.
 
 Each handler writes its own side first and then reads the other, so when a generation and
 its feedback are handled at the same moment at least one of them sees both and joins.
-Both may: the sample's msg id (= event id) makes the second publish a no-op. Whoever sees
-the generation after a wait list changed publishes every waiting event, then purges the
-key; an event appended meanwhile is joined by its own handler, which re-checks the
-generation after appending. An input is acked only after its effect is durable (index
-written, event parked, sample or dead letter stored), and every effect is idempotent, so a
-crash at any point is repaired by redelivery.
+Both may: the sample's msg id (= event id) makes the second publish a no-op. The
+generation's handler joins every waiting event, then removes their keys in one purge; an
+event parked meanwhile is joined by its own handler, which re-checks the generation after
+parking. An input is acked only after its effect is durable (index written, event parked,
+sample or dead letter stored), and every effect is idempotent, so a crash at any point is
+repaired by redelivery.
+
+What becomes training data is capped; an event past a cap stays in the feedback stream (it
+is feedback) but is not trained on, counted in `rlpipe_feedback_join_capped_total{cap}`:
+- `generation`: at most `generation_sample_cap` samples per generation id (the ids
+  admitted are kept in its index entry, so a redelivered event is not counted twice);
+- `key`: at most `key_sample_cap` samples per API key in `key_sample_window_s` (a token
+  bucket shared by every joiner, libs/feedback/rate_limit.py). Events without a key (put on
+  the bus by a producer of our own) have no key cap.
 
 Dead letters (reason "rejected", the error starting with `join: <code>:`):
 - `not_eligible`: the generation is not training-eligible;
+- `wrong_product`: the generation was served for another product (its metadata `product`)
+  than the event names: a key may rate only its own products' generations;
 - `generation_missing`: no generation arrived within `window_s` of the event's receipt;
 - `generation_gone`: the index names a generation the stream no longer holds.
 
-The sweeper (every `sweep_interval_s`) lists the wait keys, joins those whose generation
-has meanwhile arrived, and dead-letters events past their window, but only while the
-generation consumer has nothing undelivered: after a restart with a backlog, a generation
-still in the stream must get its chance first.
+The sweeper (every `sweep_interval_s`) reads the waiting events, joins those whose
+generation has meanwhile arrived, and dead-letters events past their window, but only while
+the generation consumer has nothing undelivered: after a restart with a backlog, a
+generation still in the stream must get its chance first.
 """
 
 from __future__ import annotations
@@ -38,18 +45,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal
 
-import msgspec
 import structlog
 from nats.js import JetStreamContext
-from nats.js.errors import (
-    BucketNotFoundError,
-    KeyNotFoundError,
-    KeyWrongLastSequenceError,
-    NotFoundError,
-)
+from nats.js.errors import BucketNotFoundError, NotFoundError
 from nats.js.kv import KeyValue
 from prometheus_client import Counter, Gauge
 
@@ -58,65 +61,63 @@ from libs.bus.consumer import PermanentError, PullConsumer
 from libs.bus.dead_letter import Delivery, publish_dead_letter
 from libs.bus.provision import ProvisionError
 from libs.bus.publisher import Publisher
+from libs.feedback.join_store import (
+    BUDGET_PREFIX,
+    GenerationRef,
+    Indexed,
+    JoinStore,
+    WaitingEvent,
+)
+from libs.feedback.kv_state import KvKeys
+from libs.feedback.rate_limit import SharedTokenBucket
 from proto import streams, subjects
-from proto.messages import FeedbackEvent, OnlineSample, ServedGeneration
+from proto.messages import GENERATION_PRODUCT_KEY, FeedbackEvent, OnlineSample, ServedGeneration
 
 log = structlog.get_logger(__name__)
 
 BUCKET = streams.FEEDBACK_JOIN.bucket
-GEN_PREFIX = "gen."
-WAIT_PREFIX = "wait."
 MAX_CAS_ATTEMPTS = 20
+# Decoded generations kept by stream sequence: the events of a hot generation fetch it once.
+GENERATION_CACHE_SIZE = 256
 
 JOINED = Counter("rlpipe_feedback_joined_total", "Online samples published by the joiner")
 JOIN_DEAD = Counter(
     "rlpipe_feedback_join_dead_letters_total", "Feedback events the joiner dead-lettered", ["code"]
+)
+CAPPED = Counter(
+    "rlpipe_feedback_join_capped_total",
+    "Feedback events stored but not trained on: a sample cap (generation or key) was reached",
+    ["cap"],
 )
 WAITING = Gauge(
     "rlpipe_feedback_join_waiting_generations",
     "Generation ids that feedback events wait for (at the last sweep)",
 )
 
-
-class GenerationRef(msgspec.Struct, kw_only=True):
-    """Where a served generation is stored, and whether it may be trained on."""
-
-    seq: int
-    eligible: bool
-
-
-class WaitingEvent(msgspec.Struct, kw_only=True):
-    """A feedback event parked until its generation arrives."""
-
-    seq: int  # sequence in FEEDBACK_EVENTS (its dead letter's id derives from it)
-    subject: str
-    event: FeedbackEvent
-    parked_at: float  # Unix s; the window runs from event.received_at, or this if unset
-
-    @property
-    def since(self) -> float:
-        return self.event.received_at or self.parked_at
-
-
-class WaitList(msgspec.Struct, kw_only=True):
-    events: list[WaitingEvent]
+Admission = Literal["sample", "generation", "key"]
 
 
 @dataclass(frozen=True)
 class JoinConfig:
-    """How long each side waits for the other, and how often expiry is checked."""
+    """How long each side waits for the other, how often expiry is checked, and how much of
+    the feedback becomes training data."""
 
     window_s: float = 3600.0
     sweep_interval_s: float = 30.0
-    # A purged wait key leaves a marker; it disappears after this long.
-    purge_marker_ttl_s: float = 60.0
+    generation_sample_cap: int = 4
+    key_sample_cap: int = 20_000
+    key_sample_window_s: float = 3600.0
 
     def __post_init__(self) -> None:
-        if self.window_s < 1 or self.sweep_interval_s <= 0 or self.purge_marker_ttl_s < 1:
+        if self.window_s < 1 or self.sweep_interval_s <= 0:
             raise ValueError(
-                "join window_s and purge_marker_ttl_s must be >= 1 s (NATS per-key TTLs are "
-                "whole seconds) and sweep_interval_s > 0"
+                "join window_s must be >= 1 s (NATS per-key TTLs are whole seconds) and "
+                "sweep_interval_s > 0"
             )
+        if self.generation_sample_cap < 1 or self.key_sample_cap < 1:
+            raise ValueError("generation_sample_cap and key_sample_cap must be >= 1")
+        if self.key_sample_window_s <= 0:
+            raise ValueError("key_sample_window_s must be > 0")
 
 
 @dataclass
@@ -132,18 +133,19 @@ class SweepReport:
 async def setup_join_state(js: JetStreamContext) -> KeyValue:
     """The join's KV bucket (streams.FEEDBACK_JOIN). Provisioning creates it, not the
     ingester: its NATS user may read and write the bucket's keys, never create buckets."""
+    return await bind_bucket(js, BUCKET)
+
+
+async def bind_bucket(js: JetStreamContext, bucket: str) -> KeyValue:
+    """A KV bucket provisioning made; a clear error when it is missing."""
     try:
-        return await js.key_value(BUCKET)
+        return await js.key_value(bucket)
     except BucketNotFoundError:
         raise ProvisionError(
-            f"the KV bucket {BUCKET} does not exist: provision the bus first (`rlpipe "
+            f"the KV bucket {bucket} does not exist: provision the bus first (`rlpipe "
             "provision` as the admin user, or RLPIPE_PROVISION=true where the service's user "
             "may create buckets)"
         ) from None
-
-
-def _encode(value: msgspec.Struct) -> bytes:
-    return msgspec.msgpack.encode(value)
 
 
 class Joiner:
@@ -158,12 +160,28 @@ class Joiner:
         clock: Callable[[], float] = time.time,
     ) -> None:
         self._js = js
-        self._kv = kv
         self._publisher = publisher
         self.config = config
         self._clock = clock
+        keys = KvKeys(js, kv, BUCKET)
+        self.store = JoinStore(keys, config.window_s, clock)
+        self._budget = SharedTokenBucket(
+            keys,
+            BUDGET_PREFIX,
+            rate_per_s=config.key_sample_cap / config.key_sample_window_s,
+            burst=config.key_sample_cap,
+            # Leased 16 at a time (a budget read and write per 16 samples, not per sample),
+            # held up to a minute: a joiner that stops loses at most a minute of the budget.
+            lease=16,
+            lease_s=60.0,
+            clock=clock,
+        )
+        self._generations: OrderedDict[int, ServedGeneration] = OrderedDict()
+        # Generation ids this process is flushing: the sweeper leaves them to that flush.
+        self._flushing: set[str] = set()
         self.num_joined = 0
         self.num_dead = 0
+        self.num_capped = 0
 
     # --- handlers (run by PullConsumer: return = ack, PermanentError = dead letter) --------
 
@@ -171,61 +189,58 @@ class Joiner:
         gid = generation.generation_id
         if not _usable_key(gid):
             raise PermanentError(f"join: bad_id: generation_id {gid!r} cannot be a join key")
-        ref = GenerationRef(seq=delivery.stream_sequence, eligible=generation.training_eligible)
-        with contextlib.suppress(KeyWrongLastSequenceError):  # indexed before: keep the first
-            await self._kv.create(GEN_PREFIX + gid, _encode(ref), msg_ttl=self.config.window_s)
-        await self._flush(gid, ref, generation)
+        ref = GenerationRef(
+            seq=delivery.stream_sequence,
+            eligible=generation.training_eligible,
+            product=generation.metadata.get(GENERATION_PRODUCT_KEY, ""),
+            indexed_at=self._clock(),
+        )
+        indexed = await self.store.index(gid, ref)  # indexed before: the first is kept
+        if indexed.ref.seq == ref.seq:
+            self._remember(ref.seq, generation)
+        await self._flush(gid, indexed)
 
     async def on_feedback(self, event: FeedbackEvent, delivery: Delivery) -> None:
         gid = event.generation_id
         if not _usable_key(gid):  # the API refuses these; other producers might not
             raise PermanentError(f"join: bad_id: generation_id {gid!r} cannot be a join key")
-        ref = await self._generation_ref(gid)
-        if ref is None:
-            waiting = WaitingEvent(
-                seq=delivery.stream_sequence,
-                subject=delivery.subject,
-                event=event,
-                parked_at=self._clock(),
-            )
-            await self._park(gid, waiting)
-            ref = await self._generation_ref(gid)  # arrived meanwhile? then we join it
-            if ref is not None:
-                await self._flush(gid, ref, None)
+        item = WaitingEvent(
+            seq=delivery.stream_sequence,
+            subject=delivery.subject,
+            event=event,
+            parked_at=self._clock(),
+        )
+        indexed = await self.store.generation(gid)
+        if indexed is not None:
+            await self._resolve(gid, item, indexed)
             return
-        if not ref.eligible:
-            JOIN_DEAD.labels("not_eligible").inc()
-            raise PermanentError(f"join: not_eligible: generation {gid} is not training-eligible")
-        generation = await self._fetch_generation(ref)
-        if generation is None:
-            JOIN_DEAD.labels("generation_gone").inc()
-            raise PermanentError(f"join: generation_gone: generation {gid} (seq {ref.seq})")
-        await self._publish_sample(event, generation)
+        await self.store.park(gid, item)
+        indexed = await self.store.generation(gid)  # arrived meanwhile? then we join it
+        if indexed is not None:
+            await self._resolve(gid, item, indexed)
+            await self.store.unpark(gid, event.event_id)
 
     # --- the sweeper ---------------------------------------------------------------------
 
     async def sweep(self) -> SweepReport:
         """Join waiting events whose generation arrived; dead-letter those past the window."""
         report = SweepReport()
-        keys = await self._waiting_keys()
-        report.waiting_keys = len(keys)
+        waiting: dict[str, list[WaitingEvent]] = {}
+        async for gid, item in self.store.all_waiting():
+            waiting.setdefault(gid, []).append(item)
+        report.waiting_keys = sum(map(len, waiting.values()))
         report.deferred = not await self._generations_drained()
-        for key in keys:
-            gid = key[len(WAIT_PREFIX) :]
-            ref = await self._generation_ref(gid)
-            if ref is not None:
-                report.joined_late += await self._flush(gid, ref, None)
+        deadline = self._clock() - self.config.window_s
+        for gid, items in waiting.items():
+            indexed = await self.store.generation(gid)
+            if indexed is not None and gid not in self._flushing:
+                report.joined_late += await self._flush(gid, indexed)
             elif not report.deferred:
-                report.expired += await self._expire(key)
-        WAITING.set(len(keys))
+                for item in (i for i in items if i.since <= deadline):
+                    await self._expire(gid, item)
+                    report.expired += 1
+        WAITING.set(len(waiting))
         return report
-
-    async def _waiting_keys(self) -> list[str]:
-        """Keys `wait.<gid>` holding a message (a value or a delete marker), in one API call
-        (stream info with a subject filter; no consumer)."""
-        prefix = f"$KV.{BUCKET}."
-        info = await self._js.stream_info(f"KV_{BUCKET}", subjects_filter=f"{prefix}{WAIT_PREFIX}>")
-        return sorted(subject[len(prefix) :] for subject in (info.state.subjects or {}))
 
     async def _generations_drained(self) -> bool:
         spec = streams.JOINER_GENERATIONS
@@ -235,94 +250,97 @@ class Joiner:
             return True  # nothing provisioned, nothing to wait for
         return (info.num_pending or 0) == 0
 
-    async def _expire(self, key: str) -> int:
-        entry = await self._get(key)
-        if entry is None or entry.value is None:
-            return 0
-        waiting = msgspec.msgpack.decode(entry.value, type=WaitList).events
-        deadline = self._clock() - self.config.window_s
-        expired = [w for w in waiting if w.since <= deadline]
-        if not expired:
-            return 0
-        for item in expired:  # dead letter first: a crash before the removal repeats it (same id)
-            await self._dead_letter(
-                item,
-                "generation_missing",
-                f"no generation {item.event.generation_id} within {self.config.window_s:g} s",
-            )
-        kept = [w for w in waiting if w.since > deadline]
-        with contextlib.suppress(KeyWrongLastSequenceError):  # changed: next sweep looks again
-            if kept:
-                await self._kv.update(key, _encode(WaitList(events=kept)), last=entry.revision)
-            else:
-                await self._kv.delete(key, last=entry.revision)
-        return len(expired)
+    async def _expire(self, gid: str, item: WaitingEvent) -> None:
+        # Dead letter first: a crash before the removal repeats it (same id).
+        window = self.config.window_s
+        detail = f"no generation {gid} within {window:g} s"
+        await self._dead_letter(item, "generation_missing", detail)
+        await self.store.unpark(gid, item.event.event_id)
 
     # --- the pieces ----------------------------------------------------------------------
 
-    async def _flush(
-        self, gid: str, ref: GenerationRef, generation: ServedGeneration | None
-    ) -> int:
-        """Resolve every event waiting for `gid` (join or dead-letter), then drop the key."""
-        key = WAIT_PREFIX + gid
-        entry = await self._get(key)
-        if entry is None or not entry.value:
-            return 0
-        waiting = msgspec.msgpack.decode(entry.value, type=WaitList).events
-        if ref.eligible and generation is None:
-            generation = await self._fetch_generation(ref)
-        for item in waiting:
-            if not ref.eligible:
-                await self._dead_letter(
-                    item, "not_eligible", f"generation {gid} is not training-eligible"
-                )
-            elif generation is None:
-                await self._dead_letter(
-                    item, "generation_gone", f"generation {gid} (seq {ref.seq})"
-                )
-            else:
-                await self._publish_sample(item.event, generation)
-        # Not compare-and-swap: an event appended after our read is joined by its own handler,
-        # which sees the generation when it re-checks.
-        await self._kv.purge(key, msg_ttl=self.config.purge_marker_ttl_s)
-        return len(waiting)
+    async def _flush(self, gid: str, indexed: Indexed) -> int:
+        """Resolve every event waiting for `gid` (join, cap or dead-letter), then drop them.
+        Not compare-and-swap: an event parked after the read is joined by its own handler,
+        which sees the generation when it re-checks."""
+        resolved = 0
+        self._flushing.add(gid)
+        try:
+            async for item in self.store.waiting(gid):
+                indexed = await self._resolve(gid, item, indexed)
+                resolved += 1
+            if resolved:
+                await self.store.unpark(gid)
+        finally:
+            self._flushing.discard(gid)
+        return resolved
 
-    async def _park(self, gid: str, item: WaitingEvent) -> None:
-        key = WAIT_PREFIX + gid
+    async def _resolve(self, gid: str, item: WaitingEvent, indexed: Indexed) -> Indexed:
+        """Join one event with its indexed generation, within the caps; returns the index as
+        it is now (admitting an event changes it)."""
+        ref, event = indexed.ref, item.event
+        if not ref.eligible:
+            await self._dead_letter(item, "not_eligible", f"generation {gid} is not eligible")
+            return indexed
+        if ref.product and ref.product != event.product:
+            detail = f"generation {gid} was served for {ref.product!r}, not {event.product!r}"
+            await self._dead_letter(item, "wrong_product", detail)
+            return indexed
+        admission, indexed = await self._admit(gid, event, indexed)
+        if admission != "sample":
+            self.num_capped += 1
+            CAPPED.labels(admission).inc()
+            return indexed
+        generation = await self._fetch_generation(ref.seq)
+        if generation is None:
+            await self._dead_letter(item, "generation_gone", f"generation {gid} (seq {ref.seq})")
+        else:
+            await self._publish_sample(event, generation)
+        return indexed
+
+    async def _admit(
+        self, gid: str, event: FeedbackEvent, indexed: Indexed
+    ) -> tuple[Admission, Indexed]:
+        """Whether `event` becomes a sample: under its generation's cap and its key's."""
+        cap = self.config.generation_sample_cap
+        budget_taken = False
         for _ in range(MAX_CAS_ATTEMPTS):
-            entry = await self._get(key)
-            try:
-                if entry is None or not entry.value:
-                    await self._kv.create(key, _encode(WaitList(events=[item])))
-                    return
-                waiting = msgspec.msgpack.decode(entry.value, type=WaitList)
-                if any(w.event.event_id == item.event.event_id for w in waiting.events):
-                    return  # a redelivery: parked already
-                waiting.events.append(item)
-                await self._kv.update(key, _encode(waiting), last=entry.revision)
-                return
-            except KeyWrongLastSequenceError:
-                continue  # another handler changed it: read again
-        raise RuntimeError(f"join: wait list of {gid} kept changing; will retry")
+            sampled = indexed.ref.sampled
+            if event.event_id in sampled:
+                return "sample", indexed  # admitted before: a redelivery, or two handlers
+            if len(sampled) >= cap:
+                return "generation", indexed
+            if event.key_name and not budget_taken:
+                if await self._budget.take(event.key_name) > 0:
+                    return "key", indexed
+                budget_taken = True
+            admitted = await self.store.add_sampled(gid, indexed, event.event_id)
+            if admitted is not None:
+                return "sample", admitted
+            fresh = await self.store.generation(gid)
+            if fresh is None:  # expired meanwhile: the window is over
+                return "generation", indexed
+            indexed = fresh
+        raise RuntimeError(f"join: the index of {gid} kept changing; will retry")
 
-    async def _generation_ref(self, gid: str) -> GenerationRef | None:
-        entry = await self._get(GEN_PREFIX + gid)
-        if entry is None or not entry.value:
-            return None
-        return msgspec.msgpack.decode(entry.value, type=GenerationRef)
-
-    async def _get(self, key: str) -> KeyValue.Entry | None:
+    async def _fetch_generation(self, seq: int) -> ServedGeneration | None:
+        cached = self._generations.get(seq)
+        if cached is not None:
+            self._generations.move_to_end(seq)
+            return cached
         try:
-            return await self._kv.get(key)
-        except KeyNotFoundError:  # absent, deleted, purged or expired
-            return None
-
-    async def _fetch_generation(self, ref: GenerationRef) -> ServedGeneration | None:
-        try:
-            raw = await self._js.get_msg(streams.SERVING_GENERATIONS.name, seq=ref.seq)
+            raw = await self._js.get_msg(streams.SERVING_GENERATIONS.name, seq=seq)
         except NotFoundError:
             return None
-        return wire.decode(ServedGeneration, raw.data or b"", raw.headers)
+        generation = wire.decode(ServedGeneration, raw.data or b"", raw.headers)
+        self._remember(seq, generation)
+        return generation
+
+    def _remember(self, seq: int, generation: ServedGeneration) -> None:
+        self._generations[seq] = generation
+        self._generations.move_to_end(seq)
+        while len(self._generations) > GENERATION_CACHE_SIZE:
+            self._generations.popitem(last=False)
 
     async def _publish_sample(self, event: FeedbackEvent, generation: ServedGeneration) -> None:
         sample = OnlineSample(

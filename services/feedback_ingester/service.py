@@ -5,8 +5,9 @@ feedback stream, optionally through a feedback-only NATS user), `join` (feedback
 matched with served generations into online samples), or `all`. The logic is in
 libs.feedback; this file wires it to the service lifecycle.
 
-The API touches the bus only to publish feedback events and read their acks; it needs no
-JetStream API call, KV bucket or subscription of the service connection. So `role=api` with
+The API touches the bus only to publish feedback events, read their acks and keep its keys'
+rate-limit buckets (the KV bucket feedback_rate); it needs no other JetStream API call or
+subscription of the service connection. So `role=api` with
 `provision` off runs with the feedback-only user alone (deploy/nats/SECURITY.md): set
 `api_nats_url` to it (its connection reads acks under the inbox prefix that user may read)
 and the service connection, which then only connects, may carry the same user.
@@ -26,10 +27,12 @@ from libs.bus.connection import Bus, NatsOptions
 from libs.bus.publisher import Publisher
 from libs.feedback.api import ApiLimits, FeedbackIngest, create_app
 from libs.feedback.auth import build_key_store
-from libs.feedback.join import JoinConfig, Joiner, JoinRunner, setup_join_state
-from libs.feedback.rate_limit import RateLimiter
+from libs.feedback.join import JoinConfig, Joiner, JoinRunner, bind_bucket, setup_join_state
+from libs.feedback.kv_state import KvKeys
+from libs.feedback.rate_limit import SharedTokenBucket
 from libs.feedback.restricted_bus import connect_restricted_bus
 from libs.service import Service
+from proto import streams
 from services.feedback_ingester.settings import FeedbackIngesterSettings
 
 log = structlog.get_logger(__name__)
@@ -79,8 +82,17 @@ class FeedbackIngesterService(Service):
             self._api_bus = await connect_restricted_bus(
                 settings.api_nats_url, f"{self.name}-api", settings.api_nats_inbox_prefix, tls=tls
             )
+        js = (self._api_bus or bus).js
+        rate_bucket = streams.FEEDBACK_RATE.bucket
+        limiter = SharedTokenBucket(
+            KvKeys(js, await bind_bucket(js, rate_bucket), rate_bucket),
+            "rate",
+            rate_per_s=settings.rate_per_s,
+            burst=settings.rate_burst_events,
+            lease=settings.rate_lease_events,
+        )
         publisher = Publisher(
-            (self._api_bus or bus).js,
+            js,
             max_in_flight=settings.publish_max_in_flight,
             ack_timeout_s=settings.publish_timeout_s,
             max_attempts=settings.publish_attempts,
@@ -88,7 +100,7 @@ class FeedbackIngesterService(Service):
         )
         self.ingest = FeedbackIngest(
             keys,
-            RateLimiter(settings.rate_per_s, settings.rate_burst_events),
+            limiter,
             publisher,
             ApiLimits(
                 max_body_bytes=settings.max_body_bytes,
@@ -112,7 +124,11 @@ class FeedbackIngesterService(Service):
         kv = await setup_join_state(bus.js)
         publisher = Publisher(bus.js)
         config = JoinConfig(
-            window_s=settings.join_window_s, sweep_interval_s=settings.join_sweep_interval_s
+            window_s=settings.join_window_s,
+            sweep_interval_s=settings.join_sweep_interval_s,
+            generation_sample_cap=settings.join_generation_sample_cap,
+            key_sample_cap=settings.join_key_sample_cap,
+            key_sample_window_s=settings.join_key_sample_window_s,
         )
         self.join = JoinRunner(
             Joiner(bus.js, kv, publisher, config),
@@ -149,4 +165,5 @@ class FeedbackIngesterService(Service):
         if self.join is not None:
             report["joined"] = self.join.joiner.num_joined
             report["join_dead_letters"] = self.join.joiner.num_dead
+            report["join_capped"] = self.join.joiner.num_capped
         return report

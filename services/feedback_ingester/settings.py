@@ -39,8 +39,16 @@ class FeedbackIngesterSettings(ServiceSettings):
     )
     max_body_bytes: int = Field(1024 * 1024, ge=1024, description="Largest request body, bytes")
     max_batch_events: int = Field(500, ge=1, description="Most events in one batch request")
-    rate_per_s: float = Field(1000.0, gt=0, description="Events a second per API key, sustained")
+    rate_per_s: float = Field(
+        1000.0, gt=0, description="Events a second per API key, sustained, over all replicas"
+    )
     rate_burst_events: int = Field(2000, ge=1, description="Events per API key in a burst")
+    rate_lease_events: int = Field(
+        50,
+        ge=1,
+        description="Most events of a key's shared rate a replica takes from the bus at a time "
+        "(at most a burst, and what the rate gives in 1 s; unspent after 1 s: dropped)",
+    )
     publish_timeout_s: float = Field(2.0, gt=0, description="Wait for the stream's ack, per try")
     publish_attempts: int = Field(3, ge=1, description="Tries to store an event before a 503")
     publish_max_in_flight: int = Field(
@@ -65,6 +73,21 @@ class FeedbackIngesterSettings(ServiceSettings):
     join_batch_size: int = Field(64, ge=1, description="Messages fetched per pull")
     join_concurrency: int = Field(16, ge=1, description="Messages joined at the same time")
     join_fetch_timeout_s: float = Field(1.0, gt=0, description="Longest wait of one pull")
+    join_generation_sample_cap: int = Field(
+        4,
+        ge=1,
+        description="Most training samples from one generation id; later events on it are "
+        "stored as feedback, not trained on",
+    )
+    join_key_sample_cap: int = Field(
+        20_000,
+        ge=1,
+        description="Most training samples from one API key's events per "
+        "join_key_sample_window_s (a budget shared by every joiner)",
+    )
+    join_key_sample_window_s: float = Field(
+        3600.0, gt=0, description="The window of join_key_sample_cap, seconds"
+    )
 
     @model_validator(mode="after")
     def _batch_fits_burst(self) -> "FeedbackIngesterSettings":
