@@ -61,6 +61,10 @@ class Turn(msgspec.Struct, kw_only=True):
     # The version its last tokens came from, when the worker swapped weights mid-turn (the
     # paged engine swaps between decode steps); None: policy_version throughout.
     policy_version_end: int | None = None
+    # The target hashes of those versions' signed manifests (proto.rollout_contract: a
+    # version is named by its number and hash); empty where the engine could not name it.
+    policy_version_hash: str = ""
+    policy_version_end_hash: str = ""
     # Routed expert ids per token and layer for MoE router replay; empty for dense models.
     routed_experts: list[list[int]] = msgspec.field(default_factory=list)
     # Context segment of the episode: a self-summarizing episode restarts its context from the

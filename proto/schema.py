@@ -34,6 +34,7 @@ from proto.messages import (
     WeightAnnouncement,
     WeightsStaged,
 )
+from proto.rollout_contract import CONTRACT_VERSION, contract_schema
 from proto.same_host import SameHostShelf, SameHostVersion
 
 SCHEMA_DIR = Path(__file__).parent / "schema"
@@ -86,6 +87,8 @@ def render_all() -> dict[str, str]:
     """File name -> file text for everything under proto/schema/."""
     files = {f"{m.SCHEMA}.v{m.SCHEMA_VERSION}.json": _dump(message_schema(m)) for m in ALL_MESSAGES}
     files["contract.json"] = _dump(contract_document())
+    # Not a bus message: the rollout contract's objects in OpenAI-compatible HTTP bodies.
+    files[f"rollout_contract.v{CONTRACT_VERSION}.json"] = _dump(contract_schema())
     return files
 
 

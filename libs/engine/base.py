@@ -80,6 +80,12 @@ class Completion:
     policy_version_end: int | None = None
     """Version the completion ended on, when the weights changed between its decode steps
     (engines that `swap_between_steps`); None: `policy_version` produced every token."""
+    policy_version_hash: str = ""
+    """Target hash of the signed manifest of `policy_version` (proto.rollout_contract); empty
+    where the engine cannot name it (a local engine knows numbers only: the worker fills it
+    from the versions it applied, libs.rollout.version_book)."""
+    policy_version_end_hash: str = ""
+    """The same for `policy_version_end` (empty when that is None)."""
 
 
 @dataclass(frozen=True)

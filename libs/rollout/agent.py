@@ -150,6 +150,8 @@ class Transcript:
                 logprobs=list(completion.logprobs),
                 policy_version=completion.policy_version,
                 policy_version_end=completion.policy_version_end,
+                policy_version_hash=completion.policy_version_hash,
+                policy_version_end_hash=completion.policy_version_end_hash,
                 segment=self.segment,
             )
         )

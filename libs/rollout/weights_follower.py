@@ -68,6 +68,7 @@ from prometheus_client import Counter, Gauge
 
 from libs.engine.base import InferenceEngine
 from libs.rollout.batcher import GenerationBatcher
+from libs.rollout.version_book import VersionBook
 from libs.weights.announcements import latest_announcement
 from libs.weights.errors import CorruptDeltaError, WeightsError
 from libs.weights.format import VersionInfo
@@ -156,6 +157,7 @@ class WeightsFollower:
         self.num_applied = 0
         self.num_failed = 0
         self.target_version: int | None = None
+        self.versions = VersionBook()  # the versions applied: number -> manifest hash
         self._changed = asyncio.Event()
         self._announce_js: JetStreamContext | None = None
         self.lag = LagWatch("weights", limit_s=WEIGHTS_STALL_S)
@@ -269,6 +271,7 @@ class WeightsFollower:
             "decode_chunk_cpu_s": update.chunk_cpu_s,
             "gate_wait_s": gate_wait_s,
         }
+        self.versions.record(update.version, update.announcement.version_hash)
         self._swapped(update.version, update.kind, pause_s, timings)
         return pause_s
 
@@ -412,6 +415,7 @@ class WeightsFollower:
                 self._unpushed.clear()
                 raise
         self._unpushed.clear()
+        self.versions.record(version, _hash_of(self.receiver.current, version))
         self._swapped(version, "promoted", pause_s)
 
     def _state_for(self, update: PreparedUpdate) -> dict[str, Any]:
@@ -426,21 +430,12 @@ class WeightsFollower:
                     f"first {unknown[:3]}: is the worker's policy the trainer's architecture?"
                 )
             if update.kind == "snapshot":
-                self._warn_uncovered(set(names))
+                _warn_uncovered(self._host, set(names))
                 return {name: self._host[name] for name in names}
             return self._state
         if update.kind == "snapshot":
             return {name: self._state[name] for name in names if name in self._state}
         return self._state
-
-    def _warn_uncovered(self, names: set[str]) -> None:
-        """Log model tensors a version does not write and that share no storage with one
-        it does (tied weights do): they would keep the worker's own initial values."""
-        assert self._host is not None
-        covered = {self._host[name].data_ptr() for name in names}
-        stale = [n for n, t in self._host.items() if n not in names and t.data_ptr() not in covered]
-        if stale:
-            log.warning("weight version leaves model tensors unwritten", tensors=stale[:5])
 
     async def _write(self, update: PreparedUpdate, state: dict[str, Any]) -> float:
         """Write the decoded update (the gate held); the engine's pause in seconds."""
@@ -523,6 +518,20 @@ class WeightsFollower:
         """Until the engine holds the version that was newest at `start` (or any version,
         when none was announced then)."""
         await self.wait_for_version(self.target_version or 0)
+
+
+def _warn_uncovered(host: dict[str, torch.Tensor], names: set[str]) -> None:
+    """Log model tensors a version does not write and that share no storage with one it
+    does (tied weights do): they would keep the worker's own initial values."""
+    covered = {host[name].data_ptr() for name in names}
+    stale = [n for n, t in host.items() if n not in names and t.data_ptr() not in covered]
+    if stale:
+        log.warning("weight version leaves model tensors unwritten", tensors=stale[:5])
+
+
+def _hash_of(held: VersionInfo | None, version: int) -> str:
+    """The hash of `version` where `held` (what the receiver holds) is that version."""
+    return held.hash if held is not None and held.version == version else ""
 
 
 def _writable_on_host(tensors: dict[str, torch.Tensor] | None) -> bool:

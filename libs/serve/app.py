@@ -15,7 +15,9 @@ body the API cannot serve (bad JSON, a bad or unsupported field, a bound passed:
 `max_tokens`, `stop`; named in `param`), 401 without a configured key
 (`Authorization: Bearer <key>`), 404 for another model name, 413 for a body over the limit,
 429 when admission control is full (libs.serve.admission; Retry-After), 503 while the worker
-has no weights yet (Retry-After), and 500 only for our own failures.
+has no weights yet (Retry-After), 409 `policy_version_unavailable` (Retry-After) when the
+request's `rl_policy` asks for a version this replica cannot serve (the rollout contract:
+libs.serve.contract), and 500 only for our own failures.
 
 A request whose client disconnects is abandoned at once: its generation is cancelled (the
 hold running in the engine ends, no next one starts) and nothing is recorded. When the
@@ -26,6 +28,8 @@ rest, which are answered 503 (Retry-After) before the connections close.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import functools
 import hmac
 import time
 from collections.abc import Callable, Coroutine
@@ -41,8 +45,10 @@ from starlette.requests import ClientDisconnect
 
 from libs.chat.template import ChatTemplate
 from libs.engine.base import SamplingParams
+from libs.rollout.version_book import VersionBook
 from libs.serve.admission import Admission, AdmissionLimits
 from libs.serve.config import ServeConfig, hash_key
+from libs.serve.contract import refuse_unless_held, refuse_unless_kept, requirement_of
 from libs.serve.generation import GenerationRequest, ServedPolicy, ServedResult
 from libs.serve.protocol import (
     ApiError,
@@ -54,6 +60,7 @@ from libs.serve.protocol import (
 )
 from libs.serve.responses import BodyOptions, chat_completion_body, completion_body, models_body
 from proto.messages import ChatMessage
+from proto.rollout_contract import PolicyRequirement
 
 log = structlog.get_logger(__name__)
 
@@ -91,11 +98,14 @@ class OpenAIApi:
         template: ChatTemplate,
         policy_version: Callable[[], int | None],
         config: ServeConfig,
+        versions: VersionBook | None = None,
     ) -> None:
         self.served = served
         self.template = template
         self.policy_version = policy_version
         self.config = config
+        # Names versions by number and manifest hash (the weights follower's book).
+        self.versions = versions or VersionBook()
         self.started = int(time.time())
         self.admission = Admission(
             AdmissionLimits(
@@ -165,7 +175,7 @@ class OpenAIApi:
         max_tokens = (
             request.max_completion_tokens or request.max_tokens or self.config.default_max_tokens
         )
-        self._admit(request, max_tokens)
+        requirement = self._admit(request, max_tokens)
         messages = [
             ChatMessage(role="system" if m.role == "developer" else m.role, content=m.text())
             for m in request.messages
@@ -173,23 +183,26 @@ class OpenAIApi:
         prompt_ids = self.template.render(messages)
         stop_ids = self.template.stop_token_ids
         params = _sampling_params(request, max_tokens, stop_ids)
-        generation = _generation(request, prompt_ids, params, "chatcmpl", stop_ids[:1])
+        generation = self._kept(
+            requirement, _generation(request, prompt_ids, params, "chatcmpl", stop_ids[:1])
+        )
         result = await self._serve(generation, key)
-        options = self._options(request, prompt_ids, request.logprobs)
+        options = self._options(request, prompt_ids, request.logprobs, requirement)
         return chat_completion_body(result, options), _headers(result)
 
     async def completions(self, body: Any, key: str) -> Reply:
         request = parse_request(CompletionRequest, body)
         max_tokens = request.max_tokens or LEGACY_DEFAULT_MAX_TOKENS
-        self._admit(request, max_tokens)
+        requirement = self._admit(request, max_tokens)
         prompt = request.prompt
         prompt_ids = self.served.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
         if not prompt_ids:
             raise invalid("prompt has no tokens", "prompt")
         params = _sampling_params(request, max_tokens, ())
         eos = (self.served.tokenizer.eos_id,)
-        result = await self._serve(_generation(request, prompt_ids, params, "cmpl", eos), key)
-        options = self._options(request, prompt_ids, request.logprobs is not None)
+        generation = self._kept(requirement, _generation(request, prompt_ids, params, "cmpl", eos))
+        result = await self._serve(generation, key)
+        options = self._options(request, prompt_ids, request.logprobs is not None, requirement)
         return completion_body(result, options), _headers(result)
 
     async def _serve(self, generation: GenerationRequest, key: str) -> ServedResult:
@@ -199,8 +212,9 @@ class OpenAIApi:
         async with self.admission.admit(key, cost):
             return await self.served.serve(generation)
 
-    def _admit(self, request: CommonRequest, max_tokens: int) -> None:
-        """404 for another model, 400 past a request bound, 503 without weights."""
+    def _admit(self, request: CommonRequest, max_tokens: int) -> PolicyRequirement | None:
+        """The request's `rl_policy`; 404 for another model, 400 past a request bound, 503
+        without weights, 409 without the version `rl_policy` requires."""
         name = self.config.model_name
         if request.model is not None and request.model != name:
             raise ApiError(
@@ -210,7 +224,9 @@ class OpenAIApi:
                 code="model_not_found",
             )
         check_bounds(request, max_tokens, self.config)
-        if self.policy_version() is None:
+        requirement = requirement_of(request)  # 400 before 503: a malformed one never serves
+        held = self.policy_version()
+        if held is None:
             raise ApiError(
                 503,
                 "the model has no weights yet (the worker waits for the first version); retry",
@@ -218,9 +234,31 @@ class OpenAIApi:
                 code="model_not_ready",
                 retry_after_s=self.config.not_ready_retry_after_s,
             )
+        retry_after_s = self.config.not_ready_retry_after_s
+        refuse_unless_held(requirement, self.versions.ref(held), retry_after_s)
+        return requirement
+
+    def _kept(
+        self, requirement: PolicyRequirement | None, generation: GenerationRequest
+    ) -> GenerationRequest:
+        """`generation`, refused after generating when a swap broke `requirement` (an exact
+        version): nothing of it is recorded."""
+        if requirement is None:
+            return generation
+        accept = functools.partial(
+            refuse_unless_kept,
+            requirement,
+            versions=self.versions,
+            retry_after_s=self.config.not_ready_retry_after_s,
+        )
+        return dataclasses.replace(generation, accept=accept)
 
     def _options(
-        self, request: CommonRequest, prompt_ids: list[int], logprobs: bool
+        self,
+        request: CommonRequest,
+        prompt_ids: list[int],
+        logprobs: bool,
+        requirement: PolicyRequirement | None,
     ) -> BodyOptions:
         return BodyOptions(
             model=self.config.model_name,
@@ -229,6 +267,8 @@ class OpenAIApi:
             logprobs=logprobs,
             logprobs_mode=request.logprobs_mode,
             return_token_ids=request.return_token_ids,
+            versions=self.versions,
+            raw_logprobs=requirement is not None and requirement.return_raw_logprobs,
         )
 
 

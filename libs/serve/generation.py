@@ -58,6 +58,9 @@ class GenerationRequest:
     """Ids that follow every choice's text (the turn's stop id): scored, and returned."""
     metadata: dict[str, str] = field(default_factory=dict)
     training_eligible: bool = True
+    accept: Callable[[list[Completion]], None] | None = None
+    """Called with the completions before they are recorded: raising (an ApiError) refuses
+    the request and records nothing (the rollout contract's exact version, broken by a swap)."""
 
 
 @dataclass(frozen=True)
@@ -112,6 +115,8 @@ class ServedPolicy:
                 completions = await self._choose(request, request.choices)
         except ValueError as exc:  # the engine names what it cannot serve
             raise invalid(str(exc)) from exc
+        if request.accept is not None:
+            request.accept(completions)
         now = self._clock()
         response_id = f"{request.id_prefix}-{uuid.uuid4().hex}"
         choices = [

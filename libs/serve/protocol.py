@@ -11,7 +11,9 @@ The OpenAI subset the engine can honour, plus the extras vLLM and SGLang accept 
   from, after temperature and top-p; what the trainer corrects against) or `raw_logprobs`
   (the model's plain softmax, vLLM's default);
 - `training_eligible` (bool, default true): whether the generation's record may become a
-  training sample when feedback arrives for it.
+  training sample when feedback arrives for it;
+- `rl_policy`: the rollout contract's version requirement (proto.rollout_contract, checked
+  by libs.serve.contract).
 
 Parameters the engine cannot honour (streaming, penalties, logit bias, alternatives in
 `top_logprobs`, JSON/regex/grammar constraints, tools) are refused with a 400 that names
@@ -119,6 +121,7 @@ class CommonRequest(BaseModel):
     guided_choice: list[str] | None = None
     structured_outputs: StructuredOutputs | None = None
     logprobs_mode: LogprobsMode = "processed_logprobs"
+    rl_policy: dict[str, Any] | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None

@@ -1,10 +1,11 @@
 """OpenAI response bodies for served results: chat, legacy completions, models, logprobs.
 
-Besides OpenAI's fields, each choice carries `generation_id` (what feedback names) and
-`policy_version`; with `return_token_ids` (as recent vLLM) the body has `prompt_token_ids`
-and each choice `token_ids`: exactly the ids the engine sampled, the stop token included
-(the text drops it and anything from a stop string on). Logprobs cover every one of those
-ids, so `len(logprobs) == len(token_ids)` always.
+Besides OpenAI's fields, each choice carries `generation_id` (what feedback names),
+`policy_version`, and the rollout contract's `rl_policy` (the versions it started and ended
+on, by number and hash; libs.serve.contract); with `return_token_ids` (as recent vLLM) the
+body has `prompt_token_ids` and each choice `token_ids`: exactly the ids the engine
+sampled, the stop token included (the text drops it and anything from a stop string on).
+Logprobs cover every one of those ids, so `len(logprobs) == len(token_ids)` always.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from libs.rollout.version_book import VersionBook
+from libs.serve.contract import statement
 from libs.serve.generation import ServedChoice, ServedResult
 from libs.serve.protocol import LogprobsMode
 from libs.tokenizer import NUM_BYTES, ByteTokenizer, Tokenizer
@@ -86,6 +89,10 @@ class BodyOptions:
     logprobs: bool
     logprobs_mode: LogprobsMode
     return_token_ids: bool
+    versions: VersionBook
+    """Names each choice's versions (number and hash)."""
+    raw_logprobs: bool = False
+    """The contract's `return_raw_logprobs`: raw logprobs in each choice's `rl_policy`."""
 
 
 def chat_completion_body(result: ServedResult, options: BodyOptions) -> dict[str, Any]:
@@ -130,6 +137,9 @@ def _choice_extras(choice: ServedChoice, options: BodyOptions) -> dict[str, Any]
     extras: dict[str, Any] = {
         "generation_id": choice.generation_id,
         "policy_version": choice.completion.policy_version,
+        "rl_policy": statement(
+            choice.completion, options.versions, options.logprobs_mode, raw=options.raw_logprobs
+        ),
     }
     if options.return_token_ids:
         extras["token_ids"] = choice.completion.token_ids

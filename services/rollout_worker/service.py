@@ -127,9 +127,9 @@ class RolloutWorkerService(Service):
         # Announcements from where the weights come from; the promoted version from the
         # trainer's KV state on the service connection.
         await self.follower.start(weights_bus.js, state_js=bus.js)
-        self.runner = AgentRunner(
-            EnvClient(bus.nc), tokenizer, self.batcher.generate, s, self._agent_settings()
-        )
+        # Turns name their versions by number and manifest hash.
+        generate = self.follower.versions.stamped(self.batcher.generate)
+        self.runner = AgentRunner(EnvClient(bus.nc), tokenizer, generate, s, self._agent_settings())
         self.publisher = Publisher(bus.js)
         self.consumer = PullConsumer(
             bus.js,
@@ -283,7 +283,11 @@ class RolloutWorkerService(Service):
         )
         follower = self.follower
         self.serve_openai = OpenAIApi(
-            self.served, chat_template_for(tokenizer), lambda: follower.policy_version, s.serve
+            self.served,
+            chat_template_for(tokenizer),
+            lambda: follower.policy_version,
+            s.serve,
+            versions=follower.versions,
         )
         self.serve_api = ServeServer(
             create_app(self.serve_openai),
