@@ -206,7 +206,7 @@ def test_an_engine_that_is_not_built_is_refused_where_it_is_named(
     code, out, err = rlpipe_here(monkeypatch, capsys, "config", "check", RLPIPE_CONFIG=str(config))
     assert code == 2, out
     assert err.splitlines() == [
-        "error: rollout-worker.engine.type = 'vllm': Input should be 'hf' or 'paged' "
+        "error: rollout-worker.engine.type = 'vllm': Input should be 'hf', 'paged' or 'remote' "
         f"(TOML {config})"
     ]
 

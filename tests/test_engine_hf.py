@@ -214,7 +214,7 @@ def test_factory_builds_hf_and_a_config_refuses_backends_not_built() -> None:
     assert isinstance(engine, HFEngine)
     assert engine.generate(PROMPTS[:1], SamplingParams(max_tokens=2))[0].token_ids
     for backend in ("vllm", "openai"):
-        with pytest.raises(ValidationError, match="'hf' or 'paged'"):
+        with pytest.raises(ValidationError, match="'hf', 'paged' or 'remote'"):
             EngineConfig(type=backend)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"policy\.vocab_size"):
         build_engine(EngineConfig(), PolicyConfig(device="cpu", vocab_size=100))

@@ -1,11 +1,14 @@
 """The versioned rollout contract (proto.rollout_contract) over real HTTP and a real bus.
 
-- What a requirement admits (pure).
+- What a requirement admits, and what the remote engine refuses from a fleet (pure).
 - A serve replica following real signed versions (weight-broadcaster, nats-server) refuses
   a request for another exact version with the retryable 409 (Retry-After, the version it
   holds by number and hash), serves the one it holds, and names it on every choice.
 - A request for an exact version whose weights changed between two holds is refused after
   generating, and nothing of it is recorded.
+- A rollout-worker with the `remote` engine trains the demo (arith) through a serve replica:
+  the trainer reaches its step bound on rollouts whose turns carry the versions the replica
+  stated, each named by the hash the trainer signed.
 
 Run: .venv/bin/python -m pytest tests/test_rollout_contract.py -q
 """
@@ -13,6 +16,7 @@ Run: .venv/bin/python -m pytest tests/test_rollout_contract.py -q
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
@@ -21,6 +25,7 @@ from typing import Any
 
 import httpx
 import pytest
+from prometheus_client import REGISTRY
 
 from libs.bus import wire
 from libs.bus.connection import Bus
@@ -28,7 +33,16 @@ from libs.bus.provision import provision
 from libs.bus.publisher import Publisher
 from libs.chat.template import chat_template_for
 from libs.engine.base import SamplingParams
+from libs.engine.factory import EngineConfig
 from libs.engine.hf import HFEngine
+from libs.engine.remote import (
+    ContractViolation,
+    RemoteEngine,
+    RemoteUnavailable,
+    parse_choice,
+    plan_calls,
+)
+from libs.envs.feeder import FeederConfig
 from libs.nats_server import free_port
 from libs.policy import PolicyConfig, build_policy
 from libs.rollout.batcher import GenerationBatcher
@@ -39,22 +53,31 @@ from libs.serve.records import GenerationRecorder
 from libs.serve.server import ServeServer
 from libs.service import Service
 from libs.tokenizer import ByteTokenizer
+from libs.trainer.eval_gate import EvalGateConfig
+from libs.trainer.metrics import read_steps
 from libs.weights.encoder import EncodeOptions
 from libs.weights.handoff import stage_weights
-from libs.weights.same_host import SameHostTakeConfig
+from libs.weights.same_host import SameHostShareConfig, SameHostTakeConfig
 from proto import streams
-from proto.messages import ServedGeneration, WeightAnnouncement
+from proto.messages import ScoredRollout, ServedGeneration, WeightAnnouncement
 from proto.rollout_contract import (
     VERSION_UNAVAILABLE,
     PolicyRequirement,
     PolicyVersionRef,
     parse_requirement,
 )
+from services.env_gateway.service import EnvGatewayService
+from services.env_gateway.settings import EnvGatewaySettings
+from services.reward.service import RewardService
+from services.reward.settings import RewardSettings
 from services.rollout_worker.service import RolloutWorkerService
 from services.rollout_worker.settings import RolloutWorkerSettings
+from services.trainer.service import TrainerService
+from services.trainer.settings import TrainerSettings
 from services.weight_broadcaster.service import WeightBroadcasterService
 from services.weight_broadcaster.settings import WeightBroadcasterSettings
 from tests.conftest import state_trainer_policy, wait_for
+from tests.marks import E2E
 
 MODEL = "contract-test"
 TOKENIZER = ByteTokenizer()
@@ -89,6 +112,66 @@ def test_a_malformed_requirement_is_refused_with_the_reason() -> None:
     ]:
         with pytest.raises(ValueError, match=reason):
             parse_requirement(body)
+
+
+def test_a_grpo_group_is_one_request_per_prompt_split_at_the_fleets_bound() -> None:
+    other = [1, 2]
+    calls = plan_calls([PROMPT, other, PROMPT], num_samples=3, max_choices=4)
+    assert [(call.prompt, len(call.slots)) for call in calls] == [
+        (PROMPT, 4),
+        (PROMPT, 2),
+        (other, 3),
+    ]
+    slots = sorted(slot for call in calls for slot in call.slots)
+    assert slots == [(p, s) for p in range(3) for s in range(3)]
+
+
+def choice(start: int, end: int | None = None, **extra: Any) -> dict[str, Any]:
+    stated = {
+        "start": {"version": start, "hash": f"h{start}"},
+        "end": {"version": start if end is None else end, "hash": f"h{end or start}"},
+        "logprobs_mode": "processed_logprobs",
+    }
+    return {
+        "index": 0,
+        "token_ids": [1, 2],
+        "logprobs": {"token_logprobs": [-0.5, -1.0]},
+        "finish_reason": "stop",
+        "rl_policy": stated,
+    } | extra
+
+
+def test_a_choice_becomes_a_completion_with_the_versions_it_states() -> None:
+    params = SamplingParams(temperature=0.7)
+    completion = parse_choice(choice(4, 5), (2, 1), params, PolicyRequirement(), lambda v: "")
+    assert (completion.prompt_index, completion.sample_index) == (2, 1)
+    assert completion.token_ids == [1, 2] and completion.logprobs == [-0.5, -1.0]
+    assert (completion.policy_version, completion.policy_version_hash) == (4, "h4")
+    assert (completion.policy_version_end, completion.policy_version_end_hash) == (5, "h5")
+    # One kind of logprobs from the fleet: raw ones are unknown unless the two kinds agree.
+    assert all(math.isnan(v) for v in completion.raw_logprobs)
+    plain = parse_choice(choice(4), (0, 0), SamplingParams(), PolicyRequirement(), lambda v: "")
+    assert plain.raw_logprobs == plain.logprobs and plain.policy_version_end is None
+
+
+def test_the_worker_refuses_what_the_contract_does_not_allow() -> None:
+    params = SamplingParams(temperature=0.7)
+    at_least_5 = PolicyRequirement(min_version=5)
+
+    def refused(body: dict[str, Any], requirement: PolicyRequirement, signed: str = "") -> str:
+        with pytest.raises(ContractViolation) as error:
+            parse_choice(body, (0, 0), params, requirement, lambda version: signed)
+        return str(error.value)
+
+    unstated = {k: v for k, v in choice(5).items() if k != "rl_policy"}
+    assert "does not speak the rollout contract" in refused(unstated, at_least_5)
+    assert "outside what was required" in refused(choice(4), at_least_5)
+    assert "not the trainer's weights" in refused(choice(5), at_least_5, signed="other")
+    raw = choice(5)
+    raw["rl_policy"]["logprobs_mode"] = "raw_logprobs"
+    assert "processed_logprobs" in refused(raw, at_least_5)
+    short = choice(5, token_ids=[1])
+    assert "2 logprobs for 1 token ids" in refused(short, at_least_5)
 
 
 # --- a serve replica following real versions --------------------------------------------------
@@ -224,6 +307,58 @@ async def test_an_exact_version_request_to_a_replica_on_another_version_gets_the
     assert len(records) == 3 and {r.policy_version for r in records} == {1}
 
 
+async def test_the_remote_engine_retries_a_refusal_until_a_replica_holds_the_version(
+    following_replica: FollowingReplica,
+) -> None:
+    engine = RemoteEngine(
+        EngineConfig(
+            type="remote", remote_urls=[following_replica.url], remote_model=MODEL,
+            remote_retry_s=0.05, remote_max_retry_s=0.2, remote_max_attempts=1000,
+        )
+    )  # fmt: skip
+    try:
+        engine.requirement = lambda: PolicyRequirement(min_version=2)
+        refusals_before = refusals()
+        call = engine.submit([PROMPT] * 3, SamplingParams(max_tokens=4), num_samples=2)
+        await wait_for(lambda: refusals() >= refusals_before + 2, 60, "two refusals")
+        assert not call.done()  # still retrying: the replica holds version 1
+        await following_replica.stage(2)
+        completions = await asyncio.wrap_future(call)
+        held = await following_replica.held()
+        # Three copies of one prompt, two samples each: one request of n = 6, in order.
+        assert [(c.prompt_index, c.sample_index) for c in completions] == [
+            (p, s) for p in range(3) for s in range(2)
+        ]
+        for completion in completions:
+            assert (completion.policy_version, completion.policy_version_hash) == (
+                held["version"],
+                held["hash"],
+            )
+            assert len(completion.logprobs) == len(completion.token_ids) >= 1
+        assert engine.policy_version == 2
+        # Bounded: a version that never comes fails the call after its attempts.
+        engine.requirement = lambda: PolicyRequirement(min_version=99)
+        bounded = EngineConfig(
+            type="remote", remote_urls=[following_replica.url], remote_model=MODEL,
+            remote_retry_s=0.01, remote_max_retry_s=0.01, remote_max_attempts=3,
+        )  # fmt: skip
+        hopeless = RemoteEngine(bounded)
+        hopeless.requirement = engine.requirement
+        with pytest.raises(RemoteUnavailable, match=r"after 3 attempts.*holds"):
+            await asyncio.wrap_future(hopeless.submit([PROMPT], SamplingParams(max_tokens=2)))
+        hopeless.close()
+    finally:
+        engine.close()
+
+
+def refusals() -> float:
+    """Version refusals the remote engines have met (their metric)."""
+    sample = REGISTRY.get_sample_value(
+        "rlpipe_remote_engine_requests_total", {"outcome": "refused"}
+    )
+    return sample or 0.0
+
+
 async def test_an_exact_version_broken_by_a_swap_between_holds_is_refused_and_not_recorded(
     bus: Bus,
 ) -> None:
@@ -280,3 +415,81 @@ async def test_an_exact_version_broken_by_a_swap_between_holds_is_refused_and_no
         await server.stop()
         running.cancel()
         await asyncio.gather(running, return_exceptions=True)
+
+
+# --- a remote-engine worker trains the demo through a serve replica ---------------------------
+
+
+@pytest.fixture
+async def stack() -> AsyncIterator[AsyncExitStack]:
+    async with AsyncExitStack() as services:
+        yield services
+
+
+@E2E
+async def test_a_remote_engine_worker_trains_the_demo_through_a_serve_replica(
+    bus: Bus, stack: AsyncExitStack, tmp_path: Path
+) -> None:
+    await provision(bus.js)
+    run_dir = tmp_path / "run"
+    port = free_port()
+    replica = serve_replica(port)
+    worker = RolloutWorkerService(
+        RolloutWorkerSettings(
+            worker_id="remote-worker",
+            policy=PolicyConfig(device="cpu"),  # its tokenizer; the fleet holds the weights
+            engine=EngineConfig(
+                type="remote", remote_urls=[f"http://127.0.0.1:{port}/v1"], remote_model=MODEL
+            ),
+            max_batch_tasks=2,
+            fetch_timeout_s=0.2,
+            drain_timeout_s=5.0,
+        )
+    )
+    trainer = TrainerService(
+        TrainerSettings(
+            run_dir=run_dir,
+            policy=PolicyConfig(device="cpu"),
+            batch_groups=1,
+            max_steps=STEPS,
+            eval=EvalGateConfig(every_versions=0),
+            checkpoint_every_steps=1000,
+            same_host=SameHostShareConfig(enabled=False),
+        )
+    )
+    for service in (
+        EnvGatewayService(EnvGatewaySettings(feeder=FeederConfig(mode="async"))),
+        RewardService(RewardSettings(fetch_timeout_s=0.2)),
+        WeightBroadcasterService(
+            WeightBroadcasterSettings(run_dir=run_dir, encode=EncodeOptions(threads=1))
+        ),
+        replica,
+        worker,
+        trainer,
+    ):
+        await run_service(stack, service, bus)
+
+    await wait_for(lambda: len(read_steps(run_dir)) >= STEPS, 300, f"{STEPS} trainer steps")
+
+    steps = read_steps(run_dir)
+    assert sum(step.num_samples for step in steps) > 0
+    # The logprobs the replica returned are the trainer's at the same version (numerics only).
+    same_version = [s.mismatch_by_staleness["0"] for s in steps if "0" in s.mismatch_by_staleness]
+    assert all(figures.mean_abs < 1e-3 for figures in same_version if figures.tokens)
+    # The worker generated nothing itself: it took no weights, its engine is the fleet.
+    assert isinstance(worker.engine, RemoteEngine)
+    assert worker.health()["weight_swaps"] == 0 and worker.health()["rollouts_published"] > 0
+    # Every turn names the version the replica stated, by the hash the trainer signed.
+    hashes = await announced_hashes(bus)
+    scored = await stream_messages(bus, streams.ROLLOUTS_SCORED.name, ScoredRollout)
+    turns = [t for s in scored for t in s.rollout.turns if t.role == "assistant"]
+    assert turns and all(s.rollout.worker_id == "remote-worker" for s in scored)
+    for turn in turns:
+        assert turn.policy_version is not None
+        assert turn.policy_version_hash == hashes[turn.policy_version]
+    assert max(t.policy_version or 0 for t in turns) >= 1  # versions trained after the start
+    # ...and each was generated by the replica (recorded there, never for feedback training).
+    records = await stream_messages(bus, streams.SERVING_GENERATIONS.name, ServedGeneration)
+    assert len(records) >= len(turns) and not any(r.training_eligible for r in records)
+    served = {(tuple(r.completion_token_ids), r.policy_version) for r in records}
+    assert all((tuple(t.token_ids), t.policy_version) in served for t in turns)

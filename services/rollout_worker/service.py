@@ -35,11 +35,14 @@ from libs.bus.publisher import Outgoing, Publisher
 from libs.chat.template import chat_template_for
 from libs.engine.base import InferenceEngine
 from libs.engine.factory import build_engine
+from libs.engine.remote import RemoteEngine
 from libs.envs.client import EnvClient, EnvError
 from libs.policy import architecture, load_policy_tokenizer, tokenizer_spec
 from libs.policy_identity import check_same_policy, describe_policy, wait_for_identity
 from libs.rollout.agent import AgentRunner, AgentSettings
 from libs.rollout.batcher import GenerationBatcher
+from libs.rollout.episode import GenerateFn
+from libs.rollout.remote_versions import RemoteVersions
 from libs.rollout.throughput import ThroughputMeter
 from libs.rollout.weights_follower import WeightsFollower
 from libs.serve.app import OpenAIApi, create_app
@@ -86,7 +89,7 @@ class RolloutWorkerService(Service):
         self.settings = settings
         self.engine: InferenceEngine | None = None
         self.batcher: GenerationBatcher | None = None
-        self.follower: WeightsFollower | None = None
+        self.follower: WeightsFollower | RemoteVersions | None = None
         self.receiver: WeightReceiver | None = None
         # The region's relay server when weights come from there (weights.nats_url).
         self.regional_bus: Bus | None = None
@@ -121,14 +124,13 @@ class RolloutWorkerService(Service):
         # Deltas are decoded beside the engine in a process of its own where weights are on a GPU.
         on_gpu = any(t.is_cuda for t in (self.engine.live_tensors() or {}).values())
         self.receiver = self._receiver(weights_bus, on_gpu=on_gpu)
-        self.follower = WeightsFollower(
-            self.engine, self.receiver, self.batcher, same_host=self._same_host_taker(bus)
-        )
+        self.follower = self._follower(bus)
         # Announcements from where the weights come from; the promoted version from the
         # trainer's KV state on the service connection.
         await self.follower.start(weights_bus.js, state_js=bus.js)
-        # Turns name their versions by number and manifest hash.
-        generate = self.follower.versions.stamped(self.batcher.generate)
+        generate: GenerateFn = self.batcher.generate
+        if isinstance(self.follower, WeightsFollower):  # turns name versions by number and hash
+            generate = self.follower.versions.stamped(generate)
         self.runner = AgentRunner(EnvClient(bus.nc), tokenizer, generate, s, self._agent_settings())
         self.publisher = Publisher(bus.js)
         self.consumer = PullConsumer(
@@ -232,6 +234,15 @@ class RolloutWorkerService(Service):
         log.info("fetching weights from the regional relay", nats_url=redact_url(url))
         return self.regional_bus
 
+    def _follower(self, bus: Bus) -> WeightsFollower | RemoteVersions:
+        """What keeps the engine on the trainer's versions: the weights follower, or for a
+        remote engine (the fleet holds the weights) the versions its requests require."""
+        assert self.engine is not None and self.batcher is not None and self.receiver is not None
+        if isinstance(self.engine, RemoteEngine):
+            return RemoteVersions(self.engine, self.receiver.verifier, self.batcher)
+        same_host = self._same_host_taker(bus)
+        return WeightsFollower(self.engine, self.receiver, self.batcher, same_host=same_host)
+
     def _same_host_taker(self, bus: Bus) -> SameHostTaker | None:
         """Versions from the trainer's memory, where this engine's weights can be written in
         place (its live tensors are exposed) and it follows every version."""
@@ -282,6 +293,7 @@ class RolloutWorkerService(Service):
             max_context_tokens=self.engine.max_context_tokens,
         )
         follower = self.follower
+        assert isinstance(follower, WeightsFollower), "serve mode runs a local engine"
         self.serve_openai = OpenAIApi(
             self.served,
             chat_template_for(tokenizer),
@@ -340,7 +352,7 @@ class RolloutWorkerService(Service):
         try:
             await self._wait_for_version(task)
             try:
-                rollouts = await self.runner.run(task)
+                rollouts = await self._roll_out(task)
             except EnvError as exc:
                 if exc.kind in PERMANENT_ENV_ERRORS:
                     raise PermanentError(f"task {task.task_id}: env refused it: {exc}") from exc
@@ -354,6 +366,14 @@ class RolloutWorkerService(Service):
         stored = sum(1 for ack in acks if not ack.duplicate)
         self.num_published += stored
         ROLLOUTS_PUBLISHED.labels(task.env).inc(stored)
+
+    async def _roll_out(self, task: Task) -> list[m.Rollout]:
+        """The task's rollouts; a remote engine's requests require its min_policy_version."""
+        assert self.runner is not None
+        if isinstance(self.follower, RemoteVersions):
+            with self.follower.requiring(task.min_policy_version):
+                return await self.runner.run(task)
+        return await self.runner.run(task)
 
     async def _wait_for_version(self, task: Task) -> None:
         """Hold the task until the engine has weights of at least its min_policy_version."""

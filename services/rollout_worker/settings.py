@@ -110,6 +110,15 @@ class RolloutWorkerSettings(ServiceSettings, RunnerSettings, AgentSettings):
         return self
 
     @model_validator(mode="after")
+    def _serves_locally(self) -> Self:
+        if self.serve.port and self.engine.type == "remote":
+            raise ValueError(
+                "serve.port is set with engine.type remote: serve mode answers with a local "
+                "engine; point clients at the fleet itself, or run this replica's own engine"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _has_work(self) -> Self:
         if not self.consume_tasks and not self.serve.port:
             raise ValueError(
