@@ -147,6 +147,8 @@ SERVING_GENERATIONS = StreamSpec(
     subjects=(subjects.SERVING_GENERATIONS,),
     description="Generations served to product users, for joining with feedback.",
     max_bytes=1 * GIB,
+    # The join reads a generation by its sequence for every sample it makes.
+    allow_direct=True,
 )
 FEEDBACK_EVENTS = StreamSpec(
     name="RL_FEEDBACK_EVENTS",

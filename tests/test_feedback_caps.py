@@ -165,7 +165,7 @@ async def test_replicas_buckets_never_grant_more_than_the_shared_one(bus: Bus) -
     await provision(bus.js)
     now = [1000.0]
     bucket = streams.FEEDBACK_RATE.bucket
-    keys = KvKeys(bus.js, await bus.js.key_value(bucket), bucket)
+    keys = KvKeys(bus.js, await bus.js.key_value(bucket), streams.FEEDBACK_RATE)
 
     def replica() -> SharedTokenBucket:
         return SharedTokenBucket(

@@ -8,7 +8,9 @@ State lives on the bus, in the KV bucket `feedback_join` (libs/feedback/join_sto
 generation index, one key per waiting event, every key with a TTL), never only in memory,
 so a restart (or a second joiner) picks up where the last one stopped. Work per event is
 bounded: parking is one write, joining one read and (while the generation's cap fills) one
-compare-and-swap of a small value, whatever else rates the same generation.
+compare-and-swap of a small value, whatever else rates the same generation. The joiner
+keeps what it read and wrote lately (libs/feedback/join_cache.py), so the events of a
+generation it has seen cost no read, and those past a full cap no request at all.
 
 Each handler writes its own side first and then reads the other, so when a generation and
 its feedback are handled at the same moment at least one of them sees both and joins.
@@ -45,7 +47,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
@@ -61,6 +62,7 @@ from libs.bus.consumer import PermanentError, PullConsumer
 from libs.bus.dead_letter import Delivery, publish_dead_letter
 from libs.bus.provision import ProvisionError
 from libs.bus.publisher import Publisher
+from libs.feedback.join_cache import JoinCache
 from libs.feedback.join_store import (
     BUDGET_PREFIX,
     GenerationRef,
@@ -77,8 +79,6 @@ log = structlog.get_logger(__name__)
 
 BUCKET = streams.FEEDBACK_JOIN.bucket
 MAX_CAS_ATTEMPTS = 20
-# Decoded generations kept by stream sequence: the events of a hot generation fetch it once.
-GENERATION_CACHE_SIZE = 256
 
 JOINED = Counter("rlpipe_feedback_joined_total", "Online samples published by the joiner")
 JOIN_DEAD = Counter(
@@ -163,7 +163,7 @@ class Joiner:
         self._publisher = publisher
         self.config = config
         self._clock = clock
-        keys = KvKeys(js, kv, BUCKET)
+        keys = KvKeys(js, kv, streams.FEEDBACK_JOIN)
         self.store = JoinStore(keys, config.window_s, clock)
         self._budget = SharedTokenBucket(
             keys,
@@ -176,7 +176,7 @@ class Joiner:
             lease_s=60.0,
             clock=clock,
         )
-        self._generations: OrderedDict[int, ServedGeneration] = OrderedDict()
+        self.cache = JoinCache(config.window_s, clock)
         # Generation ids this process is flushing: the sweeper leaves them to that flush.
         self._flushing: set[str] = set()
         self.num_joined = 0
@@ -197,7 +197,8 @@ class Joiner:
         )
         indexed = await self.store.index(gid, ref)  # indexed before: the first is kept
         if indexed.ref.seq == ref.seq:
-            self._remember(ref.seq, generation)
+            self.cache.keep_generation(ref.seq, generation)
+        self.cache.keep_indexed(gid, indexed)
         await self._flush(gid, indexed)
 
     async def on_feedback(self, event: FeedbackEvent, delivery: Delivery) -> None:
@@ -210,12 +211,12 @@ class Joiner:
             event=event,
             parked_at=self._clock(),
         )
-        indexed = await self.store.generation(gid)
+        indexed = await self._indexed(gid)
         if indexed is not None:
             await self._resolve(gid, item, indexed)
             return
         await self.store.park(gid, item)
-        indexed = await self.store.generation(gid)  # arrived meanwhile? then we join it
+        indexed = await self._indexed(gid)  # arrived meanwhile? then we join it
         if indexed is not None:
             await self._resolve(gid, item, indexed)
             await self.store.unpark(gid, event.event_id)
@@ -316,31 +317,35 @@ class Joiner:
                 budget_taken = True
             admitted = await self.store.add_sampled(gid, indexed, event.event_id)
             if admitted is not None:
+                self.cache.keep_indexed(gid, admitted)
                 return "sample", admitted
-            fresh = await self.store.generation(gid)
+            fresh = await self.store.generation(gid)  # changed since (or a stale cache entry)
             if fresh is None:  # expired meanwhile: the window is over
                 return "generation", indexed
+            self.cache.keep_indexed(gid, fresh)
             indexed = fresh
         raise RuntimeError(f"join: the index of {gid} kept changing; will retry")
 
+    async def _indexed(self, gid: str) -> Indexed | None:
+        """The generation's index entry: this joiner's own, else the bus's."""
+        indexed = self.cache.indexed(gid)
+        if indexed is None:
+            indexed = await self.store.generation(gid)
+            if indexed is not None:
+                self.cache.keep_indexed(gid, indexed)
+        return indexed
+
     async def _fetch_generation(self, seq: int) -> ServedGeneration | None:
-        cached = self._generations.get(seq)
+        cached = self.cache.generation(seq)
         if cached is not None:
-            self._generations.move_to_end(seq)
             return cached
         try:
-            raw = await self._js.get_msg(streams.SERVING_GENERATIONS.name, seq=seq)
+            raw = await self._js.get_msg(streams.SERVING_GENERATIONS.name, seq=seq, direct=True)
         except NotFoundError:
             return None
         generation = wire.decode(ServedGeneration, raw.data or b"", raw.headers)
-        self._remember(seq, generation)
+        self.cache.keep_generation(seq, generation)
         return generation
-
-    def _remember(self, seq: int, generation: ServedGeneration) -> None:
-        self._generations[seq] = generation
-        self._generations.move_to_end(seq)
-        while len(self._generations) > GENERATION_CACHE_SIZE:
-            self._generations.popitem(last=False)
 
     async def _publish_sample(self, event: FeedbackEvent, generation: ServedGeneration) -> None:
         sample = OnlineSample(

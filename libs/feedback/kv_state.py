@@ -4,7 +4,7 @@ nats-py's `KeyValue.update` takes no TTL and its `delete`/`purge` leave a marker
 the feedback state needs both: every key it writes expires on its own (the join's bucket
 holds about one join window), and a generation's waiting events go in one purge.
 
-    keys = KvKeys(js, kv, "feedback_join")
+    keys = KvKeys(js, kv, streams.FEEDBACK_JOIN)   # kv: js.key_value("feedback_join")
     stored = await keys.read("gen.abc")          # value (None: absent) and revision
     revision = await keys.write("gen.abc", data, last=stored.revision, ttl_s=3600)
     async for key, value in keys.scan("wait.abc.>"): ...
@@ -22,6 +22,7 @@ from nats.js.errors import APIError, KeyNotFoundError, NotFoundError
 from nats.js.kv import KeyValue
 
 from libs.bus.stream_scan import scan_stream
+from proto.streams import KeyValueSpec
 
 EXPECTED_LAST_SUBJECT_SEQ = "Nats-Expected-Last-Subject-Sequence"
 # JetStream's "wrong last sequence" error codes: the key changed since it was read.
@@ -41,13 +42,15 @@ class Stored:
 
 
 class KvKeys:
-    """The keys of one bucket, read through `kv` and written as plain JetStream publishes."""
+    """The keys of the bucket `spec`, read through `kv` and written as plain JetStream
+    publishes."""
 
-    def __init__(self, js: JetStreamContext, kv: KeyValue, bucket: str) -> None:
+    def __init__(self, js: JetStreamContext, kv: KeyValue, spec: KeyValueSpec) -> None:
         self._js = js
         self._kv = kv
-        self._prefix = f"$KV.{bucket}."
-        self._stream = f"KV_{bucket}"
+        self._direct = spec.direct  # scans read by direct get where the bucket answers them
+        self._prefix = f"$KV.{spec.bucket}."
+        self._stream = f"KV_{spec.bucket}"
 
     async def read(self, key: str) -> Stored:
         try:
@@ -96,7 +99,9 @@ class KvKeys:
         seq = 1
         for _ in range(DIRECT_SCAN_KEYS):
             try:
-                raw = await self._js.get_msg(self._stream, seq=seq, subject=subject, next=True)
+                raw = await self._js.get_msg(
+                    self._stream, seq=seq, subject=subject, next=True, direct=self._direct
+                )
             except NotFoundError:
                 return
             if raw.data and raw.subject and not (raw.headers or {}).get(KV_OPERATION):

@@ -107,7 +107,7 @@ async def find_key_events(js: JetStreamContext, selector: KeySelector) -> KeyEve
         if selector.matches(event):
             found.events.append(seq)
             found.note(event)
-    keys = KvKeys(js, await bind_bucket(js, BUCKET), BUCKET)
+    keys = KvKeys(js, await bind_bucket(js, BUCKET), streams.FEEDBACK_JOIN)
     async for key, value in keys.scan(f"{WAIT_PREFIX}*.*"):
         if selector.matches(msgspec.msgpack.decode(value, type=WaitingEvent).event):
             found.waiting.append(key)
@@ -129,7 +129,7 @@ async def purge_key_events(js: JetStreamContext, selector: KeySelector) -> KeyEv
     feedback stream first, so the joiner starts nothing new from them."""
     found = await find_key_events(js, selector)
     await _delete_all(js, streams.FEEDBACK_EVENTS.name, found.events)
-    keys = KvKeys(js, await bind_bucket(js, BUCKET), BUCKET)
+    keys = KvKeys(js, await bind_bucket(js, BUCKET), streams.FEEDBACK_JOIN)
     await _each(found.waiting, keys.remove)
     await _delete_all(js, streams.ROLLOUTS_ONLINE.name, found.samples)
     await _delete_all(js, streams.DEAD_LETTERS.name, found.dead_letters)

@@ -18,7 +18,7 @@ compare-and-swap conflicts come only from other replicas, and are retried.
 A key that expired (its TTL is the time to refill from empty) reads as a full bucket, which
 is what it would hold by then.
 
-    bucket = SharedTokenBucket(KvKeys(js, kv, "feedback_rate"), "rate", rate_per_s=1000,
+    bucket = SharedTokenBucket(KvKeys(js, kv, streams.FEEDBACK_RATE), "rate", rate_per_s=1000,
                                burst=2000, lease=50)
     wait_s = await bucket.take("acme-web", 50)      # 0.0: granted; else seconds to wait
 """

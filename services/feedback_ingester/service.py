@@ -83,9 +83,9 @@ class FeedbackIngesterService(Service):
                 settings.api_nats_url, f"{self.name}-api", settings.api_nats_inbox_prefix, tls=tls
             )
         js = (self._api_bus or bus).js
-        rate_bucket = streams.FEEDBACK_RATE.bucket
+        rate = streams.FEEDBACK_RATE
         limiter = SharedTokenBucket(
-            KvKeys(js, await bind_bucket(js, rate_bucket), rate_bucket),
+            KvKeys(js, await bind_bucket(js, rate.bucket), rate),
             "rate",
             rate_per_s=settings.rate_per_s,
             burst=settings.rate_burst_events,

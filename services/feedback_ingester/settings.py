@@ -71,7 +71,11 @@ class FeedbackIngesterSettings(ServiceSettings):
         30.0, gt=0, description="How often waiting events are checked for expiry"
     )
     join_batch_size: int = Field(64, ge=1, description="Messages fetched per pull")
-    join_concurrency: int = Field(16, ge=1, description="Messages joined at the same time")
+    join_concurrency: int = Field(
+        64,
+        ge=1,
+        description="Messages joined at the same time (each waits on a few bus round trips)",
+    )
     join_fetch_timeout_s: float = Field(1.0, gt=0, description="Longest wait of one pull")
     join_generation_sample_cap: int = Field(
         4,

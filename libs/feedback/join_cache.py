@@ -1,0 +1,80 @@
+"""What one joiner read or wrote lately, so the events of a busy generation cost no bus reads.
+
+- Index entries by generation id (libs/feedback/join_store.py), each with the revision it
+  had: an event whose generation is cached is checked against it and, while the cap fills,
+  compare-and-swapped on that revision (a stale one fails and is read again). A cached
+  entry is trusted only for what cannot change back: that the generation exists, its
+  eligibility and product, and that an event id was admitted or the cap is full (the list
+  of admitted ids only grows). It is dropped when its join window is over.
+- Decoded generations by their stream sequence: a generation's samples fetch it once.
+
+Both are LRU, bounded in entries; a restart starts empty and reads the bus.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Generic, TypeVar
+
+from libs.feedback.join_store import Indexed
+from proto.messages import ServedGeneration
+
+K = TypeVar("K")
+V = TypeVar("V")
+
+INDEXED_ENTRIES = 4096
+# Generations are the largest values (a prompt's and a completion's tokens and logprobs).
+GENERATION_ENTRIES = 256
+
+
+class Lru(Generic[K, V]):
+    """At most `size` entries; the least recently used goes first."""
+
+    def __init__(self, size: int) -> None:
+        self._size = size
+        self._entries: OrderedDict[K, V] = OrderedDict()
+
+    def get(self, key: K) -> V | None:
+        value = self._entries.get(key)
+        if value is not None:
+            self._entries.move_to_end(key)
+        return value
+
+    def put(self, key: K, value: V) -> None:
+        self._entries[key] = value
+        self._entries.move_to_end(key)
+        while len(self._entries) > self._size:
+            self._entries.popitem(last=False)
+
+    def drop(self, key: K) -> None:
+        self._entries.pop(key, None)
+
+
+class JoinCache:
+    """Index entries and generations this joiner saw lately."""
+
+    def __init__(self, window_s: float, clock: Callable[[], float] = time.time) -> None:
+        self._window_s = window_s
+        self._clock = clock
+        self._indexed: Lru[str, Indexed] = Lru(INDEXED_ENTRIES)
+        self._generations: Lru[int, ServedGeneration] = Lru(GENERATION_ENTRIES)
+
+    def indexed(self, gid: str) -> Indexed | None:
+        """The cached index entry of `gid`, while its window lasts."""
+        entry = self._indexed.get(gid)
+        if entry is not None and entry.ref.indexed_at + self._window_s <= self._clock():
+            self._indexed.drop(gid)
+            return None
+        return entry
+
+    def keep_indexed(self, gid: str, indexed: Indexed) -> None:
+        if indexed.ref.indexed_at:  # entries of the layout before indexed_at: read each time
+            self._indexed.put(gid, indexed)
+
+    def generation(self, seq: int) -> ServedGeneration | None:
+        return self._generations.get(seq)
+
+    def keep_generation(self, seq: int, generation: ServedGeneration) -> None:
+        self._generations.put(seq, generation)
