@@ -14,7 +14,7 @@ are dropped from the batch and its cache, so long stragglers do not make finishe
 cost compute. Position ids count only real tokens, so padding does not shift RoPE and a
 row decodes the same alone or in a batch (up to float rounding). Rows a call cuts at
 `max_tokens` keep their KV cache for a call that continues exactly them
-(`libs.engine.continuations`: serve mode's holds), until the weights change.
+(`libs.engine.continuations`: serve mode's holds), across weight swaps too.
 """
 
 from __future__ import annotations
@@ -161,7 +161,6 @@ class HFEngine(InferenceEngine):
                     self._tensors[name].copy_(tensor)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
-            self._continuations.clear()  # their KV is the old weights'
             self._version = version
             return time.perf_counter() - start_s
 
@@ -182,8 +181,7 @@ class HFEngine(InferenceEngine):
         with self._lock:
             check_version(version, self._version)
             start_s = time.perf_counter()
-            self._continuations.clear()  # their KV is the old weights' (cleared before
-            result = write()  # the write: one that fails leaves the weights unknown)
+            result = write()
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             self._version = version
@@ -257,7 +255,7 @@ class HFEngine(InferenceEngine):
 
     def _resume(self, prompts: list[list[int]]) -> tuple[_Batch, torch.Tensor] | None:
         """The batch a call that cut exactly these rows left, fed its last tokens; or None."""
-        suspended = self._continuations.take(self._version, prompts)
+        suspended = self._continuations.take(prompts)
         if suspended is None:
             return None
         batch = suspended.batch
@@ -281,7 +279,7 @@ class HFEngine(InferenceEngine):
         indices = [batch.live[slot] for slot in running]
         sequences = [[*prompts[i], *rows[i].token_ids] for i in indices]
         batch.live = list(range(len(indices)))  # row i of the continuing call
-        self._continuations.put(self._version, sequences, _Suspended(batch, token_ids))
+        self._continuations.put(sequences, _Suspended(batch, token_ids))
 
     def _forward(
         self, input_ids: torch.Tensor, batch: _Batch, position_ids: torch.Tensor

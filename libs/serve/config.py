@@ -91,13 +91,13 @@ class ServeConfig(BaseModel):
     )
     busy_retry_after_s: int = Field(1, ge=0, description="Retry-After of a 429")
     hold_tokens: int = Field(
-        32,
+        16,
         ge=1,
         description="Decode steps a served request holds the engine before rollouts and "
         "weight swaps get their turn (it then goes on from where it was)",
     )
     engine_share: float = Field(
-        0.25,
+        0.1,
         gt=0,
         le=1,
         description="Most of the engine's time served requests take while the worker also "
