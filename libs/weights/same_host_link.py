@@ -213,8 +213,11 @@ class SameHostTaker:
             ):
                 return notice
             self._arrived.clear()
+            # asyncio.timeout, not wait_for: Python 3.11's wait_for returns the result when a
+            # cancel comes as the wait ends (a notice arriving), and this loop then never ends.
             try:
-                await asyncio.wait_for(self._arrived.wait(), POLL_S)
+                async with asyncio.timeout(POLL_S):
+                    await self._arrived.wait()
             except TimeoutError:
                 await self._poll()
 
