@@ -180,12 +180,9 @@ class ApiServer:
         self.task_name = task_name
         self.label = label
         self._socket = _bind(host, port, backlog, f"{label} cannot listen", port_setting)
+        # Read once: uvicorn closes the socket when it stops, and /healthz still says the port.
+        self.port: int = self._socket.getsockname()[1]
         self.task: asyncio.Task[None] | None = None
-
-    @property
-    def port(self) -> int:
-        port: int = self._socket.getsockname()[1]
-        return port
 
     async def start(self, timeout_s: float = 10.0) -> None:
         """Start serving; returns once the server accepts connections."""

@@ -79,3 +79,13 @@ async def test_the_health_server_cuts_off_slow_and_surplus_connections() -> None
         writer.close()
     finally:
         await server.stop()
+
+
+async def test_an_api_server_still_names_its_port_once_stopped() -> None:
+    """uvicorn closes the listening socket when it stops; the worker's /healthz, which says
+    the serve port, must keep answering through the drain."""
+    server = ApiServer(FastAPI(), "127.0.0.1", 0, task_name="t", label="test API", port_setting="X")
+    await server.start()
+    port = server.port
+    await server.stop()
+    assert server.port == port
