@@ -18,6 +18,9 @@ rlpipe feedback-key --name NAME --products P [--key-out FILE] [--toml]
                                   a feedback API key and the entry the ingester stores
 rlpipe feedback-events list|purge --key NAME[:KEY_ID]
                                   what one feedback key sent, everywhere; purge deletes it
+rlpipe fleet status | decisions | lend REPLICA | recall REPLICA
+                                  the serving fleet: what each replica serves, the
+                                  capacity controller's decisions, lending by hand
 rlpipe schema [--check]           write (or check) the JSON Schema in proto/schema/
 rlpipe nats-config render [--check] | passwords
                                   write (or check) deploy/nats/auth.conf from proto/;
@@ -42,7 +45,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from libs.settings import ServiceSettings, SettingsError
-from proto.services import SERVICES, service_module
+from proto.services import OPTIONAL_SERVICES, SERVICES, service_module
 
 
 def settings_classes() -> dict[str, Callable[[], type[ServiceSettings]]]:
@@ -62,7 +65,7 @@ def settings_classes() -> dict[str, Callable[[], type[ServiceSettings]]]:
 
         return load
 
-    return {service: loader(service) for service in SERVICES}
+    return {service: loader(service) for service in (*SERVICES, *OPTIONAL_SERVICES)}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -70,6 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     from apps.domains_cli import add_domain_parser
     from apps.feedback_events_cli import add_feedback_events_parser
     from apps.feedback_key_cli import add_feedback_key_parser
+    from apps.fleet_cli import add_fleet_parser
     from apps.launcher.arguments import add_demo_arguments
     from apps.nats_config_cli import add_nats_config_parser
     from apps.ray_deploy.cli import add_ray_parser
@@ -94,9 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run one service. Its settings, their defaults and where each value comes "
         "from: rlpipe config show SERVICE.",
     )
-    run.add_argument("service", choices=SERVICES)
+    run.add_argument("service", choices=(*SERVICES, *OPTIONAL_SERVICES))
     add_set_argument(run)
-    add_config_parser(commands, SERVICES)
+    add_config_parser(commands, (*SERVICES, *OPTIONAL_SERVICES))
     provision = commands.add_parser("provision", help="create or update the bus definitions")
     provision.add_argument(
         "--nats-url", default=os.environ.get("RLPIPE_NATS_URL", "nats://127.0.0.1:4222")
@@ -113,6 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_nats_config_parser(commands)
     add_sandbox_parser(commands)
     add_feedback_key_parser(commands)
+    add_fleet_parser(commands)
     add_feedback_events_parser(commands)
     add_sft_parser(commands)
     add_domain_parser(commands)
@@ -239,6 +244,12 @@ def on_feedback_events(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def on_fleet(args: argparse.Namespace) -> int:
+    from apps.fleet_cli import run
+
+    return run(args)
+
+
 def on_report(args: argparse.Namespace) -> int:
     from apps.report.command import run
 
@@ -271,6 +282,7 @@ HANDLERS = {
     "weights": on_weights,
     "sandbox": on_sandbox,
     "feedback-key": on_feedback_key,
+    "fleet": on_fleet,
     "feedback-events": on_feedback_events,
     "ray": on_ray,
     "sft": on_sft,

@@ -1,4 +1,4 @@
-"""A small HTTP server for `/healthz` and `/metrics`, on the service's own event loop.
+"""A small HTTP server for `/healthz`, `/readyz` and `/metrics`, on the service's own loop.
 
 Two GET endpoints need no web framework; keeping it on asyncio's stream server means no
 extra thread and no second signal handler fighting the service's own.
@@ -35,7 +35,9 @@ _REASONS = {
 
 
 class HealthServer:
-    """Serves `health()` as JSON on /healthz (200 when ok or idle, else 503) and metrics."""
+    """Serves `health()` as JSON on /healthz (200 when ok or idle, else 503), `ready()` on
+    /readyz (200 or 503: whether a load balancer may send traffic; default: healthy) and
+    metrics."""
 
     def __init__(
         self,
@@ -43,8 +45,10 @@ class HealthServer:
         host: str,
         port: int,
         registry: CollectorRegistry = REGISTRY,
+        ready: Callable[[], bool] | None = None,
     ) -> None:
         self._health = health
+        self._ready = ready
         self._host = host
         self._port = port
         self._registry = registry
@@ -111,6 +115,11 @@ class HealthServer:
             report = self._health()
             status = 200 if report.get("status") in HEALTHY_STATUSES else 503
             return status, "application/json", orjson.dumps(report)
+        if path == "/readyz":
+            ready = (
+                self._ready() if self._ready else self._health().get("status") in HEALTHY_STATUSES
+            )
+            return (200 if ready else 503), "text/plain", b"ready\n" if ready else b"not ready\n"
         if path == "/metrics":
             return 200, CONTENT_TYPE_LATEST, generate_latest(self._registry)
-        return 404, "text/plain", b"not found: try /healthz or /metrics\n"
+        return 404, "text/plain", b"not found: try /healthz, /readyz or /metrics\n"

@@ -2,7 +2,7 @@
 
 `run_service` configures logging, logs the resolved settings, connects the bus, provisions
 it (unless `provision` is off: a service whose NATS user may not touch the JetStream API),
-serves /healthz and /metrics, runs the service until SIGTERM/SIGINT or until its `run`
+serves /healthz, /readyz and /metrics, runs the service until SIGTERM/SIGINT or until its `run`
 returns, then stops it (draining in-flight work) and closes the bus. A `run` that raises
 takes the process down with a non-zero exit, loudly, never silently.
 """
@@ -22,7 +22,7 @@ from prometheus_client import Gauge, Info
 
 from libs.bus.connection import Bus, BusConnectError, connect_bus, redact_url
 from libs.bus.provision import ProvisionError, ProvisionReport, provision
-from libs.health_server import HealthServer
+from libs.health_server import HEALTHY_STATUSES, HealthServer
 from libs.logs import configure_logging
 from libs.settings import ServiceSettings
 
@@ -62,12 +62,19 @@ class Service(ABC):
         """What /healthz returns: at least `service`, `status` and `detail`."""
         return {"service": self.name, "status": self.status, "detail": self.detail}
 
+    def ready(self) -> bool:
+        """What /readyz says (a load balancer's probe): healthy, unless the service says
+        otherwise (a serve replica lent to RL is healthy but takes no product traffic)."""
+        return self.health().get("status") in HEALTHY_STATUSES
+
 
 async def serve(service: Service, settings: ServiceSettings) -> None:
     """Run `service` against the bus at `settings.nats_url` until a signal or its end."""
     SERVICE_INFO.info({"service": service.name})
     SERVICE_STARTED.labels(service.name).set(time.time())
-    health = HealthServer(service.health, settings.http_host, settings.http_port)
+    health = HealthServer(
+        service.health, settings.http_host, settings.http_port, ready=service.ready
+    )
     await health.start()
     bus = await connect_bus(
         settings.nats_url,

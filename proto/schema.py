@@ -14,6 +14,7 @@ from pathlib import Path
 import msgspec
 
 from proto import streams
+from proto.fleet import FleetCommand, FleetCommandReply, FleetDecision, ReplicaStatus
 from proto.messages import (
     DeadLetter,
     EnvCloseReply,
@@ -60,6 +61,10 @@ ALL_MESSAGES: tuple[type[Message], ...] = (
     EnvCloseReply,
     SameHostShelf,
     SameHostVersion,
+    FleetCommand,
+    FleetCommandReply,
+    ReplicaStatus,
+    FleetDecision,
 )
 
 

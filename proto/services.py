@@ -19,6 +19,11 @@ SERVICES = (
 )
 
 
+# Services a deployment adds when it needs them, never started by `rlpipe demo`, compose or
+# Ray: the capacity controller lends serve replicas to RL (docs/fleet.md).
+OPTIONAL_SERVICES = ("capacity-controller",)
+
+
 def service_module(name: str) -> str:
     """The package a service runs from: "rollout-worker" -> "services.rollout_worker"."""
     return f"services.{name.replace('-', '_')}"

@@ -172,6 +172,15 @@ PROMOTIONS = StreamSpec(
     max_age_s=0.0,
     max_bytes=16 * MIB,
 )
+# The capacity controller's decisions (proto/fleet.py): a few a day, each small; a month of
+# them says why the fleet served what it did.
+FLEET_DECISIONS = StreamSpec(
+    name="RL_FLEET_DECISIONS",
+    subjects=(subjects.FLEET_DECISIONS,),
+    description="The capacity controller's lends and recalls of serve replicas, with reasons.",
+    max_age_s=30 * DAY_S,
+    max_bytes=16 * MIB,
+)
 DEAD_LETTERS = StreamSpec(
     name="RL_DEAD_LETTERS",
     subjects=(subjects.DEAD_ALL,),
@@ -191,6 +200,7 @@ ALL_STREAMS: tuple[StreamSpec, ...] = (
     FEEDBACK_EVENTS,
     ROLLOUTS_ONLINE,
     PROMOTIONS,
+    FLEET_DECISIONS,
     DEAD_LETTERS,
 )
 
@@ -285,4 +295,14 @@ FEEDBACK_RATE = KeyValueSpec(
     direct=True,
 )
 
-ALL_KV: tuple[KeyValueSpec, ...] = (STATE, FEEDBACK_JOIN, FEEDBACK_RATE)
+# The serving fleet's live state (proto/fleet.py): each lendable serve replica's status,
+# key `replica.<id>`, put every heartbeat. Memory: a restarted server is repopulated within
+# one heartbeat.
+FLEET = KeyValueSpec(
+    bucket="rl_fleet",
+    description="Serving fleet: each serve replica's role, versions, load and loans.",
+    max_bytes=16 * MIB,
+    storage="memory",
+)
+
+ALL_KV: tuple[KeyValueSpec, ...] = (STATE, FEEDBACK_JOIN, FEEDBACK_RATE, FLEET)

@@ -29,6 +29,11 @@ ROLLOUTS_ONLINE = "rl.rollouts.online"
 # The trainer's eval gate: one PromotionDecision per evaluated version.
 PROMOTIONS = "rl.promotions"
 
+# The serving fleet (proto/fleet.py): commands to one replica (core NATS request/reply,
+# `rl.fleet.command.<replica_id>`) and the capacity controller's decisions (a stream).
+FLEET_COMMANDS_ALL = "rl.fleet.command.*"
+FLEET_DECISIONS = "rl.fleet.decisions"
+
 # Dead letters: `rl.dead.<origin stream>`.
 DEAD_ALL = "rl.dead.>"
 

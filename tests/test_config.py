@@ -84,7 +84,7 @@ def test_typos_in_variables_and_toml_name_the_nearest_field(
     config.write_text("[trainer]\nlearning_rate = 0.1\n[reward]\nbatch_size = 8\n")
     code, out, err = rlpipe_here(monkeypatch, capsys, "config", "check", RLPIPE_CONFIG=str(config))
     assert code == 0, err
-    assert out.startswith("ok: 6 services")
+    assert out.startswith("ok: 7 services")
 
 
 def test_check_accepts_the_deployment_variables_the_docs_name(
@@ -95,7 +95,7 @@ def test_check_accepts_the_deployment_variables_the_docs_name(
     env = {"RLPIPE_DOMAIN_PATHS": str(tmp_path), "RLPIPE_NATS_CONFIG": "cluster.conf"}
     code, out, err = rlpipe_here(monkeypatch, capsys, "config", "check", **env)
     assert code == 0, err
-    assert out.startswith("ok: 6 services")
+    assert out.startswith("ok: 7 services")
 
 
 def test_show_gives_every_field_with_its_value_and_source(

@@ -11,6 +11,14 @@ import pytest
 
 from libs.bus import wire
 from proto import schema, subjects
+from proto.fleet import (
+    FleetCommand,
+    FleetCommandReply,
+    FleetDecision,
+    RecallRecord,
+    ReplicaLoad,
+    ReplicaStatus,
+)
 from proto.messages import (
     ChunkRef,
     CriterionScore,
@@ -66,6 +74,25 @@ FEEDBACK = FeedbackEvent(
     event_id="e1", generation_id="gen-1", product="ide", signal="accepted", occurred_at=1.0
 )
 EXAMPLES: list[Message] = [
+    FleetCommand(command_id="c1", replica_id="replica-2", action="lend", reason="off-peak"),
+    FleetCommandReply(command_id="c1", replica_id="replica-2", accepted=True, role="serving"),
+    ReplicaStatus(
+        replica_id="replica-2",
+        role="serving",
+        ready=True,
+        policy_version=4,
+        promoted_version=4,
+        load=ReplicaLoad(window_s=20.0, requests_per_s=1.5, p50_latency_s=0.2, p99_latency_s=0.9),
+        last_recall=RecallRecord(
+            tasks_in_flight=2,
+            tasks_finished=1,
+            tasks_requeued=1,
+            requeued_task_ids=["t9"],
+            hash_matches=True,
+        ),
+        at=1.0,
+    ),
+    FleetDecision(decision_id="d1", action="recall", replica_id="replica-2", reason="peak"),
     TASK,
     ROLLOUT,
     ScoredRollout(

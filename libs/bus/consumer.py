@@ -127,6 +127,11 @@ class PullConsumer(Generic[M]):
         self._failing_since = None
         for msg in msgs:
             await self._slots.acquire()
+            if self._stopping.is_set():  # fetched as `stop` began: handed back at once
+                self._slots.release()
+                with contextlib.suppress(Exception):
+                    await msg.nak()
+                continue
             task = asyncio.create_task(self._handle(msg))
             self._in_flight[task] = msg
             task.add_done_callback(self._on_done)

@@ -142,6 +142,11 @@ class InferenceEngine(abc.ABC):
         every completion comes from exactly one version.
         """
 
+    def restore_weights(self, state: Mapping[str, torch.Tensor], version: int) -> float:
+        """`update_weights`, where `version` may be older than the one loaded: a serve
+        replica lent to RL goes back to its promoted version (libs/fleet/lending.py)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot restore an older version")
+
     def live_tensors(self) -> dict[str, torch.Tensor] | None:
         """The model's own weight tensors by name, on its device, sharing storage with its
         parameters (tied weights under every name), to be written in place only inside

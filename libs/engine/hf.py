@@ -152,9 +152,16 @@ class HFEngine(InferenceEngine):
         return [_to_completion(row, index, num_samples, version) for index, row in enumerate(rows)]
 
     def update_weights(self, state: Mapping[str, torch.Tensor], version: int) -> float:
+        return self._copy_in(state, version, older=False)
+
+    def restore_weights(self, state: Mapping[str, torch.Tensor], version: int) -> float:
+        return self._copy_in(state, version, older=True)
+
+    def _copy_in(self, state: Mapping[str, torch.Tensor], version: int, *, older: bool) -> float:
         staged = stage_update(self._tensors, state)  # moved and cast before the pause
         with self._lock:
-            check_version(version, self._version)
+            if not older:
+                check_version(version, self._version)
             start_s = time.perf_counter()
             with torch.no_grad():
                 for name, tensor in staged.items():

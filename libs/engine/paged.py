@@ -210,21 +210,33 @@ class PagedEngine(InferenceEngine):
             self._changed.notify_all()
 
     def update_weights(self, state: Mapping[str, torch.Tensor], version: int) -> float:
+        return self._write_in_place(self._copier(state), version, older=False)[1]
+
+    def restore_weights(self, state: Mapping[str, torch.Tensor], version: int) -> float:
+        return self._write_in_place(self._copier(state), version, older=True)[1]
+
+    def _copier(self, state: Mapping[str, torch.Tensor]) -> Callable[[], None]:
         staged = stage_update(self._tensors, state)  # moved and cast before the pause
 
         def copy() -> None:
             for name, tensor in staged.items():
                 self._tensors[name].copy_(tensor)
 
-        return self.write_in_place(copy, version)[1]
+        return copy
 
     def live_tensors(self) -> dict[str, torch.Tensor] | None:
         return {name: tensor.detach() for name, tensor in self._tensors.items()}
 
     def write_in_place(self, write: Callable[[], T], version: int) -> tuple[T, float]:
+        return self._write_in_place(write, version, older=False)
+
+    def _write_in_place(
+        self, write: Callable[[], T], version: int, *, older: bool
+    ) -> tuple[T, float]:
         with self._write_lock:
             with self._lock:
-                check_version(version, self._version)
+                if not older:
+                    check_version(version, self._version)
                 self._writing = True  # new calls wait; running ones finish on the old weights
                 while self._num_running_calls:
                     self._changed.wait()

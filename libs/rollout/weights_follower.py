@@ -56,7 +56,7 @@ import asyncio
 import contextlib
 import functools
 import time
-from collections.abc import Callable, MutableMapping
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import nats.errors
@@ -69,6 +69,7 @@ from prometheus_client import Counter, Gauge
 from libs.engine.base import InferenceEngine
 from libs.rollout.batcher import GenerationBatcher
 from libs.rollout.version_book import VersionBook
+from libs.rollout.weight_states import changed_tensors, state_for, writable_on_host
 from libs.weights.announcements import latest_announcement
 from libs.weights.errors import CorruptDeltaError, WeightsError
 from libs.weights.format import VersionInfo
@@ -97,10 +98,6 @@ DEFAULT_RETRY_DELAYS_S = (0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
 # far above a version's fetch and apply on the links we measured (docs/weights-relay.md).
 WEIGHTS_STALL_S = 180.0
 LAG_POLL_S = 5.0
-
-
-class WeightsMismatchError(WeightsError):
-    """A version names tensors the engine's model does not have."""
 
 
 async def latest_announced_version(
@@ -146,7 +143,7 @@ class WeightsFollower:
         self.promoted_poll_s = promoted_poll_s
         live = engine.live_tensors()
         # Promoted-only needs the shadow: versions between promotions must not reach the model.
-        in_place = _writable_on_host(live) and not promoted_only
+        in_place = writable_on_host(live) and not promoted_only
         self._host: dict[str, torch.Tensor] | None = live if in_place else None
         self._js: JetStreamContext | None = None
         self._unpushed: set[str] = set()  # shadow tensors changed since the last push
@@ -166,6 +163,7 @@ class WeightsFollower:
         # promoted versions, not every one).
         self.same_host = None if promoted_only else same_host
         self._write_lock = asyncio.Lock()  # one writer at a time: the chain or same-host
+        self.promotions = asyncio.Lock()  # held by a loan: no promotion taken (libs/fleet)
         self._chain_parked = False  # the receiver's chain left behind by same-host versions
 
     @property
@@ -247,7 +245,7 @@ class WeightsFollower:
         (0.0 for a version of the chain older than a same-host one the engine holds)."""
         if self._behind_same_host(update.version):
             return 0.0
-        state = self._state_for(update)
+        state = state_for(update, self._host, self._state)
         started_s = time.monotonic()
         taken = self.same_host.num_applied if self.same_host is not None else 0
         await asyncio.to_thread(self.receiver.decode, update, state)  # generation goes on
@@ -375,10 +373,21 @@ class WeightsFollower:
     async def _serve_next_promotion(self) -> None:
         """Wait for a promotion, follow the chain up to it in the shadow, then swap it in."""
         promoted = await self._next_promotion()
-        while self._shadow_version() < promoted:
-            await self._apply_to_shadow(await self.receiver.next_update())
-        if self._shadow_version() == promoted:
-            await self._push_shadow(promoted)
+        async with self.promotions:
+            if not self._wants(promoted):  # the replica was lent meanwhile
+                return
+            while self._shadow_version() < promoted:
+                await self._apply_to_shadow(await self.receiver.next_update())
+            if self._shadow_version() == promoted:
+                await self._push_shadow(promoted)
+
+    def promoted_copy(self) -> tuple[VersionInfo, dict[str, Any]] | None:
+        """The promoted version the engine serves and its host copy (the shadow); None
+        unless the engine holds just what the shadow does (a loan restores from it)."""
+        held = self.receiver.current
+        if not (self.promoted_only and self.usable) or held is None or self._unpushed:
+            return None
+        return (held, self._state) if held.version == self.engine.policy_version else None
 
     def _shadow_version(self) -> int:
         current = self.receiver.current
@@ -398,9 +407,9 @@ class WeightsFollower:
         return newer and promoted >= self._shadow_version()
 
     async def _apply_to_shadow(self, update: PreparedUpdate) -> None:
-        state = self._state_for(update)
+        state = state_for(update, self._host, self._state)
         await asyncio.to_thread(self.receiver.apply, update, state)
-        self._unpushed |= set(_changed_tensors(update, state))
+        self._unpushed |= set(changed_tensors(update, state))
         self._state = state
 
     async def _push_shadow(self, version: int) -> None:
@@ -418,25 +427,6 @@ class WeightsFollower:
         self.versions.record(version, _hash_of(self.receiver.current, version))
         self._swapped(version, "promoted", pause_s)
 
-    def _state_for(self, update: PreparedUpdate) -> dict[str, Any]:
-        """The mapping this update is written into (a snapshot re-picks the tensors)."""
-        manifest = update.announcement.manifest
-        names = [entry.name for entry in manifest.tensors]
-        if self._host is not None:
-            unknown = [name for name in names if name not in self._host]
-            if unknown:
-                raise WeightsMismatchError(
-                    f"version {update.version} names {len(unknown)} tensor(s) the model lacks, "
-                    f"first {unknown[:3]}: is the worker's policy the trainer's architecture?"
-                )
-            if update.kind == "snapshot":
-                _warn_uncovered(self._host, set(names))
-                return {name: self._host[name] for name in names}
-            return self._state
-        if update.kind == "snapshot":
-            return {name: self._state[name] for name in names if name in self._state}
-        return self._state
-
     async def _write(self, update: PreparedUpdate, state: dict[str, Any]) -> float:
         """Write the decoded update (the gate held); the engine's pause in seconds."""
         if self._host is not None:
@@ -445,7 +435,7 @@ class WeightsFollower:
             )
             return pause_s
         await asyncio.to_thread(self.receiver.apply, update, state)
-        changed = _changed_tensors(update, state)
+        changed = changed_tensors(update, state)
         try:
             return await asyncio.to_thread(self.engine.update_weights, changed, update.version)
         except ValueError:
@@ -520,32 +510,6 @@ class WeightsFollower:
         await self.wait_for_version(self.target_version or 0)
 
 
-def _warn_uncovered(host: dict[str, torch.Tensor], names: set[str]) -> None:
-    """Log model tensors a version does not write and that share no storage with one it
-    does (tied weights do): they would keep the worker's own initial values."""
-    covered = {host[name].data_ptr() for name in names}
-    stale = [n for n, t in host.items() if n not in names and t.data_ptr() not in covered]
-    if stale:
-        log.warning("weight version leaves model tensors unwritten", tensors=stale[:5])
-
-
 def _hash_of(held: VersionInfo | None, version: int) -> str:
     """The hash of `version` where `held` (what the receiver holds) is that version."""
     return held.hash if held is not None and held.version == version else ""
-
-
-def _writable_on_host(tensors: dict[str, torch.Tensor] | None) -> bool:
-    """True when the receiver can write these tensors in place: contiguous, on the CPU
-    (numpy views) or on a CUDA device (libs.weights.gpu_apply scatters there); a non-contiguous
-    tensor's view would be a copy."""
-    if not tensors:
-        return False
-    return all(t.device.type in ("cpu", "cuda") and t.is_contiguous() for t in tensors.values())
-
-
-def _changed_tensors(update: PreparedUpdate, state: MutableMapping[str, Any]) -> dict[str, Any]:
-    """The tensors of `state` that `update` wrote (all of them for a snapshot)."""
-    entries = update.announcement.manifest.tensors
-    if update.kind == "snapshot":
-        return {entry.name: state[entry.name] for entry in entries}
-    return {entry.name: state[entry.name] for entry in entries if entry.change != "same"}

@@ -17,6 +17,11 @@ rollouts, never across a weight swap) and every served choice is recorded on
 `rl.serving.generations` before the answer. `consume_tasks=false` makes a replica that only
 serves. The API answers 503 until the first weight version is applied; `stop` lets open
 requests finish before the batcher ends.
+
+Lending (`lending.enabled`, a serve replica that takes promoted versions only): the capacity
+controller may lend the replica to RL and recall it (libs/fleet/lending.py): it leaves the
+load balancer (/readyz answers 503), pulls tasks with the trainer's newest version, and comes
+back to its promoted version, bit-exactly, when recalled.
 """
 
 from __future__ import annotations
@@ -30,13 +35,16 @@ from prometheus_client import Counter, Gauge
 
 from libs.background_tasks import BackgroundTasks
 from libs.bus.connection import Bus, connect_bus, redact_url
-from libs.bus.consumer import Delivery, PermanentError, PullConsumer
+from libs.bus.consumer import Delivery, Handler, PermanentError, PullConsumer
 from libs.bus.publisher import Outgoing, Publisher
 from libs.chat.template import chat_template_for
 from libs.engine.base import InferenceEngine
 from libs.engine.factory import build_engine
 from libs.engine.remote import RemoteEngine
 from libs.envs.client import EnvClient, EnvError
+from libs.fleet.lending import Lending
+from libs.fleet.load_meter import LoadMeter, LoadMiddleware
+from libs.fleet.loan import ReplicaParts
 from libs.policy import architecture, load_policy_tokenizer, tokenizer_spec
 from libs.policy_identity import check_same_policy, describe_policy, wait_for_identity
 from libs.rollout.agent import AgentRunner, AgentSettings
@@ -103,6 +111,7 @@ class RolloutWorkerService(Service):
         self.serve_api: ServeServer | None = None
         self.serve_openai: OpenAIApi | None = None
         self.identity: PolicyIdentity | None = None
+        self.lending: Lending | None = None  # a serve replica the controller may lend
         self._stopping = asyncio.Event()
 
     async def start(self, bus: Bus) -> None:
@@ -133,16 +142,7 @@ class RolloutWorkerService(Service):
             generate = self.follower.versions.stamped(generate)
         self.runner = AgentRunner(EnvClient(bus.nc), tokenizer, generate, s, self._agent_settings())
         self.publisher = Publisher(bus.js)
-        self.consumer = PullConsumer(
-            bus.js,
-            ROLLOUT_WORKER_TASKS,
-            Task,
-            self.on_task,
-            self.publisher,
-            batch_size=s.max_batch_tasks,
-            concurrency=s.max_batch_tasks,
-            fetch_timeout_s=s.fetch_timeout_s,
-        )
+        self.consumer = self._task_consumer(self.on_task)
         if s.serve.port:
             await self._start_serving(bus, tokenizer)
         self.status = "waiting for weights"
@@ -168,6 +168,8 @@ class RolloutWorkerService(Service):
         tasks.start("generation-batcher", self.batcher.run())
         for task in self._serving_tasks():  # the API server ends cleanly in `stop`
             tasks.adopt(task, may_end=True)
+        if self.lending is not None:
+            tasks.start("lending", self.lending.run())
         if not self.settings.follow_weights:
             self.follower.use_loaded_weights()
         else:
@@ -202,6 +204,8 @@ class RolloutWorkerService(Service):
 
     async def stop(self) -> None:
         await super().stop()
+        if self.lending is not None:  # a loan ends first: its tasks finish or are requeued
+            await self.lending.stop()
         # Both drain while the batcher still runs; run() ends it once _stopping is set.
         await asyncio.gather(self._stop_serving(), self._stop_consuming())
         self._stopping.set()
@@ -264,6 +268,21 @@ class RolloutWorkerService(Service):
         # A mirror's announcement can arrive before its chunks: wait for them.
         return RegionalWeightReceiver(weights_bus, config)
 
+    def _task_consumer(self, handler: Handler[Task]) -> PullConsumer[Task]:
+        """The shared task consumer, around `handler` (a loan builds one of its own)."""
+        assert self.bus is not None and self.publisher is not None, "start() first"
+        s = self.settings
+        return PullConsumer(
+            self.bus.js,
+            ROLLOUT_WORKER_TASKS,
+            Task,
+            handler,
+            self.publisher,
+            batch_size=s.max_batch_tasks,
+            concurrency=s.max_batch_tasks,
+            fetch_timeout_s=s.fetch_timeout_s,
+        )
+
     async def _stop_consuming(self) -> None:
         if self.consumer is not None:
             await self.consumer.stop(grace_s=self.settings.drain_timeout_s)
@@ -297,12 +316,16 @@ class RolloutWorkerService(Service):
         self.serve_openai = OpenAIApi(
             self.served,
             chat_template_for(tokenizer),
-            lambda: follower.policy_version,
+            self._product_version,
             s.serve,
             versions=follower.versions,
         )
+        app = create_app(self.serve_openai)
+        meter = LoadMeter(s.lending.load_window_s)
+        if s.lending.enabled:
+            app.add_middleware(LoadMiddleware, meter=meter)
         self.serve_api = ServeServer(
-            create_app(self.serve_openai),
+            app,
             s.serve.host,
             s.serve.port,
             graceful_s=s.drain_timeout_s,
@@ -312,6 +335,30 @@ class RolloutWorkerService(Service):
         await self.serve_api.start()
         if not s.record_generations:
             log.warning("serve mode records no generations: feedback on them cannot train")
+        if s.lending.enabled:
+            await self._start_lending(bus, meter)
+
+    async def _start_lending(self, bus: Bus, meter: LoadMeter) -> None:
+        """Take the capacity controller's lend and recall commands (libs/fleet)."""
+        assert self.engine and self.batcher and self.receiver and self.serve_openai
+        assert isinstance(self.follower, WeightsFollower), "a lent replica runs its engine"
+        admission = self.serve_openai.admission
+        parts = ReplicaParts(self.engine, self.batcher, self.follower, self.regional_bus or bus,
+                             self.receiver.config, self._task_consumer, self.on_task)  # fmt: skip
+        self.lending = Lending(self.settings.lending, self.settings.worker_id, parts, meter,
+                               lambda: (admission.num_running, admission.num_queued))  # fmt: skip
+        await self.lending.start(bus)
+
+    def _product_version(self) -> int | None:
+        """The version product requests are served with; None refuses them (503): no
+        weights yet, or lent to RL."""
+        if self.lending is not None and not self.lending.accepting:
+            return None
+        return self.follower.policy_version if self.follower is not None else None
+
+    def ready(self) -> bool:
+        """In the load balancer: healthy, and not lent."""
+        return super().ready() and (self.lending is None or self.lending.ready)
 
     def _serving_tasks(self) -> list[asyncio.Task[None]]:
         """The API server's task, watched by run() like the other background loops."""
@@ -377,8 +424,9 @@ class RolloutWorkerService(Service):
 
     async def _wait_for_version(self, task: Task) -> None:
         """Hold the task until the engine has weights of at least its min_policy_version."""
-        assert self.follower is not None
-        if self.follower.has_version(task.min_policy_version):
+        follower = self.lending.version_follower if self.lending is not None else self.follower
+        assert follower is not None
+        if follower.has_version(task.min_policy_version):
             return
         self.num_waiting_for_version += 1
         TASKS_WAITING_FOR_VERSION.inc()
@@ -391,7 +439,7 @@ class RolloutWorkerService(Service):
         wait_s = self.settings.min_version_wait_s
         try:
             async with asyncio.timeout(wait_s):
-                await self.follower.wait_for_version(task.min_policy_version)
+                await follower.wait_for_version(task.min_policy_version)
         except TimeoutError as exc:
             # Retried after a backoff (another worker, a later version); dead-lettered once
             # the consumer's attempts are spent.
@@ -430,4 +478,5 @@ class RolloutWorkerService(Service):
             "weight_swaps": self.follower.num_applied if self.follower else 0,
             "weight_swap_failures": self.follower.num_failed if self.follower else 0,
             **self._serve_health(),
+            **(self.lending.health() if self.lending is not None else {}),
         }

@@ -6,6 +6,7 @@ from pydantic import Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from libs.engine.factory import EngineConfig
+from libs.fleet.config import LendingConfig
 from libs.policy import PolicyConfig
 from libs.rollout.agent import AgentSettings
 from libs.rollout.episode import RunnerSettings
@@ -88,6 +89,11 @@ class RolloutWorkerSettings(ServiceSettings, RunnerSettings, AgentSettings):
     record_attempts: int = Field(
         2, ge=1, description="Attempts at storing records before the answer goes out without"
     )
+    lending: LendingConfig = Field(
+        default_factory=LendingConfig,
+        description="A serve replica the capacity controller may lend to RL "
+        "(RLPIPE_ROLLOUT_WORKER_LENDING_ENABLED, _RECALL_GRACE_S, ...; docs/fleet.md)",
+    )
 
     def engine_config(self) -> EngineConfig:
         """`engine`; a replica that follows no trainer and serves one of its checkpoints
@@ -116,6 +122,25 @@ class RolloutWorkerSettings(ServiceSettings, RunnerSettings, AgentSettings):
                 "serve.port is set with engine.type remote: serve mode answers with a local "
                 "engine; point clients at the fleet itself, or run this replica's own engine"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _lendable(self) -> Self:
+        if not self.lending.enabled:
+            return self
+        needs = {
+            "RLPIPE_ROLLOUT_WORKER_SERVE_PORT (serve mode)": self.serve.port > 0,
+            "RLPIPE_ROLLOUT_WORKER_CONSUME_TASKS=false (it pulls tasks only while lent)": (
+                not self.consume_tasks
+            ),
+            "RLPIPE_ROLLOUT_WORKER_WEIGHTS_PROMOTED_ONLY=true (it restores the promoted version)": (
+                self.weights.promoted_only
+            ),
+            "RLPIPE_ROLLOUT_WORKER_FOLLOW_WEIGHTS=true": self.follow_weights,
+        }
+        missing = [setting for setting, met in needs.items() if not met]
+        if missing:
+            raise ValueError(f"lending.enabled needs {'; '.join(missing)}")
         return self
 
     @model_validator(mode="after")
