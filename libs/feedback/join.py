@@ -211,7 +211,7 @@ class Joiner:
             event=event,
             parked_at=self._clock(),
         )
-        indexed = await self._indexed(gid)
+        indexed = None if self.cache.recently_missing(gid) else await self._indexed(gid)
         if indexed is not None:
             await self._resolve(gid, item, indexed)
             return
@@ -331,7 +331,9 @@ class Joiner:
         indexed = self.cache.indexed(gid)
         if indexed is None:
             indexed = await self.store.generation(gid)
-            if indexed is not None:
+            if indexed is None:
+                self.cache.keep_missing(gid)
+            else:
                 self.cache.keep_indexed(gid, indexed)
         return indexed
 

@@ -7,6 +7,9 @@
   eligibility and product, and that an event id was admitted or the cap is full (the list
   of admitted ids only grows). It is dropped when its join window is over.
 - Decoded generations by their stream sequence: a generation's samples fetch it once.
+- Generation ids just read as not indexed: for `MISSING_S` an event on one is parked without
+  that read first (the read after parking, which the join's protocol needs, still comes),
+  so a flood waiting for its generation costs two requests an event, not three.
 
 Both are LRU, bounded in entries; a restart starts empty and reads the bus.
 """
@@ -25,6 +28,7 @@ K = TypeVar("K")
 V = TypeVar("V")
 
 INDEXED_ENTRIES = 4096
+MISSING_S = 1.0
 # Generations are the largest values (a prompt's and a completion's tokens and logprobs).
 GENERATION_ENTRIES = 256
 
@@ -60,6 +64,7 @@ class JoinCache:
         self._clock = clock
         self._indexed: Lru[str, Indexed] = Lru(INDEXED_ENTRIES)
         self._generations: Lru[int, ServedGeneration] = Lru(GENERATION_ENTRIES)
+        self._missing: Lru[str, float] = Lru(INDEXED_ENTRIES)
 
     def indexed(self, gid: str) -> Indexed | None:
         """The cached index entry of `gid`, while its window lasts."""
@@ -70,8 +75,17 @@ class JoinCache:
         return entry
 
     def keep_indexed(self, gid: str, indexed: Indexed) -> None:
+        self._missing.drop(gid)
         if indexed.ref.indexed_at:  # entries of the layout before indexed_at: read each time
             self._indexed.put(gid, indexed)
+
+    def recently_missing(self, gid: str) -> bool:
+        """Whether `gid` was read as not indexed within the last MISSING_S."""
+        missing_at = self._missing.get(gid)
+        return missing_at is not None and self._clock() - missing_at < MISSING_S
+
+    def keep_missing(self, gid: str) -> None:
+        self._missing.put(gid, self._clock())
 
     def generation(self, seq: int) -> ServedGeneration | None:
         return self._generations.get(seq)
