@@ -147,7 +147,7 @@ RLPIPE_NOT_RUN = {
     "schema": "writes proto/schema/ (`--check` runs)",
     "nats-config": "render writes deploy/nats/ (`--check` runs; passwords runs)",
     "config": "every form runs",
-    "fleet": "needs a NATS server with lendable serve replicas",
+    "fleet": "needs serve replicas on a NATS server (tests/test_fleet_e2e.py runs two)",
 }
 
 

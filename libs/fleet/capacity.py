@@ -17,7 +17,8 @@ line over `trend_window_s`) `recall_lead_s` ahead, and the schedule is read as f
 replicas are recalled before the load needs them. Recalls are at once, as many as needed
 (those on their way to RL first, then the lent ones with the fewest episodes in flight);
 a lend is one replica at a time (the least loaded), once the load has needed fewer replicas
-for `lend_after_s`, `cooldown_s` after the last change, with no replica between roles.
+(with `lend_margin` more headroom, so a load near a boundary does not lend and recall in
+turn) for `lend_after_s`, `cooldown_s` after the last change, with no replica between roles.
 """
 
 from __future__ import annotations
@@ -113,7 +114,7 @@ def decide(
             Decision("recall", s.replica_id, f"{why}; {have} serving: recalled")
             for s in _recall_order(lent)[: needed - have]
         ]
-    elif needed < have:
+    elif needed < have and _by_load(load, forecast, config, config.lend_headroom) < have:
         memory.low_since_s = memory.low_since_s if memory.low_since_s is not None else now_s
         if _may_lend(statuses, lent, config, memory, now_s) and serving:
             target = min(serving, key=_least_loaded)
@@ -135,8 +136,7 @@ def _needed(
     utc_s: float,
 ) -> tuple[int, str]:
     """Serving replicas wanted now, and why (the largest of the reasons)."""
-    expected = max(load, forecast)
-    by_load = math.ceil(round(expected * (1 + config.headroom) / config.replica_capacity_rps, 6))
+    by_load = _by_load(load, forecast, config, config.headroom)
     reasons = {
         f"min_serving {config.min_serving}": config.min_serving,
         f"the schedule's floor within {config.recall_lead_s:.0f} s": config.scheduled_min(utc_s),
@@ -149,6 +149,12 @@ def _needed(
         reasons[f"{', '.join(pressed)} queue or slow past the thresholds"] = len(serving) + 1
     why, needed = max(reasons.items(), key=lambda item: item[1])
     return min(needed, len(statuses)), why
+
+
+def _by_load(load: float, forecast: float, config: ControllerConfig, headroom: float) -> int:
+    """Replicas that serve the larger of the load and its forecast with `headroom` spare."""
+    expected = max(load, forecast) * (1 + headroom)
+    return math.ceil(round(expected / config.replica_capacity_rps, 6))
 
 
 def _under_pressure(status: ReplicaStatus, config: ControllerConfig) -> bool:

@@ -93,6 +93,12 @@ class ControllerConfig(BaseModel):
     headroom: float = Field(
         0.5, ge=0, description="Spare capacity kept serving, as a fraction of the load"
     )
+    # A load near a boundary would otherwise lend a replica and recall it at the next tick.
+    lend_margin: float = Field(
+        0.25,
+        ge=0,
+        description="Headroom a lend must leave on top of `headroom`, as a fraction of the load",
+    )
     min_serving: int = Field(1, ge=1, description="Replicas that always serve product users")
     max_lent: int | None = Field(
         None, ge=0, description="Most replicas lent at once (unset: as many as the load allows)"
@@ -130,6 +136,11 @@ class ControllerConfig(BaseModel):
             if window.start == window.end:
                 raise ValueError(f"schedule window {window.start}-{window.end} is empty")
         return self
+
+    @property
+    def lend_headroom(self) -> float:
+        """The headroom a lend must leave: `headroom` plus `lend_margin`."""
+        return self.headroom + self.lend_margin
 
     def scheduled_min(self, utc_seconds: float) -> int:
         """The schedule's `min_serving` at this time of day, read `recall_lead_s` ahead."""

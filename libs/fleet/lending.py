@@ -298,11 +298,14 @@ class Lending:
         self.accepting = True
         record.seconds = round(time.monotonic() - asked_at, 3)
         if recalled:
-            self._recalled(record)
+            self.num_recalls += 1
+            if loan is not None:
+                self._recalled(record)
+            else:  # its weights never changed: nothing to restore or record
+                log.info("lend withdrawn before the loan began", seconds=record.seconds)
         await self._set_role("serving")
 
     def _recalled(self, record: RecallRecord) -> None:
-        self.num_recalls += 1
         self.last_recall = record
         RECALL_SECONDS.set(record.seconds)
         EPISODES_AT_RECALL.labels("finished").inc(record.episodes_finished)

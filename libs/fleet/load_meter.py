@@ -33,24 +33,23 @@ NOT_METERED = frozenset({"/v1/models"})
 class LoadMeter:
     """Arrivals and answers of product requests over a sliding window."""
 
-    def __init__(self, window_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, window_s: float) -> None:
         self.window_s = window_s
-        self._clock = clock
         self._arrivals: deque[float] = deque()
         self._answers: deque[tuple[float, float, int]] = deque()  # (at, latency_s, status)
 
     def arrived(self) -> float:
-        now = self._clock()
+        now = time.monotonic()
         self._arrivals.append(now)
         return now
 
     def answered(self, arrived_at: float, status: int) -> None:
-        now = self._clock()
+        now = time.monotonic()
         self._answers.append((now, now - arrived_at, status))
 
     def load(self, running: int = 0, queued: int = 0) -> ReplicaLoad:
         """The window's rate and latency, with the open requests counted by the caller."""
-        self._forget_before(self._clock() - self.window_s)
+        self._forget_before(time.monotonic() - self.window_s)
         latencies = sorted(latency for _, latency, status in self._answers if status < 500)
         return ReplicaLoad(
             window_s=self.window_s,
