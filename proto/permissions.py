@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from proto import same_host, streams, subjects
+from proto.fleet import REPLICA_STATUS_PREFIX
 from proto.streams import ConsumerSpec, KeyValueSpec, StreamSpec
 
 API = "$JS.API"
@@ -226,6 +227,38 @@ SERVE_REPLICA = _role(
     "records what it served; pulls no tasks, publishes no rollouts.",
     publish=(subjects.SERVING_GENERATIONS, *WEIGHT_READS, *STATE_READS),
 )
+# The serving fleet (proto/fleet.py): a lendable replica's status key, and the bucket's binding.
+FLEET_STATUS_WRITES = (
+    *stream_info(f"KV_{streams.FLEET.bucket}"),
+    *kv_writes(streams.FLEET, f"{REPLICA_STATUS_PREFIX}*"),
+)
+LENDABLE_REPLICA = _role(
+    "lendable-replica",
+    "A serve replica the capacity controller may lend to RL: what serve-replica may, and while "
+    "lent what a rollout-worker may (tasks, raw rollouts, env requests); takes its fleet "
+    "commands, answers them, puts its status. No decision, no other replica's command.",
+    publish=(
+        subjects.SERVING_GENERATIONS,
+        *durable_consumer(streams.ROLLOUT_WORKER_TASKS),
+        subjects.ROLLOUTS_RAW_ALL,
+        subjects.ENV_ALL,
+        *WEIGHT_READS,
+        *STATE_READS,
+        *FLEET_STATUS_WRITES,
+    ),
+    subscribe=(subjects.FLEET_COMMANDS_ALL,),
+    allow_responses=True,  # its answer to the controller's command
+)
+CAPACITY_CONTROLLER = _role(
+    "capacity-controller",
+    "Reads the serve replicas' statuses, sends them lend and recall commands, records each "
+    "decision; nothing else (no tasks, weights or state).",
+    publish=(
+        subjects.FLEET_COMMANDS_ALL,
+        subjects.FLEET_DECISIONS,
+        *kv_reads(streams.FLEET),
+    ),
+)
 ENV_GATEWAY = _role(
     "env-gateway",
     "Answers env requests (runs model-written code in its sandbox); its feeder publishes "
@@ -292,6 +325,8 @@ _CLIENT_ROLES: dict[str, Role] = {
         WEIGHT_BROADCASTER,
         ROLLOUT_WORKER,
         SERVE_REPLICA,
+        LENDABLE_REPLICA,
+        CAPACITY_CONTROLLER,
         ENV_GATEWAY,
         REWARD,
         FEEDBACK_INGESTER,

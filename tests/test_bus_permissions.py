@@ -22,13 +22,26 @@ from pathlib import Path
 import nats
 import pytest
 from nats.aio.client import Client
+from nats.aio.msg import Msg
 
 from apps.cli import main as rlpipe
+from libs.bus import wire
 from libs.bus.auth_config import render_authorization
 from libs.bus.connection import NatsOptions, connect_bus
 from libs.bus.provision import provision
+from libs.bus.publisher import Publisher
+from libs.fleet.ledger import new_command, read_decisions, read_statuses, send_command
 from libs.nats_server import NatsServer, find_nats_server
 from proto import permissions, streams, subjects
+from proto.fleet import (
+    FleetCommand,
+    FleetCommandReply,
+    FleetDecision,
+    ReplicaLoad,
+    ReplicaStatus,
+    fleet_command_subject,
+)
+from proto.fleet import replica_status_key as fleet_status_key
 from proto.permissions import REGION_ROLES, ROLES, Role, password_variable
 
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy" / "nats"
@@ -231,6 +244,9 @@ SENSITIVE_PUBLISH = (
     subjects.task_subject("arith"),
     subjects.PROMOTIONS,
     subjects.env_op_subject("arith", "reset"),
+    subjects.FLEET_DECISIONS,
+    "rl.fleet.command.replica-2",
+    f"$KV.{streams.FLEET.bucket}.replica.replica-2",
     f"$KV.{streams.STATE.bucket}.{streams.POLICY_VERSION_KEY}",
     f"$KV.{streams.STATE.bucket}.{streams.PROMOTED_VERSION_KEY}",
     f"$KV.{streams.STATE.bucket}.{streams.POLICY_IDENTITY_KEY}",
@@ -283,6 +299,16 @@ MUST_REFUSE = (
     ("leaf-region-a", "publish", subjects.WEIGHTS_ANNOUNCE_DELTA),
     ("leaf-region-a", "publish", f"$JS.API.STREAM.DELETE.{streams.TASKS.name}"),
     ("reward", "subscribe", "_INBOX.>"),
+    # The serving fleet: a replica neither decides nor commands another; the controller
+    # touches no work, weights or state.
+    ("lendable-replica", "publish", subjects.FLEET_DECISIONS),
+    ("lendable-replica", "publish", "rl.fleet.command.replica-2"),
+    ("lendable-replica", "publish", subjects.ROLLOUTS_SCORED),
+    ("lendable-replica", "publish", f"$KV.rl_state.{streams.PROMOTED_VERSION_KEY}"),
+    ("capacity-controller", "publish", subjects.task_subject("arith")),
+    ("capacity-controller", "publish", f"$KV.{streams.FLEET.bucket}.replica.replica-2"),
+    ("capacity-controller", "publish", subjects.WEIGHTS_ANNOUNCE_DELTA),
+    ("serve-replica", "publish", f"$KV.{streams.FLEET.bucket}.replica.replica-2"),
 )
 
 
@@ -308,6 +334,45 @@ async def test_a_stream_delete_as_reward_leaves_the_stream(
     finally:
         await bus.close()
         await admin.close()
+
+
+async def test_the_controller_and_a_lendable_replica_talk_as_their_roles(
+    server: NatsServer,
+) -> None:
+    """The fleet's exchange on the secured bus: the replica puts its status and answers a
+    command to it; the controller reads the status, commands, and records its decision."""
+    replica = await connect_bus(
+        server.url, "lendable-replica", options=_options("lendable-replica")
+    )
+    controller = await connect_bus(
+        server.url, "capacity-controller", options=_options("capacity-controller")
+    )
+    admin = await connect_bus(server.url, "admin", options=_options("admin"))
+    try:
+        status = ReplicaStatus(replica_id="replica-1", role="serving", ready=True,
+                               load=ReplicaLoad(window_s=20.0), at=time.time())  # fmt: skip
+        await (await replica.js.key_value(streams.FLEET.bucket)).put(
+            fleet_status_key("replica-1"), wire.encode(status)
+        )
+
+        async def answer(msg: Msg) -> None:
+            command = wire.decode(FleetCommand, msg.data, None)
+            reply = FleetCommandReply(command_id=command.command_id, replica_id="replica-1",
+                                      accepted=True, role="draining")  # fmt: skip
+            await replica.nc.publish(msg.reply, wire.encode(reply))
+
+        await replica.nc.subscribe(fleet_command_subject("replica-1"), cb=answer)
+        assert [s.replica_id for s in await read_statuses(controller.js)] == ["replica-1"]
+        command = new_command("replica-1", "lend", "off-peak", "capacity-controller")
+        reply = await send_command(controller.nc, command)
+        assert reply is not None and reply.accepted and reply.role == "draining"
+        decision = FleetDecision(decision_id="d-1", action="lend", replica_id="replica-1",
+                                 reason="off-peak", accepted=True)  # fmt: skip
+        await Publisher(controller.js).publish(subjects.FLEET_DECISIONS, decision, "d-1")
+        assert [d.decision_id for d in await read_decisions(admin.js)] == ["d-1"]
+    finally:
+        for bus in (replica, controller, admin):
+            await bus.close()
 
 
 def test_wildcard_matching_follows_nats() -> None:
