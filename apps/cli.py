@@ -29,6 +29,8 @@ rlpipe weights diff|apply|verify|snapshot ...
                                   lossless weight deltas of safetensors files
 rlpipe weights relay-setup --hub-domain HUB [--nats-url URL]
                                   mirror the hub's weight streams into a region
+rlpipe region setup|hub-setup|status [--nats-url URL] ...
+                                  a region that keeps working on its own server
 rlpipe ray up|status|scale|down [--address ADDR] ...
                                   the services as Ray actors: placed, restarted, the
                                   rollout-workers scaled with the task backlog (the ray extra)
@@ -77,6 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     from apps.launcher.arguments import add_demo_arguments
     from apps.nats_config_cli import add_nats_config_parser
     from apps.ray_deploy.cli import add_ray_parser
+    from apps.region_cli import add_region_parser
     from apps.report.command import add_report_parser
     from apps.sandbox_cli import add_sandbox_parser
     from apps.sft_cli import add_sft_parser
@@ -122,6 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_sft_parser(commands)
     add_domain_parser(commands)
     add_ray_parser(commands)
+    add_region_parser(commands)
     add_report_parser(commands)
     return parser
 
@@ -250,6 +254,12 @@ def on_fleet(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def on_region(args: argparse.Namespace) -> int:
+    from apps.region_cli import run
+
+    return run(args)
+
+
 def on_report(args: argparse.Namespace) -> int:
     from apps.report.command import run
 
@@ -285,6 +295,7 @@ HANDLERS = {
     "fleet": on_fleet,
     "feedback-events": on_feedback_events,
     "ray": on_ray,
+    "region": on_region,
     "sft": on_sft,
     "domain": on_domain,
     "report": on_report,

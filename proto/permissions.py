@@ -24,6 +24,19 @@ from dataclasses import dataclass
 
 from proto import same_host, streams, subjects
 from proto.fleet import REPLICA_STATUS_PREFIX
+from proto.regions import (
+    HUB_DOMAIN,
+    HUB_TASKS,
+    MIRRORED_BUCKETS,
+    MIRRORED_STREAMS,
+    OUTBOXES,
+    REGION_CONSUMERS,
+    REGION_STREAMS,
+    REGION_WORKER_TASKS,
+    REGIONS,
+    api_prefix,
+    bucket_stream,
+)
 from proto.streams import ConsumerSpec, KeyValueSpec, StreamSpec
 
 API = "$JS.API"
@@ -334,43 +347,67 @@ _CLIENT_ROLES: dict[str, Role] = {
     )
 }
 # --- regions ----------------------------------------------------------------------------------
-# A region runs its own nats-server, a leaf node of the hub (deploy/nats/region-leaf.conf),
-# whose weight streams mirror the hub's (libs/weights/relay.py). Its workers take tasks and
-# publish rollouts on the hub as `rollout-worker`, and read weights from the region.
+# A region runs its own nats-server, a leaf node of the hub (deploy/nats/region-leaf.conf), in
+# a JetStream domain of its own, and its services connect to it alone: proto/regions.py says
+# what crosses the link (mirrors of the weights and the trainer's state in, tasks pulled from
+# the hub's queue in, the outboxes of rollouts and dead letters sourced out by the hub).
 
-# The hub's JetStream domain (deploy/nats/hub.conf): a region's mirrors reach the hub's API
-# as `$JS.<domain>.API`.
-HUB_DOMAIN = "hub"
-# The regions the shipped hub config admits, each with its own leaf identity.
-REGIONS = ("region-a",)
-RELAYED_STREAMS = (streams.WEIGHTS_ANNOUNCE, streams.WEIGHT_CHUNKS)
+MIRRORED = (*(s.name for s in MIRRORED_STREAMS), *(bucket_stream(b) for b in MIRRORED_BUCKETS))
+RELAYED_STREAMS = MIRRORED_STREAMS
+RELAYED_NAMES = tuple(spec.name for spec in MIRRORED_STREAMS)
+REGION_NAMES = tuple(spec.name for spec in REGION_STREAMS)
+OUTBOX_NAMES = tuple(spec.name for spec in OUTBOXES.values())
+# The region's env-gateway pulls from the hub's shared task consumer across the link.
+HUB_TASK_PULLS = (
+    f"{api_prefix(HUB_DOMAIN)}.CONSUMER.MSG.NEXT.{HUB_TASKS.stream}.{HUB_TASKS.durable}",
+    f"$JS.ACK.{HUB_TASKS.stream}.{HUB_TASKS.durable}.>",
+    f"$JS.ACK.*.*.{HUB_TASKS.stream}.{HUB_TASKS.durable}.>",
+)
+
+
+def _source_consumers(api: str, names: tuple[str, ...]) -> tuple[str, ...]:
+    """What a server sends to make and keep the mirror or source consumers of streams `names`
+    in the domain of `api`: create, delete, look up, and its flow-control replies."""
+    return tuple(
+        subject
+        for name in names
+        for subject in (
+            f"{api}.CONSUMER.CREATE.{name}",
+            f"{api}.CONSUMER.CREATE.{name}.>",
+            f"{api}.CONSUMER.DELETE.{name}.>",
+            f"{api}.STREAM.INFO.{name}",
+            f"$JS.FC.{name}.>",
+            f"$JS.FC.*.*.{name}.>",
+        )
+    )
 
 
 def leaf_role(region: str) -> Role:
     """The identity `region`'s server links to the hub with (its leaf connection). From the
     hub's side, what a leaf may publish is exported to the hub and what it may subscribe to
-    is imported into the region: here, creating the mirror consumers of the two weight
-    streams (and their flow control) out, and the API replies and mirrored messages in.
-    Nothing a region's client publishes reaches any other hub subject."""
-    hub_api = f"$JS.{HUB_DOMAIN}.API"
-    publish = tuple(
-        subject
-        for spec in RELAYED_STREAMS
-        for subject in (
-            f"{hub_api}.CONSUMER.CREATE.{spec.name}",
-            f"{hub_api}.CONSUMER.CREATE.{spec.name}.>",
-            f"{hub_api}.CONSUMER.DELETE.{spec.name}.>",
-            f"{hub_api}.STREAM.INFO.{spec.name}",
-            f"$JS.FC.{spec.name}.>",
-            f"$JS.FC.*.*.{spec.name}.>",
-        )
-    )
+    is imported into the region. Out: making the region's mirror consumers on the hub (the
+    weight streams, the trainer's state), the region's env-gateway's pulls and acks on the
+    hub's task consumer, and the region's answers to the hub's sources (API replies, the
+    sourced messages). In: the API replies, mirrored messages, the pulled tasks (to the
+    env-gateway's inbox), and the hub's requests to make its source consumers on the region's
+    outboxes. Nothing a region's client publishes reaches any other hub subject."""
     return Role(
         f"leaf-{region}",
-        f"The leaf link of {region}'s server: mirrors the hub's weight streams, read-only.",
-        publish=publish,
-        # API replies to the region's server, mirrored messages, loop detection.
-        subscribe=("$JSC.R.>", "$JS.M.>", "$LDS.>"),
+        f"The leaf link of {region}'s server: mirrors the hub's weight streams and state, "
+        "pulls tasks from its queue, answers its sources of the region's outboxes.",
+        publish=(
+            *_source_consumers(api_prefix(HUB_DOMAIN), MIRRORED),
+            *HUB_TASK_PULLS,
+            "$JSC.R.>",  # answers to the hub's API requests (its source consumers)
+            "$JS.S.>",  # the messages its sources copy
+        ),
+        subscribe=(
+            "$JSC.R.>",  # answers to the region's API requests (its mirror consumers)
+            "$JS.M.>",  # the messages its mirrors copy
+            "$LDS.>",  # loop detection
+            f"{inbox_prefix('env-gateway')}.>",  # pulled tasks and their ack replies
+            *_source_consumers(api_prefix(region), OUTBOX_NAMES),
+        ),
     )
 
 
@@ -378,16 +415,18 @@ LEAF_ROLES = tuple(leaf_role(region) for region in REGIONS)
 # Every user of the hub's server (deploy/nats/auth.conf): the clients and the regions' links.
 ROLES: dict[str, Role] = {**_CLIENT_ROLES, **{role.name: role for role in LEAF_ROLES}}
 
-# The users of a regional server (deploy/nats/region-auth.conf): its relay keeps the mirrors,
-# its workers read them. Nobody there may publish anything the leaf link would carry.
+# The users of a regional server (deploy/nats/region-auth.conf): its relay sets the region up
+# and keeps the weight mirrors pruned; its env-gateway takes tasks and answers episodes; its
+# workers roll out. Only the env-gateway's pulls from the hub's queue cross the link.
 REGION_RELAY = _role(
     "relay",
-    "A region's relay (relay-setup, relay-prune): creates, updates and prunes the regional "
-    "mirrors of the weight streams; reads weights.",
+    "A region's relay (region setup, relay-prune): creates and updates the mirrors of the "
+    "weight streams and the trainer's state, the region's work queue and its outboxes; "
+    "prunes the weight mirrors; reads weights and what the region holds.",
     publish=(
         *(
             subject
-            for spec in RELAYED_STREAMS
+            for spec in MIRRORED_STREAMS
             for subject in (
                 *ephemeral_reader(spec),
                 f"{API}.STREAM.CREATE.{spec.name}",
@@ -395,17 +434,57 @@ REGION_RELAY = _role(
                 f"{API}.STREAM.PURGE.{spec.name}",
             )
         ),
-        # Looked up where weights are read (the trainer's version and policy): absent on a
-        # regional server, so the lookup answers "no bucket" at once, not a violation.
+        *(
+            subject
+            for name in (*(b for b in MIRRORED if b not in RELAYED_NAMES), *REGION_NAMES)
+            for subject in (
+                *stream_info(name),
+                f"{API}.STREAM.CREATE.{name}",
+                f"{API}.STREAM.UPDATE.{name}",
+            )
+        ),
+        *(
+            subject
+            for spec in REGION_CONSUMERS
+            for subject in (
+                f"{API}.CONSUMER.DURABLE.CREATE.{spec.stream}.{spec.durable}",
+                *consumer_lookup(spec),
+            )
+        ),
+        # Where weights are read, the trainer's version and policy are looked up too.
         *STATE_READS,
     ),
 )
+REGION_ENV_GATEWAY = _role(
+    "env-gateway",
+    "A region's env-gateway: answers its workers' env requests (request/reply); its intake "
+    "pulls tasks from the hub's queue across the link into the region's and looks up the "
+    "region's backlog.",
+    publish=(
+        *HUB_TASK_PULLS,
+        subjects.TASKS_ALL,
+        *consumer_lookup(REGION_WORKER_TASKS),
+    ),
+    subscribe=(subjects.ENV_ALL,),
+    allow_responses=True,
+)
 REGION_WORKER = _role(
     "rollout-worker",
-    "A region's rollout-worker on its regional server: reads the mirrored weights only.",
-    publish=(*WEIGHT_READS, *STATE_READS),
+    "A region's rollout-worker on its regional server: pulls the region's tasks, runs "
+    "episodes against its env-gateway, publishes raw rollouts into its outbox; reads the "
+    "mirrored weights and trainer's state, never writes them.",
+    publish=(
+        *durable_consumer(REGION_WORKER_TASKS),
+        subjects.ROLLOUTS_RAW_ALL,
+        subjects.ENV_ALL,
+        *WEIGHT_READS,
+        *STATE_READS,
+    ),
+    subscribe=(same_host.same_host_subject("*"),),
 )
-REGION_ROLES: dict[str, Role] = {role.name: role for role in (REGION_RELAY, REGION_WORKER)}
+REGION_ROLES: dict[str, Role] = {
+    role.name: role for role in (REGION_RELAY, REGION_ENV_GATEWAY, REGION_WORKER)
+}
 
 # The role each service connects as by default (a serve-only worker: serve-replica; the
 # ingester's API: feedback-api, through its own connection).

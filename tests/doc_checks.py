@@ -142,6 +142,7 @@ RLPIPE_NOT_RUN = {
     "weights": "needs safetensors files and a NATS server (tests/test_weights_cli.py runs it)",
     "sandbox": "needs the command's working folder (tests/test_sandbox.py runs it)",
     "report": "needs a run folder (tests/test_see_a_run.py runs it)",
+    "region": "needs a hub's and a region's NATS servers (tests/test_region_outage.py runs it)",
     "feedback-key": "writes a key file (tests/test_readme_examples.py runs it)",
     "feedback-events": "needs a NATS server (tests/test_feedback_caps.py runs list and purge)",
     "schema": "writes proto/schema/ (`--check` runs)",

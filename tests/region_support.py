@@ -1,16 +1,24 @@
 """Hub and region nats-servers running the shipped configs on loopback (deploy/nats/hub.conf
 and region-leaf.conf with their includes, copied with a test's ports and folders), for
-tests/test_region_link.py and tests/test_region_training.py.
+tests/test_region_link.py, tests/test_region_training.py and tests/test_region_outage.py.
 
     with linked_servers(hub_dir, region_dir) as (hub, region):   # provisioned, linked
         bus = await connect_bus(hub.url, "reward", options=hub_user("reward"))
+
+    link = LinkCutter()                  # the leaf link through a TCP relay this test can cut
+    with linked_servers(hub_dir, region_dir, link=link) as (hub, region):
+        link.cut()                       # both servers stay up; the region's leaf cannot reach
+        link.restore()                   # the hub until restored, then reconnects on its own
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 import shutil
+import socket
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -57,15 +65,91 @@ def hub_environment() -> dict[str, str]:
     return {ROLES[name].password_variable: pw for name, pw in HUB_PASSWORDS.items()}
 
 
+class LinkCutter:
+    """A TCP relay on loopback between the region's leaf connection and the hub's leafnode
+    port: `cut` closes every connection through it and refuses new ones until `restore`
+    (a network partition: both servers keep running). Threads, so a busy test loop cannot
+    slow the link."""
+
+    def __init__(self) -> None:
+        self.port = free_port()
+        self._target = 0
+        self._open = threading.Event()
+        self._open.set()
+        self._lock = threading.Lock()
+        self._sockets: list[socket.socket] = []
+        self._listener = socket.create_server(("127.0.0.1", self.port))
+
+    def start(self, target_port: int) -> None:
+        self._target = target_port
+        threading.Thread(target=self._accept, daemon=True, name="link-cutter").start()
+
+    def cut(self) -> None:
+        self._open.clear()
+        with self._lock:
+            sockets, self._sockets = self._sockets, []
+        for sock in sockets:
+            _close(sock)
+
+    def restore(self) -> None:
+        self._open.set()
+
+    def close(self) -> None:
+        self.cut()
+        _close(self._listener)
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return  # closed
+            if not self._open.is_set():
+                _close(client)
+                continue
+            try:
+                upstream = socket.create_connection(("127.0.0.1", self._target), timeout=5)
+            except OSError:
+                _close(client)
+                continue
+            upstream.settimeout(None)
+            with self._lock:
+                self._sockets += [client, upstream]
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=_pipe, args=(a, b), daemon=True).start()
+
+
+def _pipe(source: socket.socket, sink: socket.socket) -> None:
+    try:
+        while data := source.recv(1 << 16):
+            sink.sendall(data)
+    except OSError:
+        pass
+    _close(source)
+    _close(sink)
+
+
+def _close(sock: socket.socket) -> None:
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)
+    sock.close()
+
+
 @contextmanager
-def linked_servers(hub_dir: Path, region_dir: Path) -> Iterator[tuple[NatsServer, NatsServer]]:
+def linked_servers(
+    hub_dir: Path, region_dir: Path, *, link: LinkCutter | None = None
+) -> Iterator[tuple[NatsServer, NatsServer]]:
     """The hub (hub.conf: every user, the leafnode listener, domain hub; provisioned) and the
-    region (region-leaf.conf: its own users, domain region-a, linking as leaf-region-a)."""
+    region (region-leaf.conf: its own users, domain region-a, linking as leaf-region-a;
+    through `link` when given)."""
     leaf_port = free_port()
     hub = ShippedConfigServer(store_dir=hub_dir, shipped="hub.conf", leafnode_port=leaf_port)
     region = ShippedConfigServer(store_dir=region_dir, shipped="region-leaf.conf")
     leaf = f"leaf-{REGION}"
-    leaf_url = f"nats-leaf://{leaf}:{HUB_PASSWORDS[leaf]}@127.0.0.1:{leaf_port}"
+    if link is not None:
+        link.start(leaf_port)
+    port = leaf_port if link is None else link.port
+    leaf_url = f"nats-leaf://{leaf}:{HUB_PASSWORDS[leaf]}@127.0.0.1:{port}"
     with pytest.MonkeyPatch.context() as env:  # the configs read passwords from the environment
         for variable, value in hub_environment().items():
             env.setenv(variable, value)
@@ -80,6 +164,8 @@ def linked_servers(hub_dir: Path, region_dir: Path) -> Iterator[tuple[NatsServer
     finally:
         region.stop()
         hub.stop()
+        if link is not None:
+            link.close()
 
 
 async def provision_hub(hub: NatsServer) -> None:

@@ -35,6 +35,7 @@ from tests.region_support import (
     linked_servers,
     region_user,
 )
+from tests.test_bus_permissions import role_allows
 
 
 @pytest.fixture(scope="module")
@@ -131,19 +132,24 @@ HUB_SUBJECTS = (
 async def test_nobody_in_the_region_publishes_on_a_hub_subject(
     servers: tuple[NatsServer, NatsServer],
 ) -> None:
-    """Neither a regional user (its own permissions refuse it) nor the leaf identity itself,
-    used as a client of the hub (the link's permissions refuse it): each publish is answered
-    with a permissions violation, and the hub's streams and the trainer's state are untouched."""
+    """Neither a regional user (its own permissions refuse it, or the link does not carry
+    it: a region's gateway and workers publish tasks and rollouts into the region's own
+    streams) nor the leaf identity itself, used as a client of the hub (the link's
+    permissions refuse it): each publish its user is not given is answered with a permissions
+    violation, and the hub's streams and the trainer's state are untouched."""
     hub, region = servers
     await wait_for(lambda: bool(leaf_links(hub)), 30, "the region's leaf link")
     admin = await connect_bus(hub.url, "admin", options=hub_user("admin"))
     before = {s.name: await messages(admin.js, s.name) for s in streams.ALL_STREAMS}
     leaf = f"leaf-{REGION}"
-    users = [(region.url, name, REGION_PASSWORDS[name]) for name in REGION_ROLES]
-    users.append((hub.url, leaf, HUB_PASSWORDS[leaf]))
+    users = [
+        (region.url, name, REGION_PASSWORDS[name], REGION_ROLES[name]) for name in REGION_ROLES
+    ]
+    users.append((hub.url, leaf, HUB_PASSWORDS[leaf], permissions.ROLES[leaf]))
     forged = (*HUB_SUBJECTS, f"$JS.{permissions.HUB_DOMAIN}.API.STREAM.DELETE.RL_TASKS")
     try:
-        for url, user, password in users:
+        for url, user, password, role in users:
+            refused = [s for s in forged if not role_allows(role, "publish", s)]
             errors: list[str] = []
 
             async def on_error(exc: Exception, errors: list[str] = errors) -> None:
@@ -156,9 +162,8 @@ async def test_nobody_in_the_region_publishes_on_a_hub_subject(
                     await nc.publish(subject, b"forged")
                 await nc.flush()
                 await wait_for(
-                    lambda errors=errors: (
-                        sum("permissions violation" in e for e in errors)  # type: ignore[misc]
-                        == len(forged)
+                    lambda errors=errors, refused=refused: (  # type: ignore[misc]
+                        sum("permissions violation" in e for e in errors) == len(refused)
                     ),
                     30,
                     f"{user}'s publishes refused",

@@ -242,6 +242,9 @@ async def ensure_stream(js: JetStreamContext, spec: StreamSpec, replicas: int = 
         return "unchanged"
     _refuse_fixed("stream", spec.name, diff, STREAM_FIXED_FIELDS)
     log.info("updating stream", stream=spec.name, fields=sorted(diff))
+    # Sources are not proto/'s to set: a hub's of the regions' outboxes (libs/region/hub.py)
+    # stay as they are.
+    wanted = replace(wanted, sources=info.config.sources)
     try:
         await _placed(lambda: js.update_stream(config=wanted), f"stream {spec.name}")
     except APIError as exc:

@@ -1,4 +1,6 @@
-"""The env-gateway service object: serves every domain's environment and feeds tasks."""
+"""The env-gateway service object: serves every domain's environment and feeds tasks; in a
+region (`intake.hub_domain` set) it takes the region's tasks from the hub's queue instead
+(libs/region/intake.py)."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from libs.envs.base import Environment
 from libs.envs.feeder import TaskFeeder
 from libs.envs.latency import parse_tool_latency, with_tool_latency
 from libs.envs.server import EnvServer
+from libs.region.intake import TaskIntake
 from libs.service import Service
 from services.env_gateway.settings import EnvGatewaySettings
 
@@ -27,6 +30,7 @@ class EnvGatewayService(Service):
         self.settings = settings
         self.server: EnvServer | None = None
         self.feeder: TaskFeeder | None = None
+        self.intake: TaskIntake | None = None
 
     async def start(self, bus: Bus) -> None:
         await super().start(bus)
@@ -49,9 +53,15 @@ class EnvGatewayService(Service):
                 nc=bus.nc,
             )
             await self.feeder.start()
+        if s.intake.hub_domain:
+            self.intake = TaskIntake(bus, s.intake)
+            await self.intake.start()
         await self.server.start()
         self.status = "ok"
-        self.detail = f"serving {', '.join(sorted(envs))}; feeder {s.feeder.mode}"
+        tasks = f"feeder {s.feeder.mode}"
+        if self.intake is not None:
+            tasks = f"tasks from domain {s.intake.hub_domain}'s queue"
+        self.detail = f"serving {', '.join(sorted(envs))}; {tasks}"
 
     def _envs(self) -> dict[str, Environment]:
         """An environment of every domain served here; the dataset one serves the configured
@@ -65,12 +75,15 @@ class EnvGatewayService(Service):
     async def run(self) -> None:
         assert self.server is not None, "start() first"
         jobs = [self.server.run()] + ([self.feeder.run()] if self.feeder else [])
+        jobs += [self.intake.run()] if self.intake else []
         await asyncio.gather(*jobs)
 
     async def stop(self) -> None:
         await super().stop()
         if self.feeder is not None:
             self.feeder.stop()
+        if self.intake is not None:
+            self.intake.stop()
         if self.server is not None:
             await self.server.stop()
 
@@ -81,4 +94,13 @@ class EnvGatewayService(Service):
             "tasks_published": self.feeder.num_published if self.feeder else 0,
             "feeder_mode": self.settings.feeder.mode,
             "next_task_index": self.feeder.state.next_index if self.feeder else 0,
+            **(self._intake_health() if self.intake else {}),
+        }
+
+    def _intake_health(self) -> dict[str, Any]:
+        assert self.intake is not None
+        return {
+            "intake_tasks_taken": self.intake.num_taken,
+            "intake_tasks_buffered": self.intake.num_buffered,
+            "intake_hub_link_up": self.intake.link_up,
         }

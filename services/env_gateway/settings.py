@@ -11,6 +11,7 @@ from libs.domains.dataset.env import DatasetConfig, check_match, load_rows
 from libs.envs.feeder import FeederConfig
 from libs.envs.latency import parse_tool_latency
 from libs.envs.server import ServerLimits
+from libs.region.intake import TaskIntakeConfig
 from libs.settings import NESTED_SETTINGS, ServiceSettings, env_prefix
 
 
@@ -28,6 +29,11 @@ class EnvGatewaySettings(ServiceSettings):
         default_factory=FeederConfig,
         description="How tasks are fed (RLPIPE_ENV_GATEWAY_FEEDER_MODE, _QUEUE_DEPTH_TASKS, "
         "...); the batch size is the trainer's own, read from its state",
+    )
+    intake: TaskIntakeConfig = Field(
+        default_factory=TaskIntakeConfig,
+        description="A region's gateway: tasks taken from the hub's queue into the region's "
+        "(RLPIPE_ENV_GATEWAY_INTAKE_HUB_DOMAIN, _BUFFER_TASKS, ...); feeder.mode must be off",
     )
     seed: int = Field(0, description="Seed of task generation")
     limits: ServerLimits = Field(
@@ -50,6 +56,16 @@ class EnvGatewaySettings(ServiceSettings):
         "exact", description="How dataset answers are checked: exact, numeric, regex, module:fn"
     )
     dataset_max_tokens: int = Field(64, ge=1, description="Longest answer to a dataset task")
+
+    @model_validator(mode="after")
+    def _one_source_of_tasks(self) -> Self:
+        if self.intake.hub_domain and self.feeder.mode != "off":
+            raise ValueError(
+                f"intake.hub_domain is set (a region's gateway takes its tasks from the hub's "
+                f"queue) and feeder.mode is {self.feeder.mode!r}: a region feeds no tasks of its "
+                "own; set RLPIPE_ENV_GATEWAY_FEEDER_MODE=off"
+            )
+        return self
 
     @model_validator(mode="after")
     def _dataset_reads(self) -> Self:

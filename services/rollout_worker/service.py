@@ -47,6 +47,7 @@ from libs.fleet.load_meter import LoadMeter, LoadMiddleware
 from libs.fleet.loan import ReplicaParts
 from libs.policy import architecture, load_policy_tokenizer, tokenizer_spec
 from libs.policy_identity import check_same_policy, describe_policy, wait_for_identity
+from libs.region.detect import on_regional_server, task_queue
 from libs.rollout.agent import AgentRunner, AgentSettings
 from libs.rollout.batcher import GenerationBatcher
 from libs.rollout.episode import GenerateFn
@@ -65,7 +66,6 @@ from libs.weights.same_host_link import SameHostTaker
 from libs.weights.signing import policy_digest
 from proto import messages as m
 from proto.messages import PolicyIdentity, Task
-from proto.streams import ROLLOUT_WORKER_TASKS
 from proto.subjects import rollout_raw_subject
 from services.rollout_worker.settings import RolloutWorkerSettings
 
@@ -101,6 +101,8 @@ class RolloutWorkerService(Service):
         self.receiver: WeightReceiver | None = None
         # The region's relay server when weights come from there (weights.nats_url).
         self.regional_bus: Bus | None = None
+        # Connected to a region's own server (tasks, rollouts and weights stay there).
+        self.regional = False
         self.runner: AgentRunner | None = None
         self.consumer: PullConsumer[Task] | None = None
         self.publisher: Publisher | None = None
@@ -130,6 +132,8 @@ class RolloutWorkerService(Service):
             served_share=s.serve.engine_share if s.consume_tasks else 1.0,
         )
         weights_bus = await self._weights_bus(bus)
+        # On a region's own server (libs/region): the region's work queue and weight mirrors.
+        self.regional = await on_regional_server(bus.js)
         # Deltas are decoded beside the engine in a process of its own where weights are on a GPU.
         on_gpu = any(t.is_cuda for t in (self.engine.live_tensors() or {}).values())
         self.receiver = self._receiver(weights_bus, on_gpu=on_gpu)
@@ -263,7 +267,7 @@ class RolloutWorkerService(Service):
             config = config.model_copy(update={"decode_process": False})
         if not self.settings.follow_weights:  # it applies nothing: no key needed
             config = config.model_copy(update={"allow_unsigned": True})
-        if self.regional_bus is None:
+        if self.regional_bus is None and not self.regional:
             return WeightReceiver(weights_bus, config)
         # A mirror's announcement can arrive before its chunks: wait for them.
         return RegionalWeightReceiver(weights_bus, config)
@@ -274,7 +278,7 @@ class RolloutWorkerService(Service):
         s = self.settings
         return PullConsumer(
             self.bus.js,
-            ROLLOUT_WORKER_TASKS,
+            task_queue(self.regional),
             Task,
             handler,
             self.publisher,
