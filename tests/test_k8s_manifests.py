@@ -6,8 +6,9 @@ validation runs with the network cut. On top of the schema, the facts a cluster 
 reveal at run time: each rlpipe container runs a real `rlpipe` command and is probed on the
 /healthz of the port its settings serve on; the NATS configs are the repository's and
 nats-server accepts them; the trainer and the weight-broadcaster share the staging folder;
-secrets come from the overlay's generator; the region's workers take weights from the
-region and scale on the hub's task backlog.
+secrets come from the overlay's generator; the region's services connect to the region's
+server alone (docs/regions.md), the hub sources the region's outboxes, and the region's
+workers scale on the hub's task backlog.
 
 Run: .venv/bin/python -m pytest tests/test_k8s_manifests.py -q
 """
@@ -169,7 +170,7 @@ def test_every_rlpipe_container_runs_a_real_command(overlay: str) -> None:
     parser = build_parser()
     for container in rlpipe_containers(overlay):
         args = parser.parse_args(container["args"])  # exits (fails) on an unknown command
-        assert args.command in {"run", "weights", "provision"}, container["name"]
+        assert args.command in {"run", "weights", "provision", "region"}, container["name"]
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -273,18 +274,28 @@ def test_the_hubs_bus_is_three_nodes_keeping_every_stream_and_fsyncing_every_wri
             assert re.search(r"^\s+sync_interval: always$", text, re.M), f"{name}: no sync policy"
 
 
-def test_region_workers_take_weights_from_the_region_and_tasks_from_the_hub() -> None:
-    worker = next(c for c in rlpipe_containers("region") if c["args"] == ["run", "rollout-worker"])
-    env = env_values(worker)
-    weights = urlsplit(env["RLPIPE_ROLLOUT_WORKER_WEIGHTS_NATS_URL"])
-    assert weights.hostname == find("region", "Service", "nats")["metadata"]["name"]
+def test_a_regions_services_connect_to_the_regions_server_alone() -> None:
+    """Every rlpipe container of the region talks to the regional server as one of its users
+    (docs/regions.md); the env-gateway takes tasks from the hub's queue; only the region's
+    server links to the hub, through its leafnode port; the hub sources the region."""
+    region_nats = find("region", "Service", "nats")["metadata"]["name"]
+    for container in rlpipe_containers("region"):
+        args, env = container["args"], env_values(container)
+        url = urlsplit(env.get("RLPIPE_NATS_URL") or args[args.index("--nats-url") + 1])
+        assert url.hostname == region_nats, container["name"]
+        user = env.get("RLPIPE_NATS_USER") or url.username
+        assert user in REGION_ROLES, (container["name"], user)
+        assert env.get("RLPIPE_PROVISION", "false") == "false", container["name"]
+    gateway = next(c for c in rlpipe_containers("region") if c["args"] == ["run", "env-gateway"])
+    assert env_values(gateway)["RLPIPE_ENV_GATEWAY_FEEDER_MODE"] == "off"
+    assert env_values(gateway)["RLPIPE_ENV_GATEWAY_INTAKE_HUB_DOMAIN"] == permissions.HUB_DOMAIN
     leaf_server = next(c for _, c in workloads("region") if c["image"].startswith("nats:"))
     leaf_url = urlsplit(env_values(leaf_server)["RLPIPE_NATS_LEAF_URL"])
-    hub = urlsplit(env["RLPIPE_NATS_URL"])
-    assert leaf_url.hostname == hub.hostname, "the workers' hub is not the leaf's hub"
     assert leaf_url.port == 7422 and leaf_url.username == f"leaf-{permissions.REGIONS[0]}"
     hub_ports = {p["port"] for p in find("hub", "Service", "nats-regions")["spec"]["ports"]}
-    assert {hub.port, 7422} <= hub_ports
+    assert hub_ports == {7422}
+    sources = next(c for c in rlpipe_containers("hub") if c["args"][:2] == ["region", "hub-setup"])
+    assert sources["args"][sources["args"].index("--regions") + 1] == ",".join(permissions.REGIONS)
 
 
 def test_region_workers_scale_on_the_hubs_task_backlog() -> None:
@@ -314,7 +325,7 @@ def test_every_namespace_denies_ingress_but_what_it_names(overlay: str) -> None:
     assert nats["podSelector"] == {"matchLabels": {"app.kubernetes.io/name": "nats"}}
 
 
-def test_every_service_connects_as_its_role_and_only_the_provision_job_as_admin() -> None:
+def test_every_service_connects_as_its_role_and_only_the_provisioning_jobs_as_admin() -> None:
     users = {}
     for overlay in OVERLAYS:
         for container in rlpipe_containers(overlay):
@@ -325,6 +336,7 @@ def test_every_service_connects_as_its_role_and_only_the_provision_job_as_admin(
                 switch = env.get(f"RLPIPE_{service}_PROVISION", env.get("RLPIPE_PROVISION", ""))
                 assert str(switch).lower() == "false", container["name"]
     assert users["provision"] == "admin"
-    assert [n for n, u in users.items() if u == "admin"] == ["provision"]
+    # The hub's streams, and their sources of the regions' outboxes (docs/regions.md).
+    assert [n for n, u in users.items() if u == "admin"] == ["provision", "region-sources"]
     for name in ("trainer", "weight-broadcaster", "reward", "env-gateway", "rollout-worker"):
         assert users[name] == name and name in ROLES
