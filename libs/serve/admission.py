@@ -80,6 +80,16 @@ class Admission:
             if not self._requests[key]:
                 del self._requests[key], self._tokens[key]
 
+    def check_open(self, key: str) -> None:
+        """429 when `key` or the queue has no room whatever the request asks (checked before
+        its body is decoded, so a flood's refusals cost little)."""
+        limits = self.limits
+        if self._requests[key] >= limits.max_requests_per_key:
+            self._refuse("key_requests", f"{limits.max_requests_per_key} requests of this key")
+        busy = self.num_running >= limits.max_running or self._waiting
+        if busy and len(self._waiting) >= limits.max_queued:
+            self._refuse("queue_full", f"{limits.max_running} requests and a full queue")
+
     def _check(self, key: str, cost_tokens: int) -> None:
         limits = self.limits
         if cost_tokens > limits.max_tokens_per_key:
@@ -89,13 +99,9 @@ class Admission:
                 "lower n or max_tokens",
                 "max_tokens",
             )
-        if self._requests[key] >= limits.max_requests_per_key:
-            self._refuse("key_requests", f"{limits.max_requests_per_key} requests of this key")
+        self.check_open(key)
         if self._tokens[key] + cost_tokens > limits.max_tokens_per_key:
             self._refuse("key_tokens", f"{limits.max_tokens_per_key} tokens of this key")
-        busy = self.num_running >= limits.max_running or self._waiting
-        if busy and len(self._waiting) >= limits.max_queued:
-            self._refuse("queue_full", f"{limits.max_running} requests and a full queue")
 
     def _refuse(self, reason: str, what: str) -> None:
         REFUSED.labels(reason).inc()

@@ -382,6 +382,8 @@ async def _handle(
     started = time.perf_counter()
     try:
         key = api.authorize(request.headers.get("authorization"))
+        if read_body:  # a generation: refused before its body is decoded when full
+            api.admission.check_open(key)
         body = await _read_json(request, api.config.max_body_bytes) if read_body else None
         content, headers = await api.unless_disconnected(request, reply(body, key))
         response = _json(200, content, headers)
