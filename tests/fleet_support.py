@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+from nats.js.errors import NotFoundError
 
 from libs.bus import wire
 from libs.bus.connection import Bus
@@ -36,7 +38,7 @@ from libs.trainer.eval_gate import EvalGateConfig
 from libs.weights.encoder import EncodeOptions
 from libs.weights.same_host import SameHostShareConfig, SameHostTakeConfig
 from proto import streams
-from proto.messages import ScoredRollout, WeightAnnouncement
+from proto.messages import ScoredRollout, Task, WeightAnnouncement
 from services.capacity_controller.service import CapacityControllerService
 from services.capacity_controller.settings import CapacityControllerSettings
 from services.env_gateway.service import EnvGatewayService
@@ -80,6 +82,7 @@ class ProductLoad:
     balancer: ReadyBalancer
     rate_rps: float
     answers: list[Answer] = field(default_factory=list)
+    sent_at: list[float] = field(default_factory=list)  # monotonic, one per answer
     _open: set[asyncio.Task[None]] = field(default_factory=set)
 
     async def run(self) -> None:
@@ -90,7 +93,9 @@ class ProductLoad:
             await asyncio.sleep(1.0 / self.rate_rps)
 
     async def _one(self) -> None:
+        sent_at = time.monotonic()
         self.answers.append(await self.balancer.post("/v1/completions", PROMPT))
+        self.sent_at.append(sent_at)
 
     async def drain(self) -> None:
         await asyncio.gather(*self._open)
@@ -128,12 +133,27 @@ def replica(name: str, lending: LendingConfig) -> RolloutWorkerService:
     )
 
 
-def trainer(run_dir: Path) -> TrainerService:
+def rollout_worker(name: str) -> RolloutWorkerService:
+    """A rollout-worker of the RL cluster's own (it serves no one)."""
+    return RolloutWorkerService(
+        RolloutWorkerSettings(
+            worker_id=name,
+            policy=PolicyConfig(device="cpu", seed=7),
+            weights=trusting(decode_process=False),
+            same_host=SameHostTakeConfig(enabled=False),
+            max_batch_tasks=2,
+            fetch_timeout_s=0.2,
+            drain_timeout_s=10.0,
+        )
+    )
+
+
+def trainer(run_dir: Path, batch_groups: int) -> TrainerService:
     return TrainerService(
         TrainerSettings(
             run_dir=run_dir,
             policy=PolicyConfig(device="cpu"),
-            batch_groups=1,
+            batch_groups=batch_groups,
             eval=EvalGateConfig(every_versions=100_000, num_tasks=2),  # promotes v0 only
             checkpoint_every_steps=100_000,
             same_host=SameHostShareConfig(enabled=False),
@@ -143,20 +163,34 @@ def trainer(run_dir: Path) -> TrainerService:
 
 @contextlib.asynccontextmanager
 async def serving_fleet(
-    bus: Bus, run_dir: Path, lendings: list[LendingConfig], controller: ControllerConfig
+    bus: Bus,
+    run_dir: Path,
+    lendings: list[LendingConfig],
+    controller: ControllerConfig,
+    rollout_workers: int = 0,
+    batch_groups: int = 1,
+    feeder_ahead: int = 1,
 ) -> AsyncIterator[Fleet]:
+    """The fleet; `rollout_workers` of the RL cluster's own beside the replicas, the trainer's
+    `batch_groups` a step, the feeder `feeder_ahead` batches ahead of it."""
     await provision(bus.js)
     replicas = [replica(f"replica-{i + 1}", c) for i, c in enumerate(lendings)]
+    workers = [rollout_worker(f"worker-{i + 1}") for i in range(rollout_workers)]
     backends = []
     async with contextlib.AsyncExitStack() as stack:
         http = await stack.enter_async_context(httpx.AsyncClient(timeout=120))
         services: list[Service] = [
-            EnvGatewayService(EnvGatewaySettings(feeder=FeederConfig(mode="async"))),
+            EnvGatewayService(
+                EnvGatewaySettings(
+                    feeder=FeederConfig(mode="async", max_ahead_versions=feeder_ahead)
+                )
+            ),
             RewardService(RewardSettings(fetch_timeout_s=0.2)),
             WeightBroadcasterService(
                 WeightBroadcasterSettings(run_dir=run_dir, encode=EncodeOptions(threads=1))
             ),
             *replicas,
+            *workers,
         ]
         for service in services:
             await start(stack, service, bus)
@@ -166,7 +200,7 @@ async def serving_fleet(
             stack.push_async_callback(health.stop)
             url = f"http://127.0.0.1:{r.settings.serve.port}"
             backends.append(Backend(url, f"http://127.0.0.1:{health.port}/readyz"))
-        the_trainer = trainer(run_dir)
+        the_trainer = trainer(run_dir, batch_groups)
         await start(stack, the_trainer, bus)  # announces v0; its gate promotes it
         settings = CapacityControllerSettings(fleet=controller, tick_s=0.5, stale_s=5.0,
                                               settle_s=3.0)  # fmt: skip
@@ -182,12 +216,29 @@ async def scored_workers(bus: Bus) -> dict[str, str]:
     """Rollout id -> the worker that rolled it out, for every scored rollout."""
     name = streams.ROLLOUTS_SCORED.name
     info = await bus.js.stream_info(name)
-    found = {}
+    found: dict[str, str] = {}
+    if not info.state.messages:
+        return found
     for seq in range(info.state.first_seq, info.state.last_seq + 1):
         raw = await bus.js.get_msg(name, seq)
         scored = wire.decode(ScoredRollout, raw.data or b"", dict(raw.headers or {}))
         found[scored.rollout.rollout_id] = scored.rollout.worker_id
-    return found if info.state.messages else {}
+    return found
+
+
+async def queued_task_ids(bus: Bus) -> set[str]:
+    """The ids of the tasks on the work queue now."""
+    info = await bus.js.stream_info(streams.TASKS.name)
+    found: set[str] = set()
+    if not info.state.messages:
+        return found
+    for seq in range(info.state.first_seq, info.state.last_seq + 1):
+        try:
+            raw = await bus.js.get_msg(streams.TASKS.name, seq)
+        except NotFoundError:  # taken and acked
+            continue
+        found.add(wire.decode(Task, raw.data or b"", dict(raw.headers or {})).task_id)
+    return found
 
 
 async def announced_hash(bus: Bus, version: int) -> str:

@@ -18,19 +18,23 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from nats.js.errors import NotFoundError
 
 from apps.cli import main as rlpipe
-from libs.bus import wire
 from libs.bus.connection import Bus
 from libs.fleet.config import ControllerConfig, LendingConfig
 from libs.fleet.ledger import read_decisions
 from libs.trainer.metrics import read_step_samples
 from libs.weights.gpu import device_state_hash
 from proto import streams
-from proto.messages import Task
 from tests.conftest import wait_for
-from tests.fleet_support import Fleet, ProductLoad, announced_hash, scored_workers, serving_fleet
+from tests.fleet_support import (
+    Fleet,
+    ProductLoad,
+    announced_hash,
+    queued_task_ids,
+    scored_workers,
+    serving_fleet,
+)
 from tests.marks import E2E
 
 pytestmark = E2E
@@ -127,19 +131,6 @@ async def _assert_requeued_tasks_kept(bus: Bus, requeued: set[str]) -> None:
         return
     rolled_out = {i.rsplit(".", 1)[0] for i in await scored_workers(bus)}
     assert requeued - rolled_out <= await queued_task_ids(bus), "a requeued task was lost"
-
-
-async def queued_task_ids(bus: Bus) -> set[str]:
-    """The ids of the tasks on the work queue now."""
-    info = await bus.js.stream_info(streams.TASKS.name)
-    found = set()
-    for seq in range(info.state.first_seq, info.state.last_seq + 1):
-        try:
-            raw = await bus.js.get_msg(streams.TASKS.name, seq)
-        except NotFoundError:  # taken and acked
-            continue
-        found.add(wire.decode(Task, raw.data or b"", dict(raw.headers or {})).task_id)
-    return found
 
 
 def fleet_url(bus: Bus) -> str:

@@ -41,6 +41,7 @@ from services.rollout_worker.settings import RolloutWorkerSettings
 from services.weight_broadcaster.service import WeightBroadcasterService
 from services.weight_broadcaster.settings import WeightBroadcasterSettings
 from tests.conftest import state_trainer_policy, wait_for
+from tests.fleet_support import announced_hash
 from tests.signing_support import trusting
 
 TASKS = ArithmeticTasks(difficulty=1, group_size=2, seed=0)
@@ -173,7 +174,9 @@ async def test_a_lent_replica_rolls_out_the_trainers_version_and_comes_back_bit_
                    60, "a task rolled out while lent")  # fmt: skip
     rollouts = await fleet.rollouts()
     assert {r.worker_id for r in rollouts} == {REPLICA}
-    assert {t.policy_version for r in rollouts for t in r.turns if t.role == "assistant"} == {2}
+    turns = [t for r in rollouts for t in r.turns if t.role == "assistant"]
+    assert {t.policy_version for t in turns} == {2}
+    assert {t.policy_version_hash for t in turns} == {await announced_hash(fleet.bus, 2)}
 
     await fleet.command("recall")
     await wait_for(replica.ready, 60, "ready again")

@@ -60,6 +60,8 @@ async def read_decisions(js: JetStreamContext, last: int = 20) -> list[FleetDeci
         info = await js.stream_info(name)
     except NotFoundError:
         return []
+    if not info.state.messages:
+        return []
     first = max(info.state.first_seq, info.state.last_seq - last + 1)
     decisions = []
     for seq in range(first, info.state.last_seq + 1):

@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -71,6 +72,7 @@ RECALL_SECONDS = Gauge("rlpipe_fleet_last_recall_seconds", "Last recall: command
 # What a stopping replica waits, past the recall grace, for its loan to end: the restore's
 # copy and hash take seconds even for a large model.
 STOP_RESTORE_S = 60.0
+HISTORY = 1000
 
 
 class Recalled(Exception):
@@ -106,6 +108,9 @@ class Lending:
         self.num_tasks_done = 0
         self.last_lend_s: float | None = None
         self.last_recall: RecallRecord | None = None
+        # Every loan's lend time and recall record (the last HISTORY of each).
+        self.lend_seconds: deque[float] = deque(maxlen=HISTORY)
+        self.recalls: deque[RecallRecord] = deque(maxlen=HISTORY)
         self._lend_asked = asyncio.Event()
         self._recall_asked = asyncio.Event()
         self._kv: KeyValue | None = None
@@ -241,6 +246,7 @@ class Lending:
         self.loan.pull_tasks()
         self.num_lends += 1
         self.last_lend_s = time.monotonic() - asked_at
+        self.lend_seconds.append(self.last_lend_s)
         LEND_SECONDS.set(self.last_lend_s)
         LOANS.labels("lent").inc()
         await self._set_role("lent")
@@ -307,6 +313,7 @@ class Lending:
 
     def _recalled(self, record: RecallRecord) -> None:
         self.last_recall = record
+        self.recalls.append(record)
         RECALL_SECONDS.set(record.seconds)
         EPISODES_AT_RECALL.labels("finished").inc(record.episodes_finished)
         EPISODES_AT_RECALL.labels("requeued").inc(record.episodes_requeued)

@@ -97,6 +97,8 @@ class Loan:
         self.receiver: WeightReceiver = type(parts.follower.receiver)(parts.weights_bus, config)
         self.receiver.verifier.expected_policy = parts.follower.receiver.verifier.expected_policy
         self.follower = LentFollower(parts.engine, self.receiver, parts.batcher)
+        # The replica's book: its rollouts' turns name the lent versions by hash too.
+        self.follower.versions = parts.follower.versions
         self._following: asyncio.Task[None] | None = None
         self._consumer: PullConsumer[Task] | None = None
         self._pulling: asyncio.Task[None] | None = None
@@ -204,6 +206,7 @@ class Loan:
                 f"is {held.hash[:16]}: this replica cannot serve its promoted version"
             )
         # Generation opens again (a failed loan version may have closed it) with `held`.
+        self.parts.follower.versions.record(held.version, held.hash)
         self.parts.batcher.open.set()
         POLICY_VERSION.set(held.version)
         log.info("promoted version restored", version=held.version, hash=digest[:16],
