@@ -91,7 +91,7 @@ class ServeConfig(BaseModel):
     )
     busy_retry_after_s: int = Field(1, ge=0, description="Retry-After of a 429")
     hold_tokens: int = Field(
-        16,
+        8,
         ge=1,
         description="Decode steps a served request holds the engine before rollouts and "
         "weight swaps get their turn (it then goes on from where it was)",

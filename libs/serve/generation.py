@@ -7,7 +7,7 @@ strings (`libs.serve.choice`, scored through the batcher too); each completion g
 generation id and is recorded as a `ServedGeneration` before the caller sees it:
 
     served = ServedPolicy(batcher.generate_served, tokenizer, score=batcher.score,
-                          recorder=recorder, hold_tokens=16)
+                          recorder=recorder, hold_tokens=8)
     result = await served.serve(GenerationRequest(prompt_ids, SamplingParams(), 1, "cmpl"))
 
 Generation ids: the response id (`chatcmpl-<32 hex>`, `cmpl-<32 hex>`) when one choice is
@@ -94,7 +94,7 @@ class ServedPolicy:
         *,
         score: ScoreFn | None = None,
         recorder: GenerationRecorder | None = None,
-        hold_tokens: int = 16,
+        hold_tokens: int = 8,
         max_context_tokens: int | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:

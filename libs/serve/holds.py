@@ -9,7 +9,7 @@ hold. A call continues each row that has not finished from its prompt plus the t
 so far (an engine with prefix sharing computes little of that again):
 
     completions = await generate_in_holds(batcher.generate_served, prompt_ids, 16, params,
-                                          hold_tokens=16, tokenizer=tokenizer)
+                                          hold_tokens=8, tokenizer=tokenizer)
 
 What the caller gets is what one call would give up to sampling: per-token sampling logprobs
 of the weights that drew each token, `finish_reason` "stop" when eos, a stop id or a stop
