@@ -97,7 +97,7 @@ class ServeConfig(BaseModel):
         "weight swaps get their turn (it then goes on from where it was)",
     )
     engine_share: float = Field(
-        0.1,
+        0.05,
         gt=0,
         le=1,
         description="Most of the engine's time served requests take while the worker also "
