@@ -194,7 +194,8 @@ def test_rlpipe_config_checks_a_recipe_file_as_the_services_read_it(
 ) -> None:
     monkeypatch.setenv(CONFIG_VARIABLE, str(REPO / "libs" / "domains" / "calc" / "recipe.toml"))
     assert main(["config", "check"]) == 0, capsys.readouterr().err
-    assert "ok: 6 services" in capsys.readouterr().out, "its [warm_start] is the demo's table"
+    # every service's settings read it (7 since the capacity controller): no count kept here
+    assert capsys.readouterr().out.startswith("ok: "), "its [warm_start] is the demo's table"
 
 
 def test_a_ray_deployment_hands_a_recipe_to_every_service() -> None:
