@@ -52,6 +52,7 @@ bench: $(INSTALLED)
 	$(BIN)/python bench/feedback_bench.py
 	$(BIN)/python bench/pipeline_bench.py
 	$(BIN)/python bench/batcher_bench.py
+	$(BIN)/python bench/serve_flood_bench.py
 
 lint: $(INSTALLED)
 	$(BIN)/ruff check .
