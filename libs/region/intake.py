@@ -114,7 +114,8 @@ class TaskIntake:
                     failing_since = failing_since or now
                     if now - failing_since > BUS_AWAY_LIMIT_S:
                         raise
-                    log.warning("the region's queue is not answering", error=repr(exc))
+                    log.warning("the region's queue is not answering (set up by `rlpipe region "
+                                "setup`)", error=repr(exc))  # fmt: skip
                     taken = 0
                 if taken == 0:
                     with contextlib.suppress(TimeoutError):
