@@ -2,15 +2,17 @@
 lends (issue #32 item 5).
 
     python bench/day_of_traffic_bench.py [--day-s 240] [--low-rps 0.3] [--high-rps 3.5]
-                                         [--modes lending,never]
+                                         [--modes lending,never] [--rollout-workers 0]
 
 Each mode starts a nats-server of its own and, in this process as tests/fleet_support.py
 builds them: the trainer (its eval gate promotes version 0, which the replicas serve),
-weight-broadcaster, env-gateway (arith, the async feeder), reward, one rollout-worker of the
-RL cluster's own, three lendable serve replicas behind a load balancer that sends only to
-ready replicas (libs/fleet/balancer.py: it probes /readyz every 0.1 s), and the capacity
-controller (one replica serves 2 req/s, 50% headroom; `never`: max_lent 0, the fleet that
-never lends). Once every replica serves, a diurnal trace is replayed as real HTTP:
+weight-broadcaster, env-gateway (arith, the async feeder), reward, `--rollout-workers`
+rollout-workers of the RL cluster's own (none by default: on one machine they would only
+take CPU from the replicas, and without them all RL is what lending adds), three lendable
+serve replicas behind a load balancer that sends only to ready replicas
+(libs/fleet/balancer.py: it probes /readyz every 0.1 s), and the capacity controller (one
+replica serves 2 req/s, 50% headroom; `never`: max_lent 0, the fleet that never lends).
+Once every replica serves, a diurnal trace is replayed as real HTTP:
 rate(t) = low + (high - low) * sin^2(pi t / day_s), a night, a noon peak, a night again,
 compressed into `--day-s` seconds.
 
@@ -93,7 +95,8 @@ async def run_mode(mode: str, args: argparse.Namespace) -> dict[str, Any]:
         bus = await connect_bus(server.url, name="bench")
         try:
             run_dir = Path(tmp) / "run"
-            fleet_run = serving_fleet(bus, run_dir, [LENDING] * 3, controller, rollout_workers=1,
+            fleet_run = serving_fleet(bus, run_dir, [LENDING] * 3, controller,
+                                      rollout_workers=args.rollout_workers,
                                       batch_groups=args.batch_groups, feeder_ahead=2)  # fmt: skip
             async with fleet_run as fleet:
                 return await replay_day(fleet, mode, args)
@@ -217,12 +220,17 @@ def compare(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
         "rl_samples_per_s_gained": round(
             lending["rl"]["samples_per_s"] - never["rl"]["samples_per_s"], 3
         ),
-        "rl_samples_ratio": round(lending["rl"]["samples_per_s"] / never["rl"]["samples_per_s"], 3)
-        if never["rl"]["samples_per_s"]
-        else None,
-        "p99_ratio": round(p99 / base_p99, 3) if p99 and base_p99 else None,
+        "rl_samples_ratio": _ratio(lending["rl"]["samples_per_s"], never["rl"]["samples_per_s"]),
+        "p99_ratio": _ratio(p99, base_p99),
+        "peak_p99_ratio": _ratio(
+            lending["product"]["peak_latency_s"]["p99"], never["product"]["peak_latency_s"]["p99"]
+        ),
         "failed_requests": lending["product"]["failed"],
     }
+
+
+def _ratio(value: float | None, base: float | None) -> float | None:
+    return round(value / base, 3) if value is not None and base else None
 
 
 def main() -> int:
@@ -233,6 +241,9 @@ def main() -> int:
     parser.add_argument("--modes", default="lending,never", help="lending, never, or both")
     parser.add_argument(
         "--batch-groups", type=int, default=8, help="the trainer's GRPO groups a step"
+    )
+    parser.add_argument(
+        "--rollout-workers", type=int, default=0, help="rollout-workers of the RL cluster's own"
     )
     args = parser.parse_args()
     modes = [m for m in args.modes.split(",") if m]
@@ -248,6 +259,7 @@ def main() -> int:
         "commit": _commit(),
         "settings": {"day_s": args.day_s, "low_rps": args.low_rps, "high_rps": args.high_rps,
                      "batch_groups": args.batch_groups, "feeder_ahead_versions": 2,
+                     "rollout_workers": args.rollout_workers,
                      "controller": CONTROLLER.model_dump(), "lending": LENDING.model_dump()},
         "modes": results,
         "comparison": compare(results),

@@ -26,6 +26,7 @@ from libs.fleet.config import LendingConfig
 from libs.fleet.ledger import new_command, read_statuses, send_command
 from libs.nats_server import free_port
 from libs.policy import PolicyConfig, build_policy
+from libs.rollout.weights_follower import WeightsFollower
 from libs.serve.config import ServeConfig
 from libs.service import Service
 from libs.weights.encoder import EncodeOptions
@@ -185,6 +186,9 @@ async def test_a_lent_replica_rolls_out_the_trainers_version_and_comes_back_bit_
     record = replica.lending.last_recall
     assert record is not None and record.hash_matches and record.restored_version == 0
     assert await fleet.probe() == 200
+    # Its health weighs it against the promoted version, not the trainer's newer ones.
+    assert isinstance(replica.follower, WeightsFollower)
+    assert await replica.follower.newest_available() == 0
     # The ledger says so too.
     await replica.lending.heartbeat()
     (status,) = await read_statuses(fleet.bus.js)
@@ -216,3 +220,21 @@ async def test_a_recall_requeues_the_tasks_it_cannot_finish_and_loses_none(fleet
     assert info.state.messages == 1
     dead = await fleet.bus.js.stream_info(streams.DEAD_LETTERS.name)
     assert dead.state.messages == 0
+
+
+async def test_a_recall_while_draining_turns_the_replica_ready_again_untouched(
+    fleet: Fleet,
+) -> None:
+    replica = await fleet.start(LendingConfig(enabled=True, unready_grace_s=600.0))
+    promoted = await serving_promoted(fleet, replica)
+    await fleet.command("lend")
+    await wait_for(lambda: replica.lending is not None and replica.lending.role == "draining", 60)
+    # Out of the load balancer, and still answering what it sent before it noticed.
+    assert not replica.ready() and await fleet.probe() == 200
+    await fleet.command("recall")
+    await wait_for(replica.ready, 60, "ready again")
+    assert replica.lending is not None and replica.lending.loan is None
+    assert (replica.lending.num_lends, replica.lending.num_recalls) == (0, 1)
+    assert replica.lending.last_recall is None  # no loan began: nothing was restored
+    assert replica.engine_version == 0 and same_bits(live_weights(replica), promoted)
+    assert await fleet.probe() == 200

@@ -7,12 +7,15 @@ of a lending fleet, for the tests and the day-of-traffic benchmark.
     answer = await balancer.post("/v1/completions", {"prompt": "1+1=", "max_tokens": 4})
     answer.status, answer.latency_s, answer.replica, answer.attempts
 
-Each backend's `/readyz` is polled every `probe_s`; a request goes to the ready backend with
-the fewest requests open (ties: in turn). A replica that turns unready keeps answering for
-its `unready_grace_s` (libs/fleet/lending.py), longer than a probe, so requests stop going
-there before it refuses any. Should one still meet a refusal that did no work (503, or no
-connection), it is retried on another ready backend, as an ingress retries a 503, at most
-`attempts` times in all; every retry is counted. Any other answer is final.
+Each backend's `/readyz` is polled every `probe_s`: a 200 makes it ready, a 503 not ready,
+and `FAILURE_THRESHOLD` probes in a row without an answer (a timeout, no connection) too,
+as a Kubernetes readinessProbe's failureThreshold does. A request goes to the ready backend
+with the fewest requests open (ties: in turn), waiting up to `wait_s` for one. A replica
+that turns unready keeps answering for its `unready_grace_s` (libs/fleet/lending.py),
+longer than a probe, so requests stop going there before it refuses any. Should one still
+meet a refusal that did no work (503, or no connection), it is retried on another ready
+backend, as an ingress retries a 503, at most `attempts` times in all; every retry is
+counted. Any other answer is final.
 """
 
 from __future__ import annotations
@@ -30,12 +33,17 @@ NOT_SENT = 0  # no connection: the request did no work anywhere
 FAILED = -1  # the connection broke after the request was sent
 
 
+PROBE_TIMEOUT_S = 5.0
+FAILURE_THRESHOLD = 3
+
+
 @dataclass
 class Backend:
     serve_url: str
     ready_url: str
     ready: bool = False
     open_requests: int = 0
+    probe_failures: int = 0  # in a row
 
 
 @dataclass(frozen=True)
@@ -50,10 +58,17 @@ class Answer:
 class ReadyBalancer:
     """Sends each request to a ready backend; retries a refusal elsewhere."""
 
-    def __init__(self, backends: list[Backend], http: httpx.AsyncClient, attempts: int = 4):
+    def __init__(
+        self,
+        backends: list[Backend],
+        http: httpx.AsyncClient,
+        attempts: int = 4,
+        wait_s: float = 60.0,
+    ) -> None:
         self.backends = backends
         self.http = http
         self.attempts = attempts
+        self.wait_s = wait_s
         self.num_retries = 0
         self._turn = itertools.count()
 
@@ -67,9 +82,13 @@ class ReadyBalancer:
 
     async def _probe(self, backend: Backend) -> None:
         try:
-            backend.ready = (await self.http.get(backend.ready_url, timeout=2.0)).status_code == 200
+            status = (await self.http.get(backend.ready_url, timeout=PROBE_TIMEOUT_S)).status_code
         except httpx.HTTPError:
-            backend.ready = False
+            backend.probe_failures += 1
+            backend.ready = backend.ready and backend.probe_failures < FAILURE_THRESHOLD
+            return
+        backend.probe_failures = 0
+        backend.ready = status == 200
 
     async def post(self, path: str, body: dict[str, Any]) -> Answer:
         started = time.monotonic()
@@ -87,8 +106,8 @@ class ReadyBalancer:
         return Answer(NOT_SENT, time.monotonic() - started, "", len(tried))
 
     async def _pick(self, tried: set[str]) -> Backend | None:
-        """The least busy ready backend not tried yet (waits a moment for one to be ready)."""
-        deadline = time.monotonic() + 5.0
+        """The least busy ready backend not tried yet (waits up to `wait_s` for one)."""
+        deadline = time.monotonic() + self.wait_s
         while time.monotonic() < deadline:
             ready = [b for b in self.backends if b.ready and b.serve_url not in tried]
             if ready:

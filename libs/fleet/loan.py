@@ -118,11 +118,13 @@ class Loan:
         await self.follower.start(self.parts.weights_bus.js, state_js=state_js)
         self._following = asyncio.create_task(self.follower.run(), name="loan-weights")
         caught_up = asyncio.ensure_future(self.follower.wait_caught_up())
-        done, _ = await asyncio.wait(
-            {caught_up, self._following}, return_when=asyncio.FIRST_COMPLETED
-        )
+        try:
+            done, _ = await asyncio.wait(
+                {caught_up, self._following}, return_when=asyncio.FIRST_COMPLETED
+            )
+        finally:
+            caught_up.cancel()  # done, or given up (a recall): nobody waits on it
         if caught_up not in done:
-            caught_up.cancel()
             self._following.result()  # re-raise what ended the follower
         log.info("lent replica holds the trainer's version", version=self.version)
 

@@ -27,10 +27,11 @@ Should the whole-state check fail after a write (the weights were changed outsid
 receiver), generation stops (`batcher.open` cleared, status "waiting for weights") until a
 snapshot has been applied.
 
-Health: while it follows, the follower polls the newest announced version every
-`LAG_POLL_S`; `problem()` says why the worker is stuck when a newer version than the engine
-holds (or any, while it holds none) has been announced for over `WEIGHTS_STALL_S` without
-one being applied, with the last failure's reason (libs/work_health.py).
+Health: while it follows, the follower polls the newest version it should take every
+`LAG_POLL_S` (the newest announced; for promoted versions only, the promoted one);
+`problem()` says why the worker is stuck when a newer version than the engine holds (or any,
+while it holds none) has been available for over `WEIGHTS_STALL_S` without one being
+applied, with the last failure's reason (libs/work_health.py).
 
 Promoted versions only (the receiver's `config.promoted_only`, for replicas serving product
 users): the engine takes a version only once the trainer's eval gate promoted it (KV key
@@ -212,16 +213,24 @@ class WeightsFollower:
         return problem
 
     async def _watch_lag(self) -> None:
-        """Compare what the engine holds with the newest announcement, every LAG_POLL_S."""
-        assert self._announce_js is not None, "start() first"
+        """Compare what the engine holds with the newest version it should take, every
+        LAG_POLL_S."""
         while True:
             try:
-                announced = await latest_announced_version(self._announce_js, self._trusted)
+                available = await self.newest_available()
             except (nats.errors.Error, TimeoutError) as exc:
-                log.warning("cannot read the newest announced version", error=repr(exc))
+                log.warning("cannot read the newest available version", error=repr(exc))
             else:
-                self.lag.observe(self.policy_version, announced, time.monotonic())
+                self.lag.observe(self.policy_version, available, time.monotonic())
             await asyncio.sleep(LAG_POLL_S)
+
+    async def newest_available(self) -> int | None:
+        """The newest version this engine should take: the promoted one for a promoted-only
+        replica (the trainer's newer versions are not for it), else the newest announced."""
+        assert self._announce_js is not None and self._js is not None, "start() first"
+        if self.promoted_only:
+            return await read_promoted_version(self._js)
+        return await latest_announced_version(self._announce_js, self._trusted)
 
     async def _follow(self) -> None:
         failures = 0

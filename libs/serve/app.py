@@ -15,9 +15,10 @@ body the API cannot serve (bad JSON, a bad or unsupported field, a bound passed:
 `max_tokens`, `stop`; named in `param`), 401 without a configured key
 (`Authorization: Bearer <key>`), 404 for another model name, 413 for a body over the limit,
 429 when admission control is full (libs.serve.admission; Retry-After), 503 while the worker
-has no weights yet (Retry-After), 409 `policy_version_unavailable` (Retry-After) when the
-request's `rl_policy` asks for a version this replica cannot serve (the rollout contract:
-libs.serve.contract), and 500 only for our own failures.
+has no weights yet or is lent to RL (libs/fleet/lending.py; Retry-After), 409
+`policy_version_unavailable` (Retry-After) when the request's `rl_policy` asks for a version
+this replica cannot serve (the rollout contract: libs.serve.contract), and 500 only for our
+own failures.
 
 A request whose client disconnects is abandoned at once: its generation is cancelled (the
 hold running in the engine ends, no next one starts) and nothing is recorded. When the
@@ -229,7 +230,8 @@ class OpenAIApi:
         if held is None:
             raise ApiError(
                 503,
-                "the model has no weights yet (the worker waits for the first version); retry",
+                "the model is not ready to serve (no weights yet, or this replica is lent to RL); "
+                "retry, on another replica",
                 type="server_error",
                 code="model_not_ready",
                 retry_after_s=self.config.not_ready_retry_after_s,
