@@ -275,6 +275,18 @@ async def test_holds_continue_exactly_where_the_last_one_stopped(engine: HFEngin
     assert held.raw_logprobs == whole.raw_logprobs  # the KV cache carried over, not redone
 
 
+async def test_a_seeded_request_in_holds_samples_what_one_call_would(engine: HFEngine) -> None:
+    async def generate(prompts: list[list[int]], hold: SamplingParams) -> list[Completion]:
+        return engine.generate(prompts, hold, 1)
+
+    prompt = TOKENIZER.encode("hello")
+    params = SamplingParams(temperature=1.0, max_tokens=40, seed=7)
+    wholes = engine.generate([prompt] * 4, params, 1)
+    helds = await generate_in_holds(generate, prompt, 4, params, hold_tokens=8, tokenizer=TOKENIZER)
+    for whole, held in zip(wholes, helds, strict=True):
+        assert held.token_ids == whole.token_ids and held.logprobs == whole.logprobs
+
+
 async def test_a_stop_string_that_spans_two_holds_ends_the_completion(engine: HFEngine) -> None:
     prompt = TOKENIZER.encode("hello")  # greedy: "ooooo..."
     params = SamplingParams(temperature=0, max_tokens=64, stop_strings=("o" * 20,))

@@ -72,10 +72,13 @@ class _Batch:
 
 @dataclass
 class _Suspended:
-    """Rows cut by max_tokens: their cache holds all but `last_ids` [B], not fed yet."""
+    """Rows cut by max_tokens: their cache holds all but `last_ids` [B], not fed yet; the
+    sampling RNG goes on from where it was, so a seeded call continued in holds samples what
+    one call would."""
 
     batch: _Batch
     last_ids: torch.Tensor
+    generator: torch.Generator
 
 
 def left_pad(
@@ -236,7 +239,11 @@ class HFEngine(InferenceEngine):
         self, prompts: list[list[int]], params: SamplingParams, generator: torch.Generator
     ) -> list[_Row]:
         """Completions of `prompts` (one row each), decoded together."""
-        batch, logits = self._resume(prompts) or self._prefill(prompts)
+        resumed = self._resume(prompts)
+        if resumed is not None:
+            batch, logits, generator = resumed
+        else:
+            batch, logits = self._prefill(prompts)
         rows = [_Row() for _ in prompts]
         for step in range(params.max_tokens):
             sampled = sample_next_tokens(logits, params, generator)
@@ -244,7 +251,8 @@ class HFEngine(InferenceEngine):
             if not running:
                 break
             if step == params.max_tokens - 1:
-                self._suspend(prompts, rows, batch, running, sampled.token_ids)
+                suspended = _Suspended(batch, sampled.token_ids, generator)
+                self._suspend(prompts, rows, running, suspended)
                 break
             next_ids = _advance(batch, running, sampled.token_ids)
             logits = self._forward(next_ids, batch, _next_positions(batch))
@@ -260,33 +268,33 @@ class HFEngine(InferenceEngine):
         )
         return batch, self._forward(input_ids, batch, position_ids_from_mask(attention_mask))
 
-    def _resume(self, prompts: list[list[int]]) -> tuple[_Batch, torch.Tensor] | None:
-        """The batch a call that cut exactly these rows left, fed its last tokens; or None."""
+    def _resume(
+        self, prompts: list[list[int]]
+    ) -> tuple[_Batch, torch.Tensor, torch.Generator] | None:
+        """The batch a call that cut exactly these rows left, fed its last tokens, and its
+        RNG; or None."""
         suspended = self._continuations.take(prompts)
         if suspended is None:
             return None
         batch = suspended.batch
         next_ids = _advance(batch, list(range(len(batch.live))), suspended.last_ids)
-        return batch, self._forward(next_ids, batch, _next_positions(batch))
+        logits = self._forward(next_ids, batch, _next_positions(batch))
+        return batch, logits, suspended.generator
 
     def _suspend(
-        self,
-        prompts: list[list[int]],
-        rows: list[_Row],
-        batch: _Batch,
-        running: list[int],
-        token_ids: torch.Tensor,
+        self, prompts: list[list[int]], rows: list[_Row], running: list[int], state: _Suspended
     ) -> None:
         """Keep the rows cut by max_tokens (slots `running`) for a call that continues them."""
+        batch = state.batch
         if len(running) < len(batch.live):
-            keep = torch.tensor(running, device=token_ids.device)
+            keep = torch.tensor(running, device=state.last_ids.device)
             batch.cache.batch_select_indices(keep)
             batch.attention_mask = batch.attention_mask[keep]
-            token_ids = token_ids[keep]
+            state.last_ids = state.last_ids[keep]
         indices = [batch.live[slot] for slot in running]
         sequences = [[*prompts[i], *rows[i].token_ids] for i in indices]
         batch.live = list(range(len(indices)))  # row i of the continuing call
-        self._continuations.put(sequences, _Suspended(batch, token_ids))
+        self._continuations.put(sequences, state)
 
     def _forward(
         self, input_ids: torch.Tensor, batch: _Batch, position_ids: torch.Tensor

@@ -14,9 +14,11 @@ so far (an engine with prefix sharing computes little of that again):
 What the caller gets is what one call would give up to sampling: per-token sampling logprobs
 of the weights that drew each token, `finish_reason` "stop" when eos, a stop id or a stop
 string ended the row (a stop string that spans two holds is found here, where the engine saw
-only its own hold's tokens), else "length". A seeded request is reproducible: hold k draws
-with a seed derived from (seed, k). `policy_version` is the version the first token came
-from; `policy_version_end` the last one's when a weight swap fell between two holds.
+only its own hold's tokens), else "length". A seeded request samples what one call with its
+seed would where the engine continues a hold's sampling RNG with its KV (the hf engine's
+continuation cache); elsewhere hold k draws with a seed derived from (seed, k), reproducible
+too. `policy_version` is the version the first token came from; `policy_version_end` the
+last one's when a weight swap fell between two holds.
 """
 
 from __future__ import annotations
