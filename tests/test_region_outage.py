@@ -312,9 +312,12 @@ async def test_a_region_cut_off_for_60_s_keeps_rolling_out_and_the_hub_gets_ever
     run_dir = tmp_path / "run"
     hub_services: list[tuple[Service, str]] = [
         (
+            # Far enough ahead that a slow trainer (a busy machine) still leaves tasks for the
+            # region to buffer: with 8 batches ahead, finished rollouts waiting for the
+            # trainer took all the room and the region's queue stayed empty.
             EnvGatewayService(
                 EnvGatewaySettings(
-                    group_size=4, feeder=FeederConfig(mode="async", max_ahead_versions=8)
+                    group_size=4, feeder=FeederConfig(mode="async", max_ahead_versions=32)
                 )
             ),
             "env-gateway",
