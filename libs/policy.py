@@ -82,6 +82,44 @@ POLICY_PRESETS: dict[str, dict[str, Any]] = {
         "rms_norm_eps": 1e-6,
         "tie_word_embeddings": True,
     },
+    # Mixture of experts for the CPU: the Qwen3-MoE layer shape at the tiny preset's size,
+    # 8 experts with 2 routed per token in every layer (1.4M params, ~0.5M active).
+    "tiny-moe": {
+        "model_type": "qwen3_moe",
+        "vocab_size": BYTE_VOCAB_SIZE,
+        "hidden_size": 128,
+        "intermediate_size": 384,
+        "moe_intermediate_size": 96,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "norm_topk_prob": True,
+        "max_position_embeddings": 8192,
+        "tie_word_embeddings": True,
+    },
+    # Mixture of experts for one GPU: the Qwen3-MoE layer shape (qk-norm, 8 of 48 experts
+    # routed per token in all 16 layers) over the byte vocabulary, 949M params, ~0.19B active.
+    "moe-1b": {
+        "model_type": "qwen3_moe",
+        "vocab_size": BYTE_VOCAB_SIZE,
+        "hidden_size": 1024,
+        "intermediate_size": 3072,
+        "moe_intermediate_size": 384,
+        "num_hidden_layers": 16,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 4,
+        "head_dim": 64,
+        "num_experts": 48,
+        "num_experts_per_tok": 8,
+        "norm_topk_prob": True,
+        "max_position_embeddings": 4096,
+        "rope_theta": 1_000_000.0,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": True,
+    },
     # The shape of Qwen2.5-0.5B (494M params with its 151,936-token vocabulary), for a GPU
     # run from random init; pair with that tokenizer or set vocab_size to your own.
     "qwen2-0.5b": {
