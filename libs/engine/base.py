@@ -86,6 +86,12 @@ class Completion:
     from the versions it applied, libs.rollout.version_book)."""
     policy_version_end_hash: str = ""
     """The same for `policy_version_end` (empty when that is None)."""
+    routed_experts: torch.Tensor | None = None
+    """Mixture-of-experts routing: a CPU tensor [P + G - 1, L, k] (uint8 when the model has
+    at most 256 experts, else int16) of the experts each of the L MoE layers chose (top-k)
+    at each position of prompt + completion that was fed through the model (the last
+    sampled token never is); positions whose KV came from a reused prefix carry the routing
+    recorded when that prefix was computed. None for dense models (libs.moe.routing)."""
 
 
 @dataclass(frozen=True)
