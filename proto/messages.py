@@ -45,6 +45,21 @@ class Task(Message, kw_only=True):
     created_at: float = 0.0
 
 
+class RoutedExperts(msgspec.Struct, kw_only=True):
+    """The experts an MoE policy routed tokens to, compactly: for each of the first
+    `num_tokens` tokens of a turn (its position fed through the model), the `top_k` expert
+    ids chosen by each of `num_layers` MoE layers. Later tokens of the turn have no record
+    (the episode's last sampled token is never fed). Encoded by libs.moe.wire."""
+
+    num_tokens: int
+    num_layers: int
+    top_k: int
+    # Id dtype: uint8 for models of at most 256 experts, int16 beyond.
+    dtype: Literal["uint8", "int16"]
+    # zstd frame of the little-endian ids, [num_tokens, num_layers, top_k] in row-major order.
+    data: bytes
+
+
 class Turn(msgspec.Struct, kw_only=True):
     """One turn of an episode, with its tokens exactly as the engine produced or consumed them."""
 
@@ -65,8 +80,9 @@ class Turn(msgspec.Struct, kw_only=True):
     # version is named by its number and hash); empty where the engine could not name it.
     policy_version_hash: str = ""
     policy_version_end_hash: str = ""
-    # Routed expert ids per token and layer for MoE router replay; empty for dense models.
-    routed_experts: list[list[int]] = msgspec.field(default_factory=list)
+    # Mixture-of-experts routing of this turn's tokens, for router replay; None for dense
+    # models and engines that do not record it.
+    routed_experts: RoutedExperts | None = None
     # Context segment of the episode: a self-summarizing episode restarts its context from the
     # task and a summary; each segment is its own training sequence (sharing the reward).
     segment: int = 0

@@ -29,6 +29,7 @@ from proto.messages import (
     Message,
     OnlineSample,
     Rollout,
+    RoutedExperts,
     ScoredRollout,
     ServedGeneration,
     Task,
@@ -46,6 +47,11 @@ MAX_EPISODE_TOKENS = 4 * 1024 * 1024
 MAX_ID_CHARS = 512
 MAX_PROMPT_CHARS = 4 * 1024 * 1024
 MAX_CHUNK_BYTES = 64 * 1024 * 1024
+# MoE routing: far above any model's MoE layers and experts per token (Kimi K2: 60 x 8).
+MAX_ROUTED_LAYERS = 1024
+MAX_ROUTED_TOP_K = 64
+# A zstd frame of incompressible ids is at most a few dozen bytes longer than the ids.
+ROUTED_FRAME_OVERHEAD_BYTES = 1024
 # Logprobs are <= 0; float32 rounding of a near-certain token may land a hair above.
 LOGPROB_SLACK = 1e-3
 
@@ -94,11 +100,26 @@ def check_turn(turn: Turn, where: str) -> None:
     if turn.policy_version is not None:
         _check_version(f"{where}.policy_version", turn.policy_version)
     _check_logprobs(f"{where}.logprobs", turn.logprobs)
-    _require(
-        not turn.routed_experts or len(turn.routed_experts) == num_tokens,
-        f"{where}: routed_experts for {len(turn.routed_experts)} of {num_tokens} tokens",
-    )
+    if turn.routed_experts is not None:
+        _check_routed_experts(turn.routed_experts, num_tokens, f"{where}.routed_experts")
     _require(turn.segment >= 0, f"{where}: negative segment")
+
+
+def _check_routed_experts(routed: RoutedExperts, num_tokens: int, where: str) -> None:
+    _require(
+        0 <= routed.num_tokens <= num_tokens,
+        f"{where}: routing for {routed.num_tokens} tokens of a turn of {num_tokens}",
+    )
+    _require(
+        1 <= routed.num_layers <= MAX_ROUTED_LAYERS and 1 <= routed.top_k <= MAX_ROUTED_TOP_K,
+        f"{where}: {routed.num_layers} layers x top-{routed.top_k} outside "
+        f"1..{MAX_ROUTED_LAYERS} x 1..{MAX_ROUTED_TOP_K}",
+    )
+    raw_bytes = routed.num_tokens * routed.num_layers * routed.top_k * 2
+    _require(
+        len(routed.data) <= raw_bytes + ROUTED_FRAME_OVERHEAD_BYTES,
+        f"{where}: {len(routed.data)} bytes for {routed.num_tokens} tokens' routing",
+    )
 
 
 def check_rollout(rollout: Rollout) -> None:

@@ -19,10 +19,11 @@ row decodes the same alone or in a batch (up to float rounding). Rows a call cut
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -40,6 +41,7 @@ from libs.engine.base import (
 from libs.engine.continuations import ContinuationCache
 from libs.engine.requests import check_request, check_version, hits_stop, stage_update
 from libs.engine.sampling import SampledTokens, make_generator, sample_next_tokens
+from libs.moe.routing import RoutingRecorder, moe_shape, record_routing
 from libs.policy import position_ids_from_mask, sequence_logprobs
 from libs.tokenizer import Tokenizer
 
@@ -59,6 +61,8 @@ class _Row:
     logprobs: list[float] = field(default_factory=list)
     raw_logprobs: list[float] = field(default_factory=list)
     finish_reason: FinishReason | None = None
+    routing: list[torch.Tensor] = field(default_factory=list)
+    """MoE routing of the positions fed so far, in pieces [n, L, k] (empty: dense model)."""
 
 
 @dataclass
@@ -79,6 +83,8 @@ class _Suspended:
     batch: _Batch
     last_ids: torch.Tensor
     generator: torch.Generator
+    routing: list[list[torch.Tensor]] = field(default_factory=list)
+    """Per row, the MoE routing of its positions already in the cache (empty: dense)."""
 
 
 def left_pad(
@@ -119,6 +125,9 @@ class HFEngine(InferenceEngine):
         self._continuations: ContinuationCache[_Suspended] = ContinuationCache(
             CONTINUATION_CACHE_TOKENS
         )
+        self._is_moe = moe_shape(model) is not None
+        # Set for the length of a generate call on an MoE model: every router's choices.
+        self._recorder: RoutingRecorder | None = None
 
     @property
     def policy_version(self) -> int:
@@ -148,11 +157,25 @@ class HFEngine(InferenceEngine):
         rows: list[_Row] = []
         with self._lock, torch.inference_mode(), sdpa_kernel(DECODE_SDPA_BACKENDS):
             version = self._version
-            generator = make_generator(params.seed, self.device)
-            for start in range(0, len(row_prompts), self.max_batch_rows):
-                chunk = row_prompts[start : start + self.max_batch_rows]
-                rows.extend(self._generate_batch(chunk, params, generator))
+            with self._recording():
+                generator = make_generator(params.seed, self.device)
+                for start in range(0, len(row_prompts), self.max_batch_rows):
+                    chunk = row_prompts[start : start + self.max_batch_rows]
+                    rows.extend(self._generate_batch(chunk, params, generator))
         return [_to_completion(row, index, num_samples, version) for index, row in enumerate(rows)]
+
+    @contextlib.contextmanager
+    def _recording(self) -> Iterator[None]:
+        """Record MoE routing during the forwards inside (nothing for a dense model)."""
+        if not self._is_moe:
+            yield
+            return
+        with record_routing(self.model) as recorder:
+            self._recorder = recorder
+            try:
+                yield
+            finally:
+                self._recorder = None
 
     def update_weights(self, state: Mapping[str, torch.Tensor], version: int) -> float:
         return self._copy_in(state, version, older=False)
@@ -239,12 +262,12 @@ class HFEngine(InferenceEngine):
         self, prompts: list[list[int]], params: SamplingParams, generator: torch.Generator
     ) -> list[_Row]:
         """Completions of `prompts` (one row each), decoded together."""
-        resumed = self._resume(prompts)
+        rows = [_Row() for _ in prompts]
+        resumed = self._resume(prompts, rows)
         if resumed is not None:
             batch, logits, generator = resumed
         else:
-            batch, logits = self._prefill(prompts)
-        rows = [_Row() for _ in prompts]
+            batch, logits = self._prefill(prompts, rows)
         for step in range(params.max_tokens):
             sampled = sample_next_tokens(logits, params, generator)
             running = self._record(rows, batch.live, sampled, params)
@@ -255,30 +278,33 @@ class HFEngine(InferenceEngine):
                 self._suspend(prompts, rows, running, suspended)
                 break
             next_ids = _advance(batch, running, sampled.token_ids)
-            logits = self._forward(next_ids, batch, _next_positions(batch))
+            logits = self._forward(next_ids, batch, _next_positions(batch), rows)
         for row in rows:
             row.finish_reason = row.finish_reason or "length"
         return rows
 
-    def _prefill(self, prompts: list[list[int]]) -> tuple[_Batch, torch.Tensor]:
+    def _prefill(self, prompts: list[list[int]], rows: list[_Row]) -> tuple[_Batch, torch.Tensor]:
         """A new batch of `prompts` and the logits of each one's next token."""
         input_ids, attention_mask = left_pad(prompts, self.tokenizer.pad_id, self.device)
         batch = _Batch(
             list(range(len(prompts))), attention_mask, DynamicCache(config=self.model.config)
         )
-        return batch, self._forward(input_ids, batch, position_ids_from_mask(attention_mask))
+        positions = position_ids_from_mask(attention_mask)
+        return batch, self._forward(input_ids, batch, positions, rows)
 
     def _resume(
-        self, prompts: list[list[int]]
+        self, prompts: list[list[int]], rows: list[_Row]
     ) -> tuple[_Batch, torch.Tensor, torch.Generator] | None:
         """The batch a call that cut exactly these rows left, fed its last tokens, and its
-        RNG; or None."""
+        RNG; or None. `rows` start with the routing recorded when their cache was computed."""
         suspended = self._continuations.take(prompts)
         if suspended is None:
             return None
+        for row, routing in zip(rows, suspended.routing, strict=True):
+            row.routing = list(routing)
         batch = suspended.batch
         next_ids = _advance(batch, list(range(len(batch.live))), suspended.last_ids)
-        logits = self._forward(next_ids, batch, _next_positions(batch))
+        logits = self._forward(next_ids, batch, _next_positions(batch), rows)
         return batch, logits, suspended.generator
 
     def _suspend(
@@ -293,13 +319,15 @@ class HFEngine(InferenceEngine):
             state.last_ids = state.last_ids[keep]
         indices = [batch.live[slot] for slot in running]
         sequences = [[*prompts[i], *rows[i].token_ids] for i in indices]
+        state.routing = [rows[i].routing for i in indices]
         batch.live = list(range(len(indices)))  # row i of the continuing call
         self._continuations.put(sequences, state)
 
     def _forward(
-        self, input_ids: torch.Tensor, batch: _Batch, position_ids: torch.Tensor
+        self, input_ids: torch.Tensor, batch: _Batch, position_ids: torch.Tensor, rows: list[_Row]
     ) -> torch.Tensor:
-        """Logits [B, V] of the next token after `input_ids`, extending the batch's cache."""
+        """Logits [B, V] of the next token after `input_ids`, extending the batch's cache
+        (and the live `rows`' routing, on an MoE model)."""
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=batch.attention_mask,
@@ -310,6 +338,8 @@ class HFEngine(InferenceEngine):
         )
         # A model that ignored the cache would decode without context: fail loudly instead.
         assert batch.cache.get_seq_length() == batch.attention_mask.shape[1], "KV cache unused"
+        if self._recorder is not None:
+            _keep_routing(self._recorder, batch, input_ids.shape[1], rows)
         return outputs.logits[:, -1]
 
     def _record(
@@ -337,6 +367,14 @@ def _cache_kwarg_name(model: PreTrainedModel) -> str:
     `past_key_values` before (still accepted, with a FutureWarning, until 5.40)."""
     parameters = inspect.signature(model.forward).parameters
     return "cache" if "cache" in parameters else "past_key_values"
+
+
+def _keep_routing(recorder: RoutingRecorder, batch: _Batch, num_fed: int, rows: list[_Row]) -> None:
+    """Append the newest forward's routing of each live row's real (unpadded) positions."""
+    routing = recorder.take(len(batch.live))  # [B, num_fed, L, k]
+    real = batch.attention_mask[:, -num_fed:].bool()
+    for slot, row_index in enumerate(batch.live):
+        rows[row_index].routing.append(routing[slot][real[slot]])
 
 
 def _next_positions(batch: _Batch) -> torch.Tensor:
@@ -368,4 +406,5 @@ def _to_completion(row: _Row, index: int, num_samples: int, version: int) -> Com
         raw_logprobs=row.raw_logprobs,
         finish_reason=row.finish_reason,
         policy_version=version,
+        routed_experts=torch.cat(row.routing).cpu() if row.routing else None,
     )
