@@ -16,6 +16,7 @@ import time
 
 import torch
 
+from libs.engine.base import FinishReason
 from libs.engine.model_runner import PagedModelRunner, PrefillChunk
 from libs.engine.requests import hits_stop
 from libs.engine.row_sampling import sample_rows, step_seeds
@@ -205,13 +206,19 @@ class BatchStepper:
         return sample_rows(logits, temperatures, top_ps, seeds, all_top_p_one=all_top_p_one)
 
     def _stop_if_done(self, seq: Sequence) -> bool:
-        """Finish `seq` if its newest token ends it; True if it did."""
+        """Finish `seq` if its newest token ends it; True if it did. A model that records
+        routing starts the copy of the sequence's routing first (its blocks still held: a
+        later step's writes to them queue behind the copy)."""
         if hits_stop(seq.generated, seq.params, self.tokenizer):
-            self.scheduler.finish(seq, "stop")
+            reason: FinishReason = "stop"
         elif len(seq.generated) >= seq.params.max_tokens:
-            self.scheduler.finish(seq, "length")
+            reason = "length"
         else:
             return False
+        routing = self.runner.routing
+        if routing is not None:
+            seq.routing = routing.read(seq.blocks, seq.num_computed, self.runner.block_size)
+        self.scheduler.finish(seq, reason)
         return True
 
 

@@ -16,7 +16,8 @@ add after it into one FMA across the bf16 rounding between them, and RoPE then d
 from transformers' by an ulp in many elements; without the contraction all three kernels are
 bitwise equal to transformers' ops.
 
-`FusedWeights` holds the concatenated qkv and gate/up weights the fused projections use.
+`FusedWeights` holds the concatenated qkv and gate/up weights the fused projections use (a
+mixture-of-experts layer has no gate/up of its own: its experts' weights are fused already).
 They are copies of the model's own parameters, so `refresh()` must run after every weight
 write (the engine does this inside the write's pause; it copies into the same storage, so
 captured CUDA graphs stay valid).
@@ -192,7 +193,7 @@ class FusedWeights:
         self._decoder = decoder
         self.qkv_weight: list[torch.Tensor] = []
         self.qkv_bias: list[torch.Tensor | None] = []
-        self.gate_up_weight: list[torch.Tensor] = []
+        self.gate_up_weight: list[torch.Tensor | None] = []
         with torch.no_grad():
             for layer in decoder.layers:
                 attention, mlp = layer.self_attn, layer.mlp
@@ -201,7 +202,10 @@ class FusedWeights:
                 biases = [p.bias for p in projections]
                 has_bias = all(b is not None for b in biases)
                 self.qkv_bias.append(torch.cat(biases) if has_bias else None)
-                self.gate_up_weight.append(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))
+                dense = hasattr(mlp, "gate_proj")
+                self.gate_up_weight.append(
+                    torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]) if dense else None
+                )
 
     def refresh(self) -> None:
         """Copy the model's current parameters into the fused tensors (same storage)."""
@@ -213,6 +217,6 @@ class FusedWeights:
                 bias = self.qkv_bias[index]
                 if bias is not None:
                     torch.cat([p.bias for p in projections], out=bias)
-                torch.cat(
-                    [mlp.gate_proj.weight, mlp.up_proj.weight], out=self.gate_up_weight[index]
-                )
+                gate_up = self.gate_up_weight[index]
+                if gate_up is not None:
+                    torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight], out=gate_up)

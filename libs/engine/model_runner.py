@@ -1,10 +1,13 @@
-"""The `paged` engine's forward pass: a Llama/Qwen2 model run over the paged KV cache.
+"""The `paged` engine's forward pass: a Llama, Qwen2/Qwen3, Qwen3-MoE or Mixtral model run
+over the paged KV cache.
 
 The transformers model keeps its modules and parameters; this runner calls its embedding,
-norms, projections, MLPs and rotary embedding directly and replaces only attention (by
-`libs.engine.paged_attention` over `libs.engine.kv_cache`). So a weight update written into
-the model's parameters in place is what the next step computes with, and a CUDA graph
-captured over those same tensors stays valid.
+norms, projections, MLPs and rotary embedding directly and replaces attention (by
+`libs.engine.paged_attention` over `libs.engine.kv_cache`) and the mixture-of-experts blocks
+(by `libs.engine.moe_layers`: the runner routes, so it records the experts each token chose
+into `libs.engine.routing_table`, per KV slot, inside the decode graph too). So a weight
+update written into the model's parameters in place is what the next step computes with,
+and a CUDA graph captured over those same tensors stays valid.
 
 Two entry points:
 - `prefill(chunks)`: a flat batch of prompt chunks of several sequences (eager), returns the
@@ -21,24 +24,35 @@ gate/up, RMSNorm with the residual add, RoPE with the cache write, SiLU*up: abou
 a layer instead of 35); on CPU, transformers' own modules. `refresh_weights()` must follow
 every weight write (the fused projections hold copies).
 
-Supported: model_type "llama" and "qwen2" with full attention and the default RoPE; any
-other architecture is refused at construction with the reason.
+Supported: model_type "llama", "qwen2", "qwen3" (qk-norm), "qwen3_moe" and "mixtral", with
+full attention and the default RoPE; any other architecture is refused at construction with
+the reason. MoE layers run their experts as grouped GEMMs where torch has them (CPU; CUDA in
+bf16 on sm80+); elsewhere one GEMM per expert, eagerly, and then without CUDA graphs.
 
     runner = PagedModelRunner(model, cache, max_rows=256, table_width=512, use_cuda_graphs=True)
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import structlog
 import torch
 from torch.nn.attention import sdpa_kernel
 from transformers import PreTrainedModel
 
 from libs.engine.fused_layers import FusedWeights, add_rmsnorm, rope_and_cache, silu_mul
 from libs.engine.kv_cache import PagedKVCache
+from libs.engine.moe_layers import (
+    MOE_MODEL_TYPES,
+    MoELayers,
+    grouped_mm_available,
+    moe_spec,
+    torch_gated,
+)
 from libs.engine.paged_attention import (
     CHUNK_SDPA_BACKENDS,
     HAS_TRITON,
@@ -48,8 +62,11 @@ from libs.engine.paged_attention import (
     decode_splits,
     plan_groups,
 )
+from libs.engine.routing_table import RoutingTable
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
+log = structlog.get_logger(__name__)
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", *MOE_MODEL_TYPES)
 DECODE_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 
 Attend = Callable[[int, torch.Tensor], torch.Tensor]
@@ -69,7 +86,10 @@ def check_architecture(model: PreTrainedModel) -> None:
     if rope_type != "default":
         raise ValueError(f"the paged engine supports default RoPE only, not {rope_type!r}")
     layer_types = getattr(config, "layer_types", None) or []
-    if any(kind != "full_attention" for kind in layer_types):
+    window = getattr(config, "sliding_window", None)
+    if not getattr(config, "use_sliding_window", True):  # Qwen's configs name a window unused
+        window = None
+    if window is not None or any(kind != "full_attention" for kind in layer_types):
         raise ValueError("the paged engine supports full attention only (no sliding window)")
 
 
@@ -225,7 +245,7 @@ class DecodeRows:
 
 
 class PagedModelRunner:
-    """Forward passes of a Llama/Qwen2 model over a `PagedKVCache`."""
+    """Forward passes of a supported model (`check_architecture`) over a `PagedKVCache`."""
 
     def __init__(
         self,
@@ -235,11 +255,12 @@ class PagedModelRunner:
         table_width: int,
         use_cuda_graphs: bool,
         prefill_rows: int = 0,
+        record_routing: bool = True,
     ) -> None:
         check_architecture(model)
         config = model.config
         self.model = model
-        self.decoder: Any = model.model  # LlamaModel / Qwen2Model (checked above)
+        self.decoder: Any = model.model  # LlamaModel / Qwen2Model / ... (checked above)
         self.cache = cache
         self.block_size = cache.layout.block_size
         self.head_dim = int(
@@ -271,10 +292,38 @@ class PagedModelRunner:
             else 1
         )
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.qk_norm = hasattr(self.decoder.layers[0].self_attn, "q_norm")
+        self.moe, self.routing = self._setup_moe(record_routing)
+        if use_cuda_graphs and self.moe is not None and not self.moe.grouped:
+            log.warning(
+                "paged_engine_decodes_without_cuda_graphs",
+                reason="no grouped GEMM for this device and dtype (CUDA graphs of the MoE "
+                "layers need torch's grouped_mm: bf16 on sm80+); experts run one by one",
+            )
+            use_cuda_graphs = False
         if use_cuda_graphs:
             if not self.use_kernel:
                 raise ValueError("CUDA graphs need a CUDA device with Triton")
             self._capture_graphs()
+
+    def _setup_moe(self, record_routing: bool) -> tuple[MoELayers | None, RoutingTable | None]:
+        """The MoE layers' runner and, when recording, the routing table beside the KV
+        (both None for a dense model)."""
+        spec = moe_spec(self.model)
+        if spec is None:
+            return None, None
+        dtype = next(self.model.parameters()).dtype
+        moe = MoELayers(spec, grouped_mm_available(self.device, dtype))
+        if not record_routing:
+            return moe, None
+        slots = self.cache.layout.num_slots
+        table = RoutingTable(len(spec.layers), slots, spec.top_k, spec.routing_dtype, self.device)
+        return moe, table
+
+    @property
+    def uses_cuda_graphs(self) -> bool:
+        """Whether decode steps replay captured CUDA graphs."""
+        return bool(self._graphs)
 
     def refresh_weights(self) -> None:
         """Bring derived weights (the fused projections) up to the model's parameters."""
@@ -399,8 +448,29 @@ class PagedModelRunner:
         for index, layer in enumerate(self.decoder.layers):
             normed = layer.input_layernorm(hidden)
             hidden = hidden + self._attention(index, layer.self_attn, normed, rotary, slots, attend)
-            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+            normed = layer.post_attention_layernorm(hidden)
+            moe = self._moe_slot(index)
+            mlp = layer.mlp(normed) if moe is None else self._moe(moe, layer.mlp, normed, slots)
+            hidden = hidden + mlp
         return self.decoder.norm(hidden)
+
+    def _moe_slot(self, index: int) -> int | None:
+        """Index of decoder layer `index` among the MoE layers; None for a dense layer."""
+        return None if self.moe is None else self.moe.slot_of(index)
+
+    def _moe(
+        self, slot: int, mlp: Any, hidden: torch.Tensor, slots: torch.Tensor, fused: bool = False
+    ) -> torch.Tensor:
+        """MoE layer `slot` on tokens [N, hidden] in KV `slots` [N]; records their routing."""
+        assert self.moe is not None
+        routing = self.routing
+
+        def record(ids: torch.Tensor) -> None:
+            assert routing is not None
+            routing.write(slot, slots, ids)
+
+        gated = silu_mul if fused else functools.partial(torch_gated, mlp.experts.act_fn)
+        return self.moe.forward(mlp, hidden, gated, None if routing is None else record)
 
     def _forward_fused(
         self,
@@ -418,15 +488,32 @@ class PagedModelRunner:
         for index, layer in enumerate(self.decoder.layers):
             normed = add_rmsnorm(hidden, delta, layer.input_layernorm.weight, self.eps)
             qkv = torch.nn.functional.linear(normed, fused.qkv_weight[index], fused.qkv_bias[index])
+            if self.qk_norm:
+                qkv = self._qk_norm(layer.self_attn, qkv)
             k_cache, v_cache = self.cache.k[index], self.cache.v[index]
             q = rope_and_cache(
                 qkv, self.cos, self.sin, positions, slots, k_cache, v_cache, self.num_heads
             )
             delta = layer.self_attn.o_proj(attend(index, q).reshape(n, -1))
             normed = add_rmsnorm(hidden, delta, layer.post_attention_layernorm.weight, self.eps)
-            gate_up = torch.nn.functional.linear(normed, fused.gate_up_weight[index])
-            delta = layer.mlp.down_proj(silu_mul(gate_up))
+            gate_up_weight, moe = fused.gate_up_weight[index], self._moe_slot(index)
+            if moe is not None:
+                delta = self._moe(moe, layer.mlp, normed, slots, fused=True)
+            else:
+                assert gate_up_weight is not None
+                gate_up = torch.nn.functional.linear(normed, gate_up_weight)
+                delta = layer.mlp.down_proj(silu_mul(gate_up))
         return add_rmsnorm(hidden, delta, self.decoder.norm.weight, self.eps)
+
+    def _qk_norm(self, attention: Any, qkv: torch.Tensor) -> torch.Tensor:
+        """`qkv` [N, (H + 2 KVH) D] with q and k RMS-normalised per head (Qwen3's qk-norm,
+        by its own modules, before RoPE)."""
+        n, dim = qkv.shape[0], self.head_dim
+        q_end = self.num_heads * dim
+        k_end = q_end + self.num_kv_heads * dim
+        q = attention.q_norm(qkv[:, :q_end].view(n, -1, dim)).view(n, -1)
+        k = attention.k_norm(qkv[:, q_end:k_end].view(n, -1, dim)).view(n, -1)
+        return torch.cat([q, k, qkv[:, k_end:]], dim=1)
 
     def _attention(
         self,
@@ -442,6 +529,8 @@ class PagedModelRunner:
         q = attention.q_proj(hidden).view(n, -1, self.head_dim)
         k = attention.k_proj(hidden).view(n, -1, self.head_dim)
         v = attention.v_proj(hidden).view(n, -1, self.head_dim)
+        if self.qk_norm:
+            q, k = attention.q_norm(q), attention.k_norm(k)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
         self.cache.k[index].index_copy_(0, slots, k)

@@ -18,7 +18,16 @@ group's prompt, an episode's earlier turns) between sequences (`libs.engine.kv_c
     completions = engine.generate([prompt_ids], SamplingParams(max_tokens=256), 16)
 
 Or through the factory: `EngineConfig(type="paged")`; the rollout-worker takes it from
-RLPIPE_ROLLOUT_WORKER_ENGINE_TYPE=paged. Models: Llama and Qwen2 (others are refused).
+RLPIPE_ROLLOUT_WORKER_ENGINE_TYPE=paged. Models: Llama, Qwen2, Qwen3, and the mixtures of
+experts Qwen3-MoE and Mixtral (others are refused).
+
+Mixture of experts: the runner routes each token itself and records the top-k experts of
+every MoE layer per KV slot, on the device, inside the decode graph
+(`libs.engine.routing_table`); a finished sequence's routing is copied to the host behind
+the queued work and its request resolved once the copy has landed, so no decode step waits
+for it. Blocks shared from the prefix cache carry the routing recorded with their KV, and
+each completion's `routed_experts` covers every position fed through the model.
+`record_routing=False` turns the recording off (to measure its cost: bench/moe_engine_bench.py).
 
 Its throughput against `hf` (bench/engine_bench.py, bench/harness_bench.py): docs/benchmarks.md.
 
@@ -82,6 +91,7 @@ class PagedEngine(InferenceEngine):
         staged_prefill_tokens: int = 512,
         eager_prefill_above: int | None = None,
         use_cuda_graphs: bool | None = None,
+        record_routing: bool = True,
     ) -> None:
         if max_batch_rows < 1:
             raise ValueError(f"max_batch_rows must be >= 1, got {max_batch_rows}")
@@ -98,16 +108,12 @@ class PagedEngine(InferenceEngine):
         self.pool = BlockPool(layout.num_blocks, block_size)
         positions = int(model.config.max_position_embeddings)
         self._max_context = min(positions, self.pool.capacity * block_size)
-        graphs = model.device.type == "cuda" if use_cuda_graphs is None else use_cuda_graphs
-        table_width = blocks_needed(self._max_context, block_size)
-        with torch.no_grad():
-            self.runner = PagedModelRunner(
-                model, self.cache, max_batch_rows, table_width, graphs, staged_prefill_tokens
-            )
+        self.runner = self._runner(staged_prefill_tokens, use_cuda_graphs, record_routing)
         self.scheduler = Scheduler(self.pool, max_batch_rows, prefill_chunk_tokens)
         self._stamp = self._weights_stamp()  # parameters as the fused copies last saw them
         self._scorer = HFEngine(model, tokenizer, max_batch_rows, policy_version)
         self._lock = threading.Lock()  # the scheduler's queues, the driver, request counts
+        graphs = self.runner.uses_cuda_graphs
         self.stepper = BatchStepper(
             self.runner, self.scheduler, tokenizer, self._lock, eager_prefill_above, graphs
         )
@@ -117,6 +123,7 @@ class PagedEngine(InferenceEngine):
         self._num_running_calls = 0  # requests queued or running, not yet ended
         self._writing = False
         self._deferred: list[Request] = []  # submitted during a weight write
+        self._ending: list[Request] = []  # ended, their routing still on its way to the host
         self._driver: threading.Thread | None = None
         # The driver's own CUDA stream, so the engine's back-to-back steps do not hold up
         # another thread's work on the default stream: the rollout-worker decodes the next
@@ -126,6 +133,27 @@ class PagedEngine(InferenceEngine):
         if self._stream is not None:
             torch.cuda.synchronize(self.device)  # cache, rows and fused weights set up
         self._entropy = random.SystemRandom()
+
+    def _runner(
+        self, staged_prefill_tokens: int, use_cuda_graphs: bool | None, record_routing: bool
+    ) -> PagedModelRunner:
+        """The forward passes over this engine's cache (CUDA graphs by default on CUDA)."""
+        device = self.model.device
+        graphs = device.type == "cuda" if use_cuda_graphs is None else use_cuda_graphs
+        table_width = blocks_needed(self._max_context, self.pool.block_size)
+        # Graph capture and the Triton kernels' warm-up launch on the current device: make it
+        # the model's (cuda:1 while the caller's is cuda:0).
+        on_device = torch.cuda.device(device) if device.type == "cuda" else None
+        with torch.no_grad(), on_device or contextlib.nullcontext():
+            return PagedModelRunner(
+                self.model,
+                self.cache,
+                self.max_batch_rows,
+                table_width,
+                graphs,
+                staged_prefill_tokens,
+                record_routing,
+            )
 
     @property
     def policy_version(self) -> int:
@@ -194,12 +222,19 @@ class PagedEngine(InferenceEngine):
         self.scheduler.waiting.extend(request.sequences)
         self._start_driver()
 
-    def _resolve_ended(self) -> None:
+    def _resolve_ended(self, wait: bool = False) -> None:
         """Resolve the futures of the requests that ended, then count them out (so a weight
         write that waits for running calls starts after their futures are resolved). Called
         by the driver with no lock held: a future's callbacks run here. `scheduler.ended`
-        is the driver's alone (its steps and fail_all fill it), so no lock guards it."""
-        ended, self.scheduler.ended = self.scheduler.ended, []
+        is the driver's alone (its steps and fail_all fill it), so no lock guards it.
+
+        A request whose routing (MoE) is still being copied to the host waits for a later
+        call, after the next step is launched, unless `wait` (the driver has no step left)."""
+        pending, self.scheduler.ended = self._ending + self.scheduler.ended, []
+        ended: list[Request] = []
+        self._ending = []
+        for request in pending:
+            (ended if wait or request.routing_ready() else self._ending).append(request)
         if not ended:
             return
         for request in ended:
@@ -341,9 +376,13 @@ class PagedEngine(InferenceEngine):
                 self._catch_up_with_outside_writes()
             while True:
                 with self._lock:
-                    if not self.scheduler.has_work():
+                    idle = not self.scheduler.has_work()
+                    if idle and not self._ending:
                         self._driver = None
                         return
+                if idle:  # no step to overlap with: wait for the routing copies
+                    self._resolve_ended(wait=True)
+                    continue
                 try:
                     with self._step_lock, torch.no_grad():
                         self.stepper.step()

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from libs.engine.base import Completion, FinishReason, SamplingParams
 from libs.engine.kv_cache import NO_PARENT, BlockPool
 from libs.engine.model_runner import PrefillChunk
+from libs.engine.routing_table import RoutingCopy
 
 
 def _running_future() -> Future[list[Completion]]:
@@ -64,6 +65,12 @@ class Request:
         else:
             self.future.set_result(self.completions())
 
+    def routing_ready(self) -> bool:
+        """True once every sequence's routing (MoE) has reached the host, or none is coming."""
+        return self.error is not None or all(
+            seq.routing is None or seq.routing.ready() for seq in self.sequences
+        )
+
     def completions(self) -> list[Completion]:
         """The finished sequences as completions, in (prompt, sample) order."""
         return [
@@ -76,6 +83,7 @@ class Request:
                 finish_reason=seq.finish_reason or "length",
                 policy_version=self.version,
                 policy_version_end=self.version_end if self.version_end > self.version else None,
+                routed_experts=None if seq.routing is None else seq.routing.result(),
             )
             for index, seq in enumerate(self.sequences)
         ]
@@ -101,6 +109,9 @@ class Sequence:
     logprobs: list[float] = field(default_factory=list)
     raw_logprobs: list[float] = field(default_factory=list)
     finish_reason: FinishReason | None = None
+    routing: RoutingCopy | None = None
+    """The experts each MoE layer chose at each fed position, on its way to the host (set
+    when the sequence finishes, by a model that records routing)."""
 
     @property
     def params(self) -> SamplingParams:
