@@ -14,6 +14,8 @@ from typing import Annotated, Any, ClassVar, Literal
 
 import msgspec
 
+from proto.moe import RoutedExperts
+
 
 class Message(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
     """Base of every wire message."""
@@ -43,21 +45,6 @@ class Task(Message, kw_only=True):
     # baseline tags each batch with the version it must use; 0 means any version.
     min_policy_version: int = 0
     created_at: float = 0.0
-
-
-class RoutedExperts(msgspec.Struct, kw_only=True):
-    """The experts an MoE policy routed tokens to, compactly: for each of the first
-    `num_tokens` tokens of a turn (its position fed through the model), the `top_k` expert
-    ids chosen by each of `num_layers` MoE layers. Later tokens of the turn have no record
-    (the episode's last sampled token is never fed). Encoded by libs.moe.wire."""
-
-    num_tokens: int
-    num_layers: int
-    top_k: int
-    # Id dtype: uint8 for models of at most 256 experts, int16 beyond.
-    dtype: Literal["uint8", "int16"]
-    # zstd frame of the little-endian ids, [num_tokens, num_layers, top_k] in row-major order.
-    data: bytes
 
 
 class Turn(msgspec.Struct, kw_only=True):

@@ -29,7 +29,6 @@ from proto.messages import (
     Message,
     OnlineSample,
     Rollout,
-    RoutedExperts,
     ScoredRollout,
     ServedGeneration,
     Task,
@@ -38,6 +37,7 @@ from proto.messages import (
     WeightManifest,
     WeightsStaged,
 )
+from proto.moe import RoutedExperts
 
 # A trainer stepping once a second needs 68 years to reach this.
 MAX_POLICY_VERSION = 2**31 - 1

@@ -89,6 +89,9 @@ def test_routing_round_trips_the_wire_codec_compressed() -> None:
     assert torch.equal(decode_routing(routed), ids)
     raw, wire = routing_bytes(routed)
     assert raw == 50 * 8 and wire < raw
+    short = encode_routing(ids[:2])  # a frame's header would cost more than it saves
+    assert short.codec == "raw" and routing_bytes(short) == (16, 16)
+    assert torch.equal(decode_routing(short), ids[:2])
     wide = torch.randint(0, 300, (5, 3, 4), dtype=torch.int16)
     assert torch.equal(decode_routing(encode_routing(wide)), wide)
 

@@ -1,5 +1,5 @@
 """MoE routing on the wire: ids as a zstd frame of little-endian small ints (proto's
-RoutedExperts), and back.
+RoutedExperts; the ids as they are when a frame would be larger), and back.
 
     routed = encode_routing(ids)          # ids [n, L, k] uint8/int16 -> RoutedExperts
     ids = decode_routing(routed)          # -> [n, L, k] tensor of the same dtype
@@ -17,10 +17,11 @@ import numpy as np
 import torch
 import zstandard
 
-from proto.messages import RoutedExperts
+from proto.moe import RoutedExperts
 
 ZSTD_LEVEL = 3
 IdDtype = Literal["uint8", "int16"]
+Codec = Literal["zstd", "raw"]
 _DTYPES: dict[IdDtype, tuple[torch.dtype, np.dtype]] = {
     "uint8": (torch.uint8, np.dtype("<u1")),
     "int16": (torch.int16, np.dtype("<i2")),
@@ -34,10 +35,17 @@ def encode_routing(ids: torch.Tensor) -> RoutedExperts:
     if name is None or ids.dim() != 3:
         raise ValueError(f"routing must be [n, L, k] uint8 or int16, got {ids.dtype} {ids.shape}")
     array = ids.detach().cpu().contiguous().numpy().astype(_DTYPES[name][1], copy=False)
-    data = zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(array.tobytes())
+    raw = array.tobytes()
+    frame = zstandard.ZstdCompressor(level=ZSTD_LEVEL, write_content_size=False).compress(raw)
+    codec: Codec = "zstd" if len(frame) < len(raw) else "raw"
     num_tokens, num_layers, top_k = ids.shape
     return RoutedExperts(
-        num_tokens=num_tokens, num_layers=num_layers, top_k=top_k, dtype=name, data=data
+        num_tokens=num_tokens,
+        num_layers=num_layers,
+        top_k=top_k,
+        dtype=name,
+        data=frame if codec == "zstd" else raw,
+        codec=codec,
     )
 
 
@@ -45,10 +53,12 @@ def decode_routing(routed: RoutedExperts) -> torch.Tensor:
     """The ids [num_tokens, num_layers, top_k] of a wire record; ValueError if it is corrupt."""
     torch_dtype, numpy_dtype = _DTYPES[routed.dtype]
     size = routed.num_tokens * routed.num_layers * routed.top_k * numpy_dtype.itemsize
-    try:
-        raw = zstandard.ZstdDecompressor().decompress(routed.data, max_output_size=size)
-    except zstandard.ZstdError as exc:
-        raise ValueError(f"routed_experts data is not a zstd frame: {exc}") from exc
+    raw = routed.data
+    if routed.codec == "zstd":
+        try:
+            raw = zstandard.ZstdDecompressor().decompress(raw, max_output_size=max(size, 1))
+        except zstandard.ZstdError as exc:
+            raise ValueError(f"routed_experts data is not a zstd frame: {exc}") from exc
     if len(raw) != size:
         raise ValueError(f"routed_experts holds {len(raw)} bytes, its shape needs {size}")
     array = np.frombuffer(raw, dtype=numpy_dtype).astype(numpy_dtype.newbyteorder("="))

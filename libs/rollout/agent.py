@@ -64,6 +64,7 @@ from libs.engine.base import Completion, SamplingParams
 from libs.envs.client import EnvClient, EnvError
 from libs.rollout.episode import GenerateFn, RolloutFinish, RunnerSettings
 from libs.rollout.episode import rollout_id as make_rollout_id
+from libs.rollout.turn_routing import EpisodeRouting
 from libs.tokenizer import Tokenizer
 from proto import messages as m
 from proto.messages import ChatMessage, EnvResetReply, Rollout, Task, ToolResult, Turn
@@ -116,6 +117,7 @@ class Transcript:
     pending_role: Literal["user", "tool"] = "user"
     segment: int = 0
     stats: dict[str, float] = field(default_factory=dict)
+    routing: EpisodeRouting = field(default_factory=EpisodeRouting)  # MoE policies only
 
     def count(self, key: str, amount: float = 1) -> None:
         self.stats[key] = self.stats.get(key, 0) + amount
@@ -155,6 +157,7 @@ class Transcript:
                 segment=self.segment,
             )
         )
+        self.routing.add(self.segment, completion.routed_experts)
         self.context.extend(completion.token_ids)
         self.count(m.EPISODE_STAT_GENERATED_TOKENS, len(completion.token_ids))
         if completion.finish_reason == "length":
@@ -254,6 +257,7 @@ class AgentRunner:
             with contextlib.suppress(EnvError):
                 await self.env.close(opening.episode_id, task.env)
         transcript.flush(self.tokenizer)
+        transcript.routing.attach(transcript.turns)
         return Rollout(
             rollout_id=make_rollout_id(task.task_id, index),
             task_id=task.task_id,

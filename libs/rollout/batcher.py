@@ -409,6 +409,9 @@ class GenerationBatcher:
 def _truncated(completion: Completion, max_tokens: int, index: int) -> Completion:
     """`completion` cut to `max_tokens` and renumbered as row `index` of its own request."""
     cut = len(completion.token_ids) > max_tokens
+    routed = completion.routed_experts
+    if cut and routed is not None:  # positions fed: the prompt's and all but the last token's
+        routed = routed[: routed.shape[0] - len(completion.token_ids) + max_tokens]
     return dataclasses.replace(
         completion,
         prompt_index=index,
@@ -417,6 +420,7 @@ def _truncated(completion: Completion, max_tokens: int, index: int) -> Completio
         logprobs=completion.logprobs[:max_tokens],
         raw_logprobs=completion.raw_logprobs[:max_tokens],
         finish_reason="length" if cut else completion.finish_reason,
+        routed_experts=routed,
     )
 
 

@@ -42,6 +42,11 @@ MISMATCH = Gauge(
     "rlpipe_trainer_logprob_mismatch_nats", "Mean |trainer - inference| logprob, same version"
 )
 MISMATCH_KL = Gauge("rlpipe_trainer_mismatch_kl_nats", "k3 KL(inference || trainer), same version")
+ROUTING_DISAGREEMENT = Gauge(
+    "rlpipe_trainer_routing_disagreement_ratio",
+    "MoE: fraction of token-layer pairs the trainer's own router sent to another expert set "
+    "than the engine did (last step)",
+)
 OFF_POLICY_KL = Gauge(
     "rlpipe_trainer_off_policy_kl_nats",
     "k3 KL(behavior || trainer) of the last step's trained tokens, by staleness bucket",
@@ -111,6 +116,10 @@ class StepRecord(msgspec.Struct, kw_only=True):
     mismatch_tokens: int
     mismatch_mean_abs: float
     mismatch_kl: float
+    # MoE rollouts with routing: the fraction of token-layer pairs whose expert set the
+    # trainer's own router chose differently from the engine (libs.trainer.router_replay);
+    # None for dense policies.
+    routing_disagreement: float | None = None
     clip_fraction: float
     is_weight_mean: float
     is_weight_max: float
@@ -296,6 +305,8 @@ def step_scalars(record: StepRecord) -> dict[str, float]:
     }
     if record.success is not None:
         scalars[f"{reward}/success"] = record.success
+    if record.routing_disagreement is not None:
+        scalars["routing/disagreement"] = record.routing_disagreement
     for bucket, figures in record.mismatch_by_staleness.items():
         name = bucket.replace("+", "_plus")  # MLflow refuses "+" in a metric name
         scalars[f"off_policy/kl_{name}"] = figures.kl
@@ -381,6 +392,8 @@ def export(record: StepRecord) -> None:
     DROPPED.inc(record.num_dropped)
     MISMATCH.set(record.mismatch_mean_abs)
     MISMATCH_KL.set(record.mismatch_kl)
+    if record.routing_disagreement is not None:
+        ROUTING_DISAGREEMENT.set(record.routing_disagreement)
     for bucket, figures in record.mismatch_by_staleness.items():
         OFF_POLICY_KL.labels(bucket).set(figures.kl)
         OFF_POLICY_OUTSIDE.labels(bucket).set(figures.is_outside_fraction)

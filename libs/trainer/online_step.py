@@ -84,6 +84,7 @@ class OnlineStepStats:
     baselines: dict[str, float]  # per context kind in the batch, after the step's updates
     policy: PolicyLossStats
     mismatch: MismatchStats
+    routing_disagreement: float | None = None  # MoE samples carrying routing (router_replay)
 
 
 def train_online_step(
@@ -119,4 +120,5 @@ def train_online_step(
         baselines={kind: baselines.value(kind) for kind in sorted(set(scored.kinds))},
         policy=update.policy,
         mismatch=update.mismatch,
+        routing_disagreement=update.routing_disagreement,
     )

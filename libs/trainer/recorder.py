@@ -89,6 +89,7 @@ class StepRecorder:
             tokens_per_s=tokens / max(step_s, 1e-9),
             samples_per_s=len(batch.kept) / max(step_s + batch.wait_s, 1e-9),
             mismatch_by_staleness=mismatch_figures(stats.mismatch_by_staleness),
+            routing_disagreement=stats.routing_disagreement,
             max_staleness=max_staleness,
             pacing=pacing,
         )
@@ -121,6 +122,7 @@ class StepRecorder:
             num_online_invalid=len(taken.invalid),
             online_mean_advantage=stats.mean_advantage,
             online_baselines=stats.baselines,
+            routing_disagreement=stats.routing_disagreement,
         )
         samples = self._samples(
             stream="online",

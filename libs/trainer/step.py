@@ -43,6 +43,7 @@ from libs.rl import (
     token_staleness,
 )
 from libs.trainer.reference import ReferencePolicy
+from libs.trainer.router_replay import RoutingTally, replayed
 from proto.messages import ScoredRollout
 
 
@@ -79,6 +80,12 @@ class StepConfig(BaseModel):
         "sample weighs the same whatever its length (GRPO's original), so a few long failing "
         "samples do not outweigh the rest of their group",
     )
+    router_replay: bool | None = Field(
+        None,
+        description="MoE policies: the forwards on rollout tokens use the experts the engine "
+        "recorded, gate weights from the trainer's router (libs/trainer/router_replay.py); "
+        "unset: on when rollouts carry routing; false: off, disagreement still measured",
+    )
 
 
 @dataclass(frozen=True)
@@ -98,6 +105,9 @@ class StepStats:
     """Mean k3 KL(new || reference) over loss tokens before the update (0 without anchor)."""
     mismatch_by_staleness: dict[int, MismatchStats] = field(default_factory=dict)
     """Behavior-vs-trainer mismatch of the loss tokens per staleness (libs.rl.mismatch)."""
+    routing_disagreement: float | None = None
+    """Fraction of token-layer pairs whose expert set the trainer's own router chose
+    differently from the engine (MoE rollouts carrying routing; None otherwise)."""
 
 
 def train_step(
@@ -135,6 +145,7 @@ def train_step(
         mismatch=update.mismatch,
         reference_kl=update.reference_kl,
         mismatch_by_staleness=update.mismatch_by_staleness,
+        routing_disagreement=update.routing_disagreement,
     )
 
 
@@ -173,6 +184,7 @@ class BatchUpdate:
     mismatch: MismatchStats
     reference_kl: float = 0.0  # token mean over the batch, before the update
     mismatch_by_staleness: dict[int, MismatchStats] = field(default_factory=dict)
+    routing_disagreement: float | None = None  # MoE: own routing vs the engine's (no grad)
 
 
 class RowShare:
@@ -225,7 +237,10 @@ def optimize_on_batch(
     minibatches = share.minibatch_rows(batch.num_rows, config.minibatches, batch.input_ids.device)
     model.eval()  # no dropout: proximal and new logprobs must come from the same function
     mine = torch.cat(minibatches)
-    proximal = share.gather_rows(_logprobs_no_grad(model, batch, mine), mine, batch.num_rows)
+    tally = RoutingTally()
+    proximal = share.gather_rows(
+        _logprobs_no_grad(model, batch, mine, config.router_replay, tally), mine, batch.num_rows
+    )
     anchor = None
     if reference is not None and config.kl_coef > 0:
         anchor = reference.logprobs(batch.input_ids, batch.attention_mask)
@@ -253,6 +268,7 @@ def optimize_on_batch(
         mismatch_by_staleness=mismatch_by_staleness(
             proximal, batch.behavior_logprobs, staleness, batch.loss_mask, band
         ),
+        routing_disagreement=tally.disagreement(share.total),
     )
 
 
@@ -279,7 +295,8 @@ def _minibatch_loss(
         rows = torch.zeros(1, dtype=torch.long, device=rows.device)
         loss_mask = torch.zeros_like(batch.loss_mask[rows])
         advantages = batch.advantages[rows]
-    new = sequence_logprobs(model, batch.input_ids[rows], batch.attention_mask[rows])
+    with replayed(model, batch, rows, config.router_replay):
+        new = sequence_logprobs(model, batch.input_ids[rows], batch.attention_mask[rows])
     loss, stats = ppo_clip_loss(
         new,
         proximal[rows],
@@ -298,12 +315,18 @@ def _minibatch_loss(
 
 
 def _logprobs_no_grad(
-    model: PreTrainedModel, batch: TrainBatch, rows: torch.Tensor
+    model: PreTrainedModel,
+    batch: TrainBatch,
+    rows: torch.Tensor,
+    router_replay: bool | None = None,
+    tally: RoutingTally | None = None,
 ) -> torch.Tensor:
     """Logprobs [len(rows), T-1] of `rows`, without grad (one masked-out row when there are
-    none: every rank of a sharded model enters every forward)."""
+    none: every rank of a sharded model enters every forward); MoE routing replayed as
+    `router_replay` says, the trainer's own routing counted into `tally`."""
     scored = rows if len(rows) > 0 else torch.zeros(1, dtype=torch.long, device=rows.device)
-    with torch.no_grad():
+    tally = tally if len(rows) > 0 else None
+    with torch.no_grad(), replayed(model, batch, scored, router_replay, tally):
         logprobs = sequence_logprobs(model, batch.input_ids[scored], batch.attention_mask[scored])
     return logprobs[: len(rows)]
 
