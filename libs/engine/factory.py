@@ -33,8 +33,9 @@ class LocalEngineConfig(BaseModel):
 
     type: EngineType = "hf"
     """Backend: "hf" (torch/transformers, in process); "paged" (continuous batching, paged KV
-    cache, CUDA graphs: libs.engine.paged; Llama/Qwen2 models); "remote" (a fleet that speaks
-    the rollout contract over HTTP: libs.engine.remote, the remote_* fields)."""
+    cache, CUDA graphs: libs.engine.paged; Llama, Qwen2/3, Qwen3-MoE, Mixtral models);
+    "remote" (a fleet that speaks the rollout contract over HTTP: libs.engine.remote, the
+    remote_* fields)."""
     max_batch_rows: int = Field(64, ge=1)
     """Most sequences decoded together; larger requests run in chunks of this many rows."""
     initial_policy_version: int = Field(0, ge=0)
