@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import subprocess
 from pathlib import Path
 
 RESULTS = Path(__file__).parent / "results"
@@ -31,6 +32,14 @@ def result_file(benchmark: str, card: str | None = None) -> Path:
     path = RESULTS / machine(card) / f"{benchmark}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     return path
+
+
+def git_commit() -> str:
+    """The short hash of the commit the benchmark ran at ("" outside a git checkout)."""
+    done = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=RESULTS.parent, capture_output=True, text=True
+    )
+    return done.stdout.strip()
 
 
 def result_json(document: object) -> str:

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from result_file import result_file, result_json
+from result_file import git_commit, result_file, result_json
 
 from libs.sandbox import SandboxConfig, SandboxFactory, build_sandbox_factory
 
@@ -104,6 +104,10 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             (seed / f"module_{i}.py").write_text(f"VALUE = {i}\n" * 50)
         await start_latency(factory, 20)  # warm caches
         report: dict[str, Any] = {
+            "git_commit": git_commit(),
+            # What confines each sandbox here (cgroup totals, seccomp, disk quota): the
+            # figures include making and removing its cgroup where there is one.
+            "enforcement": dict(factory.enforcement),
             "start_latency_true": await start_latency(factory, args.runs),
             "episode_open_run_close": await episode_overhead(factory, seed, args.runs // 4),
             "python_command_sequential": await python_alone(factory, 20),
@@ -132,6 +136,7 @@ def main() -> None:
         "--parent-mib", type=int, default=1024, help="re-measure start with a parent this big"
     )
     args = parser.parse_args()
+    args.load_before = round(os.getloadavg()[0], 2)
     report = asyncio.run(main_async(args))
     report["machine"] = {
         "cpus": os.cpu_count(),
@@ -139,7 +144,8 @@ def main() -> None:
         "kernel": platform.release(),
         "python": platform.python_version(),
         "running_as_root": os.geteuid() == 0,
-        # Other work on the machine skews every figure: read them against this.
+        # Other work on the machine skews every figure: read them against these.
+        "load_average_1m_before": args.load_before,
         "load_average_1m_after": round(os.getloadavg()[0], 2),
     }
     RESULTS.parent.mkdir(parents=True, exist_ok=True)

@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from result_file import result_file, result_json
+from result_file import git_commit, result_file, result_json
 
 from libs.nats_server import free_port
 
@@ -441,7 +441,7 @@ def main() -> None:
         if value is not None:
             os.environ[f"RLPIPE_ROLLOUT_WORKER_SERVE_{name}"] = str(value)
     os.nice(10)  # the flood's clients stand for machines elsewhere: the demo's CPU comes first
-    commit = _git_commit()
+    commit = git_commit()
     with tempfile.TemporaryDirectory(prefix="rlpipe-serve-flood-") as root:
         found = asyncio.run(run_bench(Path(root), args))
     document = {
@@ -457,13 +457,6 @@ def main() -> None:
     path.write_text(result_json(document))
     print(json.dumps(document, indent=2))
     print(f"wrote {path}")
-
-
-def _git_commit() -> str:
-    result = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True
-    )
-    return result.stdout.strip()
 
 
 if __name__ == "__main__":
