@@ -126,7 +126,7 @@ def run(dry_run: bool, out: Path | None) -> dict[str, Any]:
         "dtype": str(next(model.parameters()).dtype),
         "cuda_graphs": runner.uses_cuda_graphs,
         "grouped_gemm": runner.moe is not None and runner.moe.grouped,
-        "routing_bytes_per_token": spec.routing_bytes_per_token,
+        "routing_bytes_per_token": spec.shape.bytes_per_token,
         "cases": {case.name: measure_case(engines, case, tokenizer.vocab_size) for case in cases},
     }
     target = out or result_file("moe_engine", card if cuda else None)

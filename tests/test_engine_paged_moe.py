@@ -167,7 +167,7 @@ def test_recording_off_gives_the_same_tokens_and_no_routing() -> None:
 
 def test_routing_costs_top_k_ids_per_moe_layer_per_token() -> None:
     spec = moe_spec(tiny_moe())
-    assert spec is not None and spec.routing_bytes_per_token == 4 * 2  # 4 layers, top-2, uint8
+    assert spec is not None and spec.shape.bytes_per_token == 4 * 2  # 4 layers, top-2, uint8
 
 
 def random_moe_layer(

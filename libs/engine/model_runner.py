@@ -317,7 +317,7 @@ class PagedModelRunner:
         if not record_routing:
             return moe, None
         slots = self.cache.layout.num_slots
-        table = RoutingTable(len(spec.layers), slots, spec.top_k, spec.routing_dtype, self.device)
+        table = RoutingTable(len(spec.layers), slots, spec.top_k, spec.shape.dtype, self.device)
         return moe, table
 
     @property

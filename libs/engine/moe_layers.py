@@ -34,6 +34,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from libs.moe.routing import MoEShape
+
 Gated = Callable[[torch.Tensor], torch.Tensor]
 """act(gate) * up of a gate/up projection [S, 2I] (gate first): [S, I]."""
 
@@ -54,15 +56,10 @@ class MoESpec:
     """Indices of the decoder layers whose MLP is a mixture of experts, ascending."""
 
     @property
-    def routing_dtype(self) -> torch.dtype:
-        """Dtype of recorded expert ids: uint8 up to 256 experts, else int16."""
-        return torch.uint8 if self.num_experts <= 256 else torch.int16
-
-    @property
-    def routing_bytes_per_token(self) -> int:
-        """Bytes of routing one token carries: top-k ids in every MoE layer."""
-        element = torch.empty((), dtype=self.routing_dtype).element_size()
-        return len(self.layers) * self.top_k * element
+    def shape(self) -> MoEShape:
+        """The routing recorded per token (L x k ids, their dtype and bytes), as
+        `libs.moe.routing` records it for the trainer."""
+        return MoEShape(len(self.layers), self.top_k, self.num_experts)
 
 
 def moe_spec(model: Any) -> MoESpec | None:
