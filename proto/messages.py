@@ -292,6 +292,8 @@ class ServedGeneration(Message, kw_only=True):
     metadata: dict[str, str] = msgspec.field(default_factory=dict)
     training_eligible: bool = True
     created_at: float = 0.0
+    # MoE routing of prompt + completion positions (router replay); None for dense models.
+    routed_experts: RoutedExperts | None = None
 
 
 FeedbackSignal = Literal["accepted", "rejected", "edited", "ignored", "thumbs_up", "thumbs_down"]

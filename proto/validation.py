@@ -254,6 +254,8 @@ def check_served_generation(generation: ServedGeneration) -> None:
         f"{len(generation.logprobs)} logprobs",
     )
     _check_logprobs("logprobs", generation.logprobs)
+    if generation.routed_experts is not None:
+        _check_routed_experts(generation.routed_experts, len(ids), "routed_experts")
 
 
 def check_feedback_event(event: FeedbackEvent) -> None:

@@ -6,9 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import os
+from pathlib import Path
 
+import msgspec
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 from torch import nn
 from transformers import PreTrainedModel
 
@@ -20,18 +25,36 @@ from libs.domains.registry import make_env
 from libs.engine.base import Completion, SamplingParams
 from libs.engine.hf import HFEngine
 from libs.envs.local_client import LocalEnvClient
-from libs.moe.routing import NOT_RECORDED, routers
-from libs.moe.wire import decode_routing
+from libs.moe.routing import NOT_RECORDED, record_routing, routers
+from libs.moe.wire import decode_routing, encode_routing
+from libs.nats_server import free_port
 from libs.policy import PolicyConfig, build_policy
+from libs.rl.online import OnlineBaselines, build_online_batch
 from libs.rollout.agent import AgentRunner
 from libs.rollout.episode import RunnerSettings
+from libs.serve.holds import generate_in_holds
 from libs.tokenizer import ByteTokenizer
+from libs.trainer.online_step import OnlineConfig, train_online_step
+from libs.trainer.sharded import (
+    leave_process_group,
+    setup_process_group,
+    shard_policy,
+    sharded_train_step,
+)
 from libs.trainer.step import StepConfig, StepStats, prepare_batch, train_step
 from proto import streams
-from proto.messages import Rollout, ScoredRollout
+from proto.messages import (
+    FeedbackEvent,
+    OnlineSample,
+    Rollout,
+    SamplingSettings,
+    ScoredRollout,
+    ServedGeneration,
+)
 from proto.subjects import rollout_raw_subject
 
 TOKENIZER = ByteTokenizer()
+SAMPLES = list[ScoredRollout]
 
 
 def tiny_moe() -> PreTrainedModel:
@@ -76,13 +99,13 @@ def experts_used(model: nn.Module) -> list[torch.Tensor]:
     return used
 
 
-def perturb_routers(model: nn.Module, scale: float) -> None:
-    """The trainer's numerics made to differ: noise on every router's input."""
-    generator = torch.Generator().manual_seed(0)
+def perturb_routers(model: PreTrainedModel, scale: float) -> None:
+    """The trainer's numerics made to differ: a fixed noise vector on every router's input
+    (the same at every position, so any split of the rows sees the same perturbation)."""
+    hidden_size = int(model.config.hidden_size)
+    noise = scale * torch.randn(hidden_size, generator=torch.Generator().manual_seed(0))
     for router in routers(model):
-        router.register_forward_pre_hook(
-            lambda _m, args: (args[0] + scale * torch.randn(args[0].shape, generator=generator),)
-        )
+        router.register_forward_pre_hook(lambda _m, args: (args[0] + noise,))
 
 
 def train(model: PreTrainedModel, samples: list[ScoredRollout], config: StepConfig) -> StepStats:
@@ -166,3 +189,87 @@ def test_replay_on_a_dense_policy_is_refused_with_the_setting_named(
     dense = build_policy(PolicyConfig(device="cpu"))
     with pytest.raises(ValueError, match="router_replay"):
         train(dense, scored(rollouts), StepConfig(router_replay=True))
+
+
+WORLD = 2
+
+
+def run_rank(rank: int, port: int, out: Path) -> None:
+    """One FSDP2 rank over gloo: the sharded step on the samples saved in `out`."""
+    torch.set_num_threads(1)
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD)
+    )
+    setup_process_group(torch.device("cpu"))
+    try:
+        samples = msgspec.msgpack.decode((out / "samples.msgpack").read_bytes(), type=SAMPLES)
+        model = shard_policy(tiny_moe())
+        perturb_routers(model, scale=0.3)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        stats = sharded_train_step(model, optimizer, samples, 0, StepConfig(), TOKENIZER.pad_id)
+        if rank == 0:
+            torch.save(stats, out / "stats.pt")
+        leave_process_group()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def test_two_fsdp_ranks_replay_the_routing_like_one(
+    tmp_path: Path, rollouts: list[Rollout]
+) -> None:
+    samples = scored(rollouts)
+    (tmp_path / "samples.msgpack").write_bytes(msgspec.msgpack.encode(samples))
+    model = tiny_moe()
+    perturb_routers(model, scale=0.3)
+    reference = train(model, samples, StepConfig())
+    mp.spawn(run_rank, args=(free_port(), tmp_path), nprocs=WORLD, join=True)
+    sharded: StepStats = torch.load(tmp_path / "stats.pt", weights_only=False)
+    assert abs(sharded.loss - reference.loss) < 1e-5
+    assert sharded.routing_disagreement == reference.routing_disagreement
+
+
+async def test_a_served_generation_carries_its_routing_into_the_online_step() -> None:
+    """Serve mode decodes in holds; the served record carries the routing of prompt and
+    completion through the feedback join (OnlineSample embeds it) into the online step."""
+    model = tiny_moe()
+    engine = HFEngine(model, TOKENIZER)
+
+    async def generate(prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+        return await asyncio.to_thread(engine.generate, prompts, params)
+
+    prompt = TOKENIZER.encode("Q: 3+4=")
+    params = SamplingParams(max_tokens=10, seed=2, stop_token_ids=())
+    (completion,) = await generate_in_holds(
+        generate, prompt, 1, params, hold_tokens=3, tokenizer=TOKENIZER
+    )
+    assert completion.routed_experts is not None
+    fed = [*prompt, *completion.token_ids][:-1]
+    with torch.no_grad(), record_routing(model) as recorder:
+        model(input_ids=torch.tensor([fed]), use_cache=False)
+    expected = recorder.take(batch_size=1)[0]
+    assert torch.equal(completion.routed_experts.sort(-1).values, expected.sort(-1).values)
+
+    generation = ServedGeneration(
+        generation_id="g1",
+        policy_version=0,
+        prompt_token_ids=prompt,
+        completion_token_ids=completion.token_ids,
+        logprobs=completion.logprobs,
+        sampling=SamplingSettings(),
+        routed_experts=encode_routing(completion.routed_experts),
+    )
+    event = FeedbackEvent(
+        event_id="e1", generation_id="g1", product="app", signal="accepted", occurred_at=1.0
+    )
+    sample = OnlineSample(sample_id="e1", generation=generation, feedback=event)
+    sample = wire.decode(OnlineSample, wire.encode(sample), None)  # as the trainer reads it
+    batch = build_online_batch([sample], [1.0], pad_id=TOKENIZER.pad_id)
+    assert batch.routed_experts is not None
+    assert torch.equal(batch.routed_experts[0, : len(fed)], completion.routed_experts.short())
+    assert (batch.routed_experts[0, len(fed) :] == NOT_RECORDED).all()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    stats = train_online_step(
+        model, optimizer, [sample], OnlineBaselines(), 0, StepConfig(), OnlineConfig(), 0
+    )
+    assert stats.routing_disagreement == 0.0  # the same weights route the same way

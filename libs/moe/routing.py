@@ -93,6 +93,17 @@ def moe_shape(model: nn.Module) -> MoEShape | None:
     return MoEShape(len(found), top_ks.pop(), experts.pop())
 
 
+def extend_routing(kept: torch.Tensor | None, routed: torch.Tensor | None) -> torch.Tensor | None:
+    """`kept` [n, L, k] followed by the positions past n of `routed` [m, L, k], an engine call
+    over the same sequence continued: a position keeps the routing of the call that first
+    fed it (as a prefix-caching engine keeps the routing stored with the cached KV)."""
+    if kept is None or routed is None:
+        return routed if kept is None else kept
+    if routed.shape[0] <= kept.shape[0]:
+        return kept
+    return torch.cat([kept, routed[kept.shape[0] :]])
+
+
 def gate_weights(router: nn.Module, logits: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
     """Gate weights [N, k] of `experts` [N, k] from router `logits` [N, E], as the router's
     family computes them for its own top-k (differentiable in `logits`)."""

@@ -41,7 +41,8 @@ from typing import get_args
 import msgspec
 import torch
 
-from libs.rl.batch import NO_VERSION, TrainBatch, pad_rows
+from libs.moe.wire import decode_routing
+from libs.rl.batch import NO_VERSION, TrainBatch, pad_rows, routing_tensor
 from libs.rl.staleness import staleness_histogram
 from proto.messages import FeedbackSignal, OnlineSample
 
@@ -206,7 +207,14 @@ def build_online_batch(
         advantages=torch.as_tensor(advantages, dtype=torch.float32).detach().cpu().clone(),
         sample_ids=[sample.sample_id for sample in samples],
         num_truncated=num_truncated,
+        routed_experts=routing_tensor([_routing(sample) for sample in samples], width),
     )
+
+
+def _routing(sample: OnlineSample) -> tuple[list[int], list[torch.Tensor]]:
+    """The sample's routing pieces as `routing_tensor` takes them (from position 0)."""
+    routed = sample.generation.routed_experts
+    return ([], []) if routed is None else ([0], [decode_routing(routed)])
 
 
 def _layout(sample: OnlineSample) -> tuple[list[int], list[bool], list[float]]:

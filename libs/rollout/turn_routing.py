@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 from prometheus_client import Gauge
 
+from libs.moe.routing import extend_routing
 from libs.moe.wire import encode_routing, routing_bytes
 from proto.messages import Turn
 
@@ -58,13 +59,9 @@ class EpisodeRouting:
 
     def add(self, segment: int, routed: torch.Tensor | None) -> None:
         """Keep the positions `routed` (an engine call's [P + G - 1, L, k]) adds."""
-        if routed is None:
-            return
-        kept = self._segments.get(segment)
-        if kept is None:
-            self._segments[segment] = routed
-        elif routed.shape[0] > kept.shape[0]:
-            self._segments[segment] = torch.cat([kept, routed[kept.shape[0] :]])
+        extended = extend_routing(self._segments.get(segment), routed)
+        if extended is not None:
+            self._segments[segment] = extended
 
     def attach(self, turns: list[Turn], size: RoutingSize = ROUTING_SIZE) -> None:
         """Set each turn's `routed_experts` to its tokens' routing (turns in episode order)."""

@@ -29,13 +29,17 @@ import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
+import torch
+
 from libs.engine.base import Completion, ContinuationScores, SamplingParams
+from libs.moe.wire import encode_routing
 from libs.serve.choice import pick_choices
 from libs.serve.holds import generate_in_holds
 from libs.serve.protocol import invalid
 from libs.serve.records import GenerationRecorder
 from libs.tokenizer import Tokenizer
 from proto.messages import SamplingSettings, ServedGeneration
+from proto.moe import RoutedExperts
 
 GenerateFn = Callable[[list[list[int]], SamplingParams], Awaitable[list[Completion]]]
 ScoreFn = Callable[[list[list[int]], list[list[int]]], Awaitable[ContinuationScores]]
@@ -187,6 +191,11 @@ class ServedPolicy:
         return text[: min(ends)] if ends else text
 
 
+def _routing(routed: torch.Tensor | None) -> RoutedExperts | None:
+    """An MoE completion's routing of prompt + completion, for router replay on feedback."""
+    return None if routed is None else encode_routing(routed)
+
+
 def _record(request: GenerationRequest, choice: ServedChoice, now: float) -> ServedGeneration:
     params = request.params
     metadata = dict(request.metadata)
@@ -211,4 +220,5 @@ def _record(request: GenerationRequest, choice: ServedChoice, now: float) -> Ser
         # its logprobs are no behavior policy to correct against, so it never trains.
         training_eligible=request.training_eligible and request.choices is None,
         created_at=now,
+        routed_experts=_routing(choice.completion.routed_experts),
     )

@@ -27,8 +27,11 @@ import dataclasses
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
+import torch
+
 from libs.engine.base import Completion, FinishReason, SamplingParams
 from libs.engine.requests import hits_stop
+from libs.moe.routing import extend_routing
 from libs.tokenizer import Tokenizer
 
 GenerateFn = Callable[[list[list[int]], SamplingParams], Awaitable[list[Completion]]]
@@ -47,6 +50,7 @@ class _Row:
     finish_reason: FinishReason | None = None
     first_version: int | None = None
     last_version: int = 0
+    routing: torch.Tensor | None = None  # MoE: [prompt + tokens - 1, L, k] so far
 
 
 async def generate_in_holds(
@@ -94,6 +98,7 @@ def _extend(
     row.token_ids += completion.token_ids
     row.logprobs += completion.logprobs
     row.raw_logprobs += completion.raw_logprobs
+    row.routing = extend_routing(row.routing, completion.routed_experts)
     if row.first_version is None:
         row.first_version = completion.policy_version
     end = completion.policy_version_end
@@ -102,6 +107,8 @@ def _extend(
         row.finish_reason = "stop"
     cut = _spanning_stop(row.token_ids, before, len(completion.token_ids), params, tokenizer)
     if cut is not None:
+        if row.routing is not None:  # the positions fed after the stop's last token go too
+            row.routing = row.routing[: row.routing.shape[0] - (len(row.token_ids) - cut)]
         del row.token_ids[cut:], row.logprobs[cut:], row.raw_logprobs[cut:]
         row.finish_reason = "stop"
 
@@ -135,4 +142,5 @@ def _completion(index: int, row: _Row) -> Completion:
         finish_reason=row.finish_reason,
         policy_version=first,
         policy_version_end=last if last != first else None,
+        routed_experts=row.routing,
     )

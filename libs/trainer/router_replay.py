@@ -1,6 +1,6 @@
 """Router replay around the trainer's forwards on rollout tokens (MoE policies).
 
-    tally = RoutingTally()
+    tally = RoutingTally(batch)
     with replayed(model, batch, rows, config.router_replay, tally):
         logprobs = sequence_logprobs(model, batch.input_ids[rows], batch.attention_mask[rows])
     tally.disagreement(share.total)       # fraction of token-layer pairs routed differently
@@ -27,17 +27,22 @@ from libs.rl import TrainBatch
 
 
 class RoutingTally:
-    """Token-layer pairs compared with the engine's routing and those whose expert set
-    differed (the trainer's own choice, before replay overrides it)."""
+    """Token-layer pairs of `batch` compared with the engine's routing and those whose expert
+    set differed (the trainer's own choice, before replay overrides it)."""
 
-    def __init__(self) -> None:
-        self.differing: torch.Tensor | int = 0
-        self.compared: torch.Tensor | int = 0
+    def __init__(self, batch: TrainBatch) -> None:
+        device = batch.input_ids.device  # NCCL sums device tensors only
+        self.counted = batch.routed_experts is not None  # the same on every rank
+        self.differing = torch.zeros((), dtype=torch.long, device=device)
+        self.compared = torch.zeros((), dtype=torch.long, device=device)
 
     def disagreement(self, total: Callable[[torch.Tensor], torch.Tensor]) -> float | None:
         """The fraction over every process (`total` sums over them); None: nothing compared."""
-        counts = torch.stack([torch.as_tensor(self.differing), torch.as_tensor(self.compared)])
-        differing, compared = (float(value) for value in total(counts.double()))
+        if not self.counted:
+            return None
+        differing, compared = (
+            float(v) for v in total(torch.stack([self.differing, self.compared]))
+        )
         return differing / compared if compared else None
 
 

@@ -237,7 +237,7 @@ def optimize_on_batch(
     minibatches = share.minibatch_rows(batch.num_rows, config.minibatches, batch.input_ids.device)
     model.eval()  # no dropout: proximal and new logprobs must come from the same function
     mine = torch.cat(minibatches)
-    tally = RoutingTally()
+    tally = RoutingTally(batch)
     proximal = share.gather_rows(
         _logprobs_no_grad(model, batch, mine, config.router_replay, tally), mine, batch.num_rows
     )
