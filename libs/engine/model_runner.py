@@ -506,13 +506,16 @@ class PagedModelRunner:
         return add_rmsnorm(hidden, delta, self.decoder.norm.weight, self.eps)
 
     def _qk_norm(self, attention: Any, qkv: torch.Tensor) -> torch.Tensor:
-        """`qkv` [N, (H + 2 KVH) D] with q and k RMS-normalised per head (Qwen3's qk-norm,
-        by its own modules, before RoPE)."""
+        """`qkv` [N, (H + 2 KVH) D] with q and k RMS-normalised per head before RoPE (Qwen3's
+        qk-norm: the fused RMSNorm over rows of one head, [N H, D])."""
         n, dim = qkv.shape[0], self.head_dim
         q_end = self.num_heads * dim
         k_end = q_end + self.num_kv_heads * dim
-        q = attention.q_norm(qkv[:, :q_end].view(n, -1, dim)).view(n, -1)
-        k = attention.k_norm(qkv[:, q_end:k_end].view(n, -1, dim)).view(n, -1)
+        q_norm, k_norm = attention.q_norm, attention.k_norm
+        q = qkv[:, :q_end].reshape(-1, dim)  # a copy: rows of one head, contiguous
+        k = qkv[:, q_end:k_end].reshape(-1, dim)
+        q = add_rmsnorm(q, None, q_norm.weight, q_norm.variance_epsilon).view(n, -1)
+        k = add_rmsnorm(k, None, k_norm.weight, k_norm.variance_epsilon).view(n, -1)
         return torch.cat([q, k, qkv[:, k_end:]], dim=1)
 
     def _attention(
