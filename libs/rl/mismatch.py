@@ -5,6 +5,7 @@
     levels = mismatch_by_staleness(proximal, behavior, staleness, loss_mask, band=2.0)
     levels[0], levels[3]          # MismatchStats of the tokens 0 and 3 versions old
     staleness_buckets(levels)     # {"0": ..., "1": ..., "2": ..., "3+": ...}
+    exact = mismatch_by_gap(exact_logprobs, behavior, staleness, scored)   # the same buckets
 
 All tensors are [B, T-1] (libs.rl.batch): proximal = the trainer's logprobs of the sampled
 tokens before the update, behavior = the inference engine's. Per token, with
@@ -17,7 +18,9 @@ d = proximal - behavior and the importance weight w = exp(d):
 
 On tokens of the trainer's own version (`same_version_mask`) any gap is numerics (the
 train/inference mismatch); on older tokens it adds the updates since (the off-policyness
-the staleness bound trades against throughput, libs.trainer.pacing).
+the staleness bound trades against throughput, libs.trainer.pacing). `mismatch_by_gap` takes
+instead the trainer's logprobs of each token under the very version that generated it
+(libs.trainer.version_ring): numerics only on every token, whatever its version gap.
 """
 
 from __future__ import annotations
@@ -124,6 +127,34 @@ def mismatch_by_staleness(
     sums = torch.zeros(num_levels, figures.shape[1], dtype=figures.dtype, device=figures.device)
     sums.index_add_(0, levels, figures)
     return {level: _stats_from_sums(row) for level, row in enumerate(sums.tolist()) if row[0] > 0}
+
+
+def mismatch_by_gap(
+    exact_logprobs: torch.Tensor,
+    behavior_logprobs: torch.Tensor,
+    gap: torch.Tensor,
+    scored: torch.Tensor,
+    band: float = 2.0,
+) -> dict[str, MismatchStats]:
+    """The train/inference mismatch of the `scored` tokens [B, T-1] by version gap (`gap`:
+    versions between the token's and the trainer's, `token_staleness`), in the buckets of
+    `staleness_buckets`. `exact_logprobs` are the trainer's logprobs of each token under the
+    weights of the version that sampled it, so every bucket is numerics only."""
+    levels = mismatch_by_staleness(exact_logprobs, behavior_logprobs, gap, scored, band)
+    return staleness_buckets(levels)
+
+
+@dataclass(frozen=True)
+class ExactVersionMismatch:
+    """The train/inference mismatch of a batch's sampled tokens, each scored under the
+    version that generated it (libs.trainer.version_ring)."""
+
+    by_gap: dict[str, MismatchStats]
+    """Buckets "0", "1", "2", "3+" and "all" of the version gap; a bucket without tokens is
+    left out."""
+    num_unscored: int
+    """Sampled tokens not scored: their version's weights were no longer kept, or their turn
+    spans a weight swap (its tokens' versions are not known one by one)."""
 
 
 def merge_mismatch(stats: list[MismatchStats]) -> MismatchStats:

@@ -59,6 +59,22 @@ class TrainerConfig(StepConfig):
         description="Samples older than this many versions are dropped (0: synchronous); "
         "unset: by model size (default_max_staleness); with pacing on, where the bound starts",
     )
+    mismatch_exact_every_steps: int | None = Field(
+        None,
+        ge=0,
+        description="Every N offline steps, score each sampled token under the weights of the "
+        "version that generated it: the train/inference mismatch on every token, by version "
+        "gap (one no-grad forward of the batch more on each step measured, "
+        "libs/trainer/version_ring.py); 0: off; unset: 4 with one rank, off with N ranks "
+        "(not supported there)",
+    )
+    mismatch_versions_kept: int | None = Field(
+        None,
+        ge=1,
+        description="Versions whose weights the trainer keeps for that, in host memory (each "
+        "the size of the master weights); unset: the staleness bound + 1 (the pacer's "
+        "highest with pacing on); older tokens are counted as not scored",
+    )
     pacing: PacingConfig = Field(
         default_factory=PacingConfig,
         description="The staleness bound moved by the measured mismatch (libs/trainer/pacing.py)",

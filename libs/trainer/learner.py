@@ -20,6 +20,7 @@ worker thread; the ones that compute enter the trainer's compute precision thems
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
@@ -45,6 +46,7 @@ from libs.trainer.reference import setup_reference
 from libs.trainer.refusals import find_failing_samples
 from libs.trainer.schedule import learning_rate_at, learning_rate_of
 from libs.trainer.step import StepStats, train_step
+from libs.trainer.version_ring import setup_exact_mismatch
 from proto.messages import OnlineSample, ScoredRollout
 
 T = TypeVar("T")
@@ -108,6 +110,8 @@ class LocalLearner:
         self.optimizer = self._optimizer(learning_rate_at(self.config, 0))
         # The configured policy, never a checkpoint: a resumed run keeps its anchor.
         self._reference = setup_reference(self.config.kl_coef, policy)
+        # The weights of the last versions, to score each token under its own (None: off).
+        self._exact = setup_exact_mismatch(self.config)
 
     def _optimizer(self, learning_rate: float) -> torch.optim.Optimizer:
         return torch.optim.AdamW(
@@ -126,7 +130,9 @@ class LocalLearner:
         self, samples: list[ScoredRollout], version: int, lineage: Lineage, max_staleness: int
     ) -> StepStats:
         trainable = turn_trainable(version, max_staleness, lineage.equivalent)
-        return self._computing(
+        if self._exact is not None:
+            self._exact.keep(version, self.model)  # the weights of `version`, before the step
+        stats = self._computing(
             train_step,
             self.model,
             self.optimizer,
@@ -138,10 +144,19 @@ class LocalLearner:
             trainable,
             equivalent=lineage.equivalent,
         )
+        if self._exact is None or not self._exact.due():
+            return stats
+        measure = self._exact.measure
+        exact = self._computing(
+            measure, self.model, samples, version, self.config, self.pad_id, lineage.equivalent
+        )
+        return replace(stats, mismatch_exact=exact)
 
     def train_online(
         self, samples: list[OnlineSample], baselines: OnlineBaselines, version: int
     ) -> OnlineStepStats:
+        if self._exact is not None:  # a version offline samples may come from
+            self._exact.keep(version, self.model)
         return self._computing(
             train_online_step,
             self.model,

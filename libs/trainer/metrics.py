@@ -2,8 +2,9 @@
 
 The run's history lives in `<run>/trainer/`:
 - `steps.jsonl`: one `StepRecord` a step (reward, success, learning rate, staleness,
-  mismatch per staleness, importance weights, the staleness bound and the pacer's decision,
-  throughput, busy fraction), readable by eye and by `rlpipe report`;
+  mismatch per staleness, and per version gap with each token under its own version,
+  importance weights, the staleness bound and the pacer's decision, throughput, busy
+  fraction), readable by eye and by `rlpipe report`;
 - `step_samples.jsonl`: one `StepSamples` a step, the ids of the samples it trained on,
   dropped or refused (so a resumed run can be checked for lost or repeated samples);
 - `evals.jsonl`: one `EvalRecord` per eval-gate decision.
@@ -56,6 +57,16 @@ OFF_POLICY_OUTSIDE = Gauge(
     "rlpipe_trainer_off_policy_is_outside_fraction",
     "Fraction of the last step's trained tokens whose importance weight left [1/cap, cap]",
     ["staleness"],
+)
+EXACT_MISMATCH = Gauge(
+    "rlpipe_trainer_exact_mismatch_nats",
+    "Mean |trainer - inference| logprob, each token under its own version, by version gap",
+    ["gap"],
+)
+EXACT_MISMATCH_KL = Gauge(
+    "rlpipe_trainer_exact_mismatch_kl_nats",
+    "k3 KL(inference || trainer), each token under its own version, by version gap",
+    ["gap"],
 )
 STALENESS_BOUND = Gauge("rlpipe_trainer_max_staleness_versions", "Staleness bound of the last step")
 CLIP = Gauge("rlpipe_trainer_clip_fraction", "Fraction of tokens whose gradient the clip removed")
@@ -145,6 +156,12 @@ class StepRecord(msgspec.Struct, kw_only=True):
     # The mismatch of every trained token by its staleness: "0", "1", "2", "3+" and "all"
     # (the mismatch_* fields above cover only tokens of the trainer's own version).
     mismatch_by_staleness: dict[str, MismatchFigures] = msgspec.field(default_factory=dict)
+    # The train/inference mismatch of every sampled token of the step's batch, each scored
+    # under the weights of the version that generated it (libs.trainer.version_ring), by its
+    # version gap to the trainer: "0", "1", "2", "3+" and "all"; empty on steps not measured
+    # (trainer.mismatch_exact_every_steps). The tokens left out: their version no longer kept.
+    mismatch_exact: dict[str, MismatchFigures] = msgspec.field(default_factory=dict)
+    mismatch_exact_unscored: int = 0
     # The staleness bound this step's samples were split by (None: records before it was).
     max_staleness: int | None = None
     # The pacer's decision after this step (None: pacing off, or an online step).
@@ -312,6 +329,12 @@ def step_scalars(record: StepRecord) -> dict[str, float]:
         scalars[f"off_policy/kl_{name}"] = figures.kl
         scalars[f"off_policy/outside_{name}"] = figures.is_outside_fraction
         scalars[f"off_policy/weight_mean_{name}"] = figures.is_weight_mean
+    for bucket, figures in record.mismatch_exact.items():
+        name = bucket.replace("+", "_plus")
+        scalars[f"mismatch_exact/mean_abs_{name}"] = figures.mean_abs
+        scalars[f"mismatch_exact/kl_{name}"] = figures.kl
+    if record.mismatch_exact:
+        scalars["mismatch_exact/unscored_tokens"] = record.mismatch_exact_unscored
     if record.max_staleness is not None:
         scalars["staleness/bound"] = record.max_staleness
     if record.stream == "online":
@@ -397,6 +420,9 @@ def export(record: StepRecord) -> None:
     for bucket, figures in record.mismatch_by_staleness.items():
         OFF_POLICY_KL.labels(bucket).set(figures.kl)
         OFF_POLICY_OUTSIDE.labels(bucket).set(figures.is_outside_fraction)
+    for bucket, figures in record.mismatch_exact.items():
+        EXACT_MISMATCH.labels(bucket).set(figures.mean_abs)
+        EXACT_MISMATCH_KL.labels(bucket).set(figures.kl)
     if record.max_staleness is not None:
         STALENESS_BOUND.set(record.max_staleness)
     CLIP.set(record.clip_fraction)

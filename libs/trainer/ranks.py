@@ -30,7 +30,8 @@ drains rank 0: it finishes its step, checkpoints with the others and stops them;
 ranks only log the signal (torchrun SIGKILLs a rank still alive 30 s after its SIGTERM).
 
 Not supported with N ranks (refused at start, naming the setting): online training,
-`kl_coef > 0`. A step that fails is not retried without the samples to blame (the 1-rank
+`kl_coef > 0`, `mismatch_exact_every_steps > 0` (unset: off here; libs.trainer.version_ring).
+A step that fails is not retried without the samples to blame (the 1-rank
 trainer's isolation): the job ends and resumes from its last checkpoint.
 """
 
@@ -114,6 +115,10 @@ def refuse_unsupported(config: TrainerConfig) -> None:
         problems.append("online training (set RLPIPE_TRAINER_ONLINE_FRACTION=0)")
     if config.kl_coef > 0:
         problems.append("a KL anchor (set RLPIPE_TRAINER_KL_COEF=0)")
+    if config.mismatch_exact_every_steps:  # unset: off with N ranks
+        problems.append(
+            "the exact-version mismatch (set RLPIPE_TRAINER_MISMATCH_EXACT_EVERY_STEPS=0)"
+        )
     if problems:
         raise ValueError(
             f"the sharded trainer ({world_size()} ranks) does not support "

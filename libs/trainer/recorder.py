@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from libs.rl import MismatchStats, PolicyLossStats, staleness_buckets
+from libs.rl.mismatch import ExactVersionMismatch
 from libs.rollout.figures import is_success
 from libs.trainer.checkpoint import TrainerState
 from libs.trainer.config import TrainerConfig
@@ -90,6 +91,7 @@ class StepRecorder:
             samples_per_s=len(batch.kept) / max(step_s + batch.wait_s, 1e-9),
             mismatch_by_staleness=mismatch_figures(stats.mismatch_by_staleness),
             routing_disagreement=stats.routing_disagreement,
+            **exact_mismatch_fields(stats.mismatch_exact),
             max_staleness=max_staleness,
             pacing=pacing,
         )
@@ -171,13 +173,24 @@ class StepRecorder:
 
 def mismatch_figures(levels: dict[int, MismatchStats]) -> dict[str, MismatchFigures]:
     """Per-staleness mismatch as the record carries it: buckets "0", "1", "2", "3+", "all"."""
+    return {bucket: figures_of(stats) for bucket, stats in staleness_buckets(levels).items()}
+
+
+def exact_mismatch_fields(exact: ExactVersionMismatch | None) -> dict[str, Any]:
+    """The record's mismatch_exact fields (none on a step not measured)."""
+    if exact is None:
+        return {}
     return {
-        bucket: MismatchFigures(
-            tokens=stats.num_tokens,
-            kl=stats.kl,
-            mean_abs=stats.mean_abs_diff,
-            is_weight_mean=stats.is_weight_mean,
-            is_outside_fraction=stats.is_outside_fraction,
-        )
-        for bucket, stats in staleness_buckets(levels).items()
+        "mismatch_exact": {bucket: figures_of(s) for bucket, s in exact.by_gap.items()},
+        "mismatch_exact_unscored": exact.num_unscored,
     }
+
+
+def figures_of(stats: MismatchStats) -> MismatchFigures:
+    return MismatchFigures(
+        tokens=stats.num_tokens,
+        kl=stats.kl,
+        mean_abs=stats.mean_abs_diff,
+        is_weight_mean=stats.is_weight_mean,
+        is_outside_fraction=stats.is_outside_fraction,
+    )

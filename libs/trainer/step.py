@@ -42,6 +42,7 @@ from libs.rl import (
     sample_mean_scale,
     token_staleness,
 )
+from libs.rl.mismatch import ExactVersionMismatch
 from libs.trainer.reference import ReferencePolicy
 from libs.trainer.router_replay import RoutingTally, replayed
 from proto.messages import ScoredRollout
@@ -108,6 +109,9 @@ class StepStats:
     routing_disagreement: float | None = None
     """Fraction of token-layer pairs whose expert set the trainer's own router chose
     differently from the engine (MoE rollouts carrying routing; None otherwise)."""
+    mismatch_exact: ExactVersionMismatch | None = None
+    """Mismatch of every sampled token under its own version (libs.trainer.version_ring);
+    None: not measured on this step."""
 
 
 def train_step(
