@@ -21,8 +21,9 @@ Two entry points:
 
 On CUDA the layers run fused (`libs.engine.fused_layers`: one GEMM for q/k/v and one for
 gate/up, RMSNorm with the residual add, RoPE with the cache write, SiLU*up: about 10 kernels
-a layer instead of 35); on CPU, transformers' own modules. `refresh_weights()` must follow
-every weight write (the fused projections hold copies).
+a layer instead of 35; a Qwen3 layer's qk-norm by the same RMSNorm kernel); on CPU,
+transformers' own modules (but the MoE blocks: the runner's, on every device).
+`refresh_weights()` must follow every weight write (the fused projections hold copies).
 
 Supported: model_type "llama", "qwen2", "qwen3" (qk-norm), "qwen3_moe" and "mixtral", with
 full attention and the default RoPE; any other architecture is refused at construction with
