@@ -5,6 +5,7 @@ recorded, and summarized by `rlpipe report`."""
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 from pathlib import Path
@@ -12,9 +13,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from libs.engine.base import SamplingParams
+from libs.domains.registry import make_env
+from libs.engine.base import Completion, SamplingParams
 from libs.engine.hf import HFEngine
+from libs.envs.local_client import LocalEnvClient
 from libs.policy import PolicyConfig, build_policy
+from libs.rollout.agent import AgentRunner
+from libs.rollout.episode import RunnerSettings
 from libs.tokenizer import ByteTokenizer
 from libs.trainer.checkpoint import TrainerState
 from libs.trainer.config import TrainerConfig
@@ -28,6 +33,7 @@ from libs.trainer.samples import Batch
 from libs.trainer.step import StepStats
 from libs.trainer.version_ring import mark_mixed_turns, setup_exact_mismatch
 from proto.messages import Rollout, ScoredRollout, Task, Turn
+from tests.test_router_replay import perturb_routers
 
 TOKENIZER = ByteTokenizer()
 POLICY = PolicyConfig(preset="tiny", seed=5)
@@ -44,7 +50,7 @@ def config(**overrides: object) -> TrainerConfig:
         "mismatch_versions_kept": KEPT,
     }
     fields.update(overrides)
-    return TrainerConfig(**fields)  # type: ignore[arg-type]
+    return TrainerConfig(**fields)
 
 
 def engine_group(engine: HFEngine, version: int, seed: int) -> list[ScoredRollout]:
@@ -196,3 +202,46 @@ def test_the_step_record_and_rlpipe_report_carry_the_mismatch_per_version_gap(
     left_out = version0_tokens / (scored + version0_tokens)
     assert f"{left_out:.1%} not scored" in line
     assert all(f"{gap} " in line for gap in ("0", "1", "2", "all"))
+
+
+async def moe_group(engine: HFEngine, seed: int) -> list[ScoredRollout]:
+    """One arith group rolled out by the real harness on `engine` (its routing recorded)."""
+    env = make_env("arith")
+    task = env.task_source(difficulty=0, group_size=4, seed=seed).task(0)
+
+    async def generate(prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+        return await asyncio.to_thread(engine.generate, prompts, params)
+
+    runner = AgentRunner(
+        LocalEnvClient({"arith": env}), TOKENIZER, generate, RunnerSettings(worker_id="moe")
+    )
+    rollouts = await runner.run(task)
+    return [ScoredRollout(rollout=r, reward=float(i % 2)) for i, r in enumerate(rollouts)]
+
+
+def test_an_moe_policy_scores_each_version_with_its_recorded_routing() -> None:
+    policy = PolicyConfig(preset="tiny-moe", device="cpu")
+    trainer_config = config(policy=policy)
+    learner = LocalLearner(trainer_config, policy, TOKENIZER)
+    meter = setup_exact_mismatch(trainer_config)
+    assert meter is not None
+    engine = HFEngine(build_policy(policy), TOKENIZER)
+    engine.update_weights(learner.published_state(), 0)
+    batch = asyncio.run(moe_group(engine, seed=1))
+    meter.keep(0, learner.model)
+    learner.train(asyncio.run(moe_group(engine, seed=2)), 0, Lineage(), 8)
+    meter.keep(1, learner.model)
+    engine.update_weights(learner.published_state(), 1)
+    batch += asyncio.run(moe_group(engine, seed=3))
+    assert all(t.routed_experts for s in batch for t in s.rollout.turns if t.role == "assistant")
+    perturb_routers(learner.model, scale=0.3)  # the trainer's router numerics made to differ
+
+    def exact_mismatch(router_replay: bool | None) -> dict[str, float]:
+        replay_config = trainer_config.model_copy(update={"router_replay": router_replay})
+        exact = meter.measure(learner.model, batch, 1, replay_config, TOKENIZER.pad_id)
+        assert exact.num_unscored == 0
+        return {gap: stats.mean_abs_diff for gap, stats in exact.by_gap.items()}
+
+    replayed, own_routing = exact_mismatch(None), exact_mismatch(False)
+    for gap in ("0", "1"):  # both versions score with the experts the engine chose
+        assert replayed[gap] < own_routing[gap] / 3
