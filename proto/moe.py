@@ -21,8 +21,9 @@ class RoutedExperts(msgspec.Struct, kw_only=True):
     top_k: int
     # Id dtype: uint8 for models of at most 256 experts, int16 beyond.
     dtype: Literal["uint8", "int16"]
-    # The little-endian ids, [num_tokens, num_layers, top_k] in row-major order, as a zstd
-    # frame ("zstd") or as they are ("raw": a short turn, where a frame's header costs more
-    # than it saves).
+    # The little-endian ids, [num_tokens, num_layers, top_k] in row-major order, the k of a
+    # row in ascending order stored as the first id and the gaps after it (an expert set:
+    # replay needs no ranking); as a zstd frame ("zstd") or as they are ("raw": a short
+    # turn, where a frame's header costs more than it saves).
     data: bytes
     codec: Literal["zstd", "raw"] = "zstd"

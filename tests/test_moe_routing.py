@@ -86,14 +86,14 @@ def test_routing_round_trips_the_wire_codec_compressed() -> None:
     ids = torch.randint(0, 8, (50, 4, 2), dtype=torch.uint8)
     ids[10:40] = ids[10]  # a run of tokens routed alike compresses
     routed = encode_routing(ids)
-    assert torch.equal(decode_routing(routed), ids)
+    assert torch.equal(decode_routing(routed), ids.sort(-1).values)  # expert sets kept
     raw, wire = routing_bytes(routed)
     assert raw == 50 * 8 and wire < raw
     short = encode_routing(ids[:2])  # a frame's header would cost more than it saves
     assert short.codec == "raw" and routing_bytes(short) == (16, 16)
-    assert torch.equal(decode_routing(short), ids[:2])
+    assert torch.equal(decode_routing(short), ids[:2].sort(-1).values)
     wide = torch.randint(0, 300, (5, 3, 4), dtype=torch.int16)
-    assert torch.equal(decode_routing(encode_routing(wide)), wide)
+    assert torch.equal(decode_routing(encode_routing(wide)), wide.sort(-1).values)
 
 
 def test_replay_routes_to_exactly_the_recorded_experts_and_the_router_learns() -> None:

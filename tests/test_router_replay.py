@@ -32,6 +32,7 @@ from libs.policy import PolicyConfig, build_policy
 from libs.rl.online import OnlineBaselines, build_online_batch
 from libs.rollout.agent import AgentRunner
 from libs.rollout.episode import RunnerSettings
+from libs.rollout.turn_routing import ROUTING_SIZE
 from libs.serve.holds import generate_in_holds
 from libs.tokenizer import ByteTokenizer
 from libs.trainer.online_step import OnlineConfig, train_online_step
@@ -132,6 +133,10 @@ async def test_routing_recorded_by_the_worker_round_trips_the_bus(
 ) -> None:
     received = await through_the_bus(bus, rollouts)
     assert len(received) == len(rollouts)
+    # What the worker's gauges report: tiny-moe's 4 layers x top-2 uint8 ids, 8 B a token raw.
+    assert ROUTING_SIZE.num_tokens > 0
+    assert ROUTING_SIZE.raw_bytes == 8 * ROUTING_SIZE.num_tokens
+    assert ROUTING_SIZE.wire_bytes <= ROUTING_SIZE.raw_bytes
     for sent, got in zip(rollouts, received, strict=True):
         tokens = sum(len(turn.token_ids) for turn in got.turns)
         routed = [turn.routed_experts for turn in got.turns]
@@ -266,7 +271,8 @@ async def test_a_served_generation_carries_its_routing_into_the_online_step() ->
     sample = wire.decode(OnlineSample, wire.encode(sample), None)  # as the trainer reads it
     batch = build_online_batch([sample], [1.0], pad_id=TOKENIZER.pad_id)
     assert batch.routed_experts is not None
-    assert torch.equal(batch.routed_experts[0, : len(fed)], completion.routed_experts.short())
+    expected_sets = completion.routed_experts.sort(-1).values.short()
+    assert torch.equal(batch.routed_experts[0, : len(fed)], expected_sets)
     assert (batch.routed_experts[0, len(fed) :] == NOT_RECORDED).all()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     stats = train_online_step(

@@ -2,11 +2,14 @@
 RoutedExperts; the ids as they are when a frame would be larger), and back.
 
     routed = encode_routing(ids)          # ids [n, L, k] uint8/int16 -> RoutedExperts
-    ids = decode_routing(routed)          # -> [n, L, k] tensor of the same dtype
+    ids = decode_routing(routed)          # -> [n, L, k], each row's k ids in ascending order
     raw, wire = routing_bytes(routed)     # the size it would have raw, and has on the wire
 
-Raw, a token costs L x k bytes (uint8 ids: tiny-moe 4 x 2 = 8 B, moe-1b 16 x 8 = 128 B);
-zstd takes off what repeats (experts a run of tokens shares), level 3 as the weight codec.
+Raw, a token costs L x k ids (uint8: tiny-moe 4 x 2 = 8 B, moe-1b 16 x 8 = 128 B). Replay
+uses each layer's expert set, not the router's ranking within it, so the k ids of a row are
+stored in ascending order as the first id and the gaps after it: small numbers zstd packs
+well (uniformly random top-8 of 48 experts: 64 B a token of moe-1b instead of 91 for the ids
+as chosen), on top of what repeats from token to token. Level 3, as the weight codec.
 """
 
 from __future__ import annotations
@@ -34,7 +37,9 @@ def encode_routing(ids: torch.Tensor) -> RoutedExperts:
     name = names.get(ids.dtype)
     if name is None or ids.dim() != 3:
         raise ValueError(f"routing must be [n, L, k] uint8 or int16, got {ids.dtype} {ids.shape}")
-    array = ids.detach().cpu().contiguous().numpy().astype(_DTYPES[name][1], copy=False)
+    ascending = ids.detach().cpu().to(torch.int32).sort(dim=-1).values
+    gaps = torch.cat([ascending[..., :1], ascending[..., 1:] - ascending[..., :-1]], dim=-1)
+    array = gaps.to(ids.dtype).contiguous().numpy().astype(_DTYPES[name][1], copy=False)
     raw = array.tobytes()
     frame = zstandard.ZstdCompressor(level=ZSTD_LEVEL, write_content_size=False).compress(raw)
     codec: Codec = "zstd" if len(frame) < len(raw) else "raw"
@@ -63,7 +68,8 @@ def decode_routing(routed: RoutedExperts) -> torch.Tensor:
         raise ValueError(f"routed_experts holds {len(raw)} bytes, its shape needs {size}")
     array = np.frombuffer(raw, dtype=numpy_dtype).astype(numpy_dtype.newbyteorder("="))
     shape = (routed.num_tokens, routed.num_layers, routed.top_k)
-    return torch.from_numpy(array.reshape(shape)).to(torch_dtype)
+    gaps = torch.from_numpy(array.reshape(shape)).to(torch.int32)
+    return gaps.cumsum(dim=-1).to(torch_dtype)
 
 
 def routing_bytes(routed: RoutedExperts) -> tuple[int, int]:
