@@ -105,6 +105,7 @@ def test_replay_routes_to_exactly_the_recorded_experts_and_the_router_learns() -
     recorded = torch.randint(0, 8, (2, 9, shape.num_layers, 1))
     recorded = torch.cat([recorded, (recorded + 1 + torch.randint(0, 7, recorded.shape)) % 8], -1)
     recorded[1, 6:] = NOT_RECORDED  # padding / unreported positions keep their own choice
+    recorded[1, 7, 0, 0] = 200  # no such expert: a corrupt record, the router's own choice too
     seen: list[torch.Tensor] = []
     hooks = [
         router.register_forward_hook(lambda _m, _a, out: seen.append(out[2].detach()))

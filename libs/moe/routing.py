@@ -222,7 +222,9 @@ def _replay_hook(trace: ReplayTrace, recorded: torch.Tensor, replay: bool) -> Ca
                 f"{recorded.shape[0]}: replay needs the recorded tensor of this exact batch"
             )
         ids = recorded.to(own.device, torch.long)
-        has_record = (ids >= 0).all(dim=-1)
+        # An id past the router's experts (a corrupt or forged record) counts as no record:
+        # that position keeps the router's own choice instead of failing the whole step.
+        has_record = ((ids >= 0) & (ids < logits.shape[-1])).all(dim=-1)
         trace.add(own, ids, has_record)
         if not replay:
             return None
