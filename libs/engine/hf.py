@@ -372,6 +372,10 @@ def _cache_kwarg_name(model: PreTrainedModel) -> str:
 def _keep_routing(recorder: RoutingRecorder, batch: _Batch, num_fed: int, rows: list[_Row]) -> None:
     """Append the newest forward's routing of each live row's real (unpadded) positions."""
     routing = recorder.take(len(batch.live))  # [B, num_fed, L, k]
+    if num_fed == 1:  # a decode step: every row fed one real token (no mask, no device sync)
+        for slot, row_index in enumerate(batch.live):
+            rows[row_index].routing.append(routing[slot])
+        return
     real = batch.attention_mask[:, -num_fed:].bool()
     for slot, row_index in enumerate(batch.live):
         rows[row_index].routing.append(routing[slot][real[slot]])
