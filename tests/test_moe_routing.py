@@ -3,6 +3,8 @@ replayed by the trainer's forward (libs.moe)."""
 
 from __future__ import annotations
 
+from typing import Literal
+
 import pytest
 import torch
 from torch import nn
@@ -13,7 +15,9 @@ from libs.engine.hf import HFEngine
 from libs.moe.routing import NOT_RECORDED, moe_shape, record_routing, replay_routing, routers
 from libs.moe.wire import decode_routing, encode_routing, routing_bytes
 from libs.policy import PolicyConfig, build_policy, sequence_logprobs
+from libs.rollout.turn_routing import EpisodeRouting
 from libs.tokenizer import ByteTokenizer
+from proto.messages import Turn
 
 TOKENIZER = ByteTokenizer()
 PROMPTS = [TOKENIZER.encode(text) for text in ("Q: 12+7=", "hello there", "x")]
@@ -188,3 +192,27 @@ def test_other_families_record_and_replay(model_type: str, experts_key: str) -> 
         replayed = model(input_ids=ids).logits
     assert trace.disagreement == 0.0
     torch.testing.assert_close(replayed, expected)  # gate weights recomputed as the family does
+
+
+def test_an_episode_keeps_each_position_s_first_routing_across_turns_and_segments() -> None:
+    """Turns [user 5][assistant 3][tool 4][assistant 2] in segment 0, then [user 3]
+    [assistant 2] in segment 1: each engine call reports prompt + completion - 1 positions."""
+    layout: list[tuple[Literal["user", "assistant", "tool"], int, int]] = [
+        ("user", 5, 0),
+        ("assistant", 3, 0),
+        ("tool", 4, 0),
+        ("assistant", 2, 0),
+        ("user", 3, 1),
+        ("assistant", 2, 1),
+    ]
+    turns = [Turn(role=role, token_ids=[1] * n, segment=segment) for role, n, segment in layout]
+    first = torch.full((7, 4, 2), 1, dtype=torch.uint8)  # call 1: 5 prompt + 3 sampled - 1
+    second = torch.full((13, 4, 2), 2, dtype=torch.uint8)  # call 2: 12 prompt + 2 - 1
+    third = torch.full((4, 4, 2), 3, dtype=torch.uint8)  # segment 1: 3 + 2 - 1
+    routing = EpisodeRouting()
+    routing.add(0, first)
+    routing.add(0, second)
+    routing.add(1, third)
+    routing.attach(turns)
+    pieces = [decode_routing(t.routed_experts)[:, 0, 0].tolist() for t in turns if t.routed_experts]
+    assert pieces == [[1] * 5, [1, 1, 2], [2] * 4, [2], [3] * 3, [3]]
