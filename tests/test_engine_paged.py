@@ -538,7 +538,9 @@ def test_a_swap_between_steps_goes_on_under_running_calls(engine: PagedEngine) -
     live = local.live_tensors()
     assert live is not None
     new_state = build_policy(PolicyConfig(device="cpu", seed=1)).state_dict()
-    params = SamplingParams(temperature=0.0, max_tokens=150)
+    # Long enough that the swap lands mid-call on a fast CPU too (150 tokens ended before
+    # the swap on a 16-core GPU host).
+    params = SamplingParams(temperature=0.0, max_tokens=1000)
     running = local.submit(PROMPTS, params)
     wait_for(lambda: local.num_steps > 2)
     local.write_between_steps(lambda: [live[k].copy_(v) for k, v in new_state.items()], 5)
