@@ -7,9 +7,11 @@ Run `python -m proto.schema` (or `make schema`) to write `proto/schema/`; `--che
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import msgspec
 
@@ -70,7 +72,7 @@ ALL_MESSAGES: tuple[type[Message], ...] = (
 
 def message_schema(message_type: type[Message]) -> dict[str, object]:
     """The JSON Schema of one message type, with its schema id and wire encoding."""
-    schema: dict[str, object] = msgspec.json.schema(message_type)
+    schema: dict[str, object] = _clean_descriptions(msgspec.json.schema(message_type))
     schema["$comment"] = (
         f"rlpipe message '{message_type.schema_id()}': msgpack on the wire, "
         "header Rlpipe-Schema carries the id"
@@ -119,6 +121,21 @@ def write_all(directory: Path = SCHEMA_DIR) -> list[str]:
     for name, text in expected.items():
         (directory / name).write_text(text)
     return sorted(expected)
+
+
+def _clean_descriptions(node: Any) -> Any:
+    """`node` with every docstring-made "description" dedented (inspect.cleandoc): msgspec
+    0.23 dedents them and 0.22 did not, so the files are the same under either."""
+    if isinstance(node, dict):
+        return {
+            key: inspect.cleandoc(value)
+            if key == "description" and isinstance(value, str)
+            else _clean_descriptions(value)
+            for key, value in node.items()
+        }
+    if isinstance(node, list):
+        return [_clean_descriptions(item) for item in node]
+    return node
 
 
 def _dump(document: dict[str, object]) -> str:
