@@ -18,7 +18,11 @@ completion tokens:
 - routing bytes per token, raw and on the wire (libs.moe.wire: a zstd frame per turn).
 
     PYTHONPATH=. python3 bench/moe_replay_bench.py          # bench/results/<card>/moe_replay.json
+    PYTHONPATH=. python3 bench/moe_replay_bench.py --policy-path RUN/trainer/checkpoints/step-N
     .venv/bin/python bench/moe_replay_bench.py --dry-run    # tiny-moe on CPU, small shapes
+
+`--policy-path`: a trained MoE (a checkpoint of the moe-1b loop, `bench/gpu_loop.sh`) instead
+of the random init, whose near-tied routers and interchangeable experts make flips cheap.
 """
 
 from __future__ import annotations
@@ -100,9 +104,13 @@ def score(
     return torch.cat(out), differing / max(compared, 1)
 
 
-def run(dry_run: bool, out: Path | None) -> dict[str, Any]:
+def run(dry_run: bool, out: Path | None, policy_path: Path | None = None) -> dict[str, Any]:
     cuda = torch.cuda.is_available() and not dry_run
-    policy = PolicyConfig(preset="moe-1b" if cuda else "tiny-moe", device="cuda" if cuda else "cpu")
+    policy = PolicyConfig(
+        preset="moe-1b" if cuda else "tiny-moe",
+        path=str(policy_path) if policy_path else None,
+        device="cuda" if cuda else "cpu",
+    )
     precision = TrainingPrecision.for_policy("fp32", policy)
     trainer_model = precision.build_model(policy)
     engine_model = build_policy(policy)
@@ -134,7 +142,7 @@ def run(dry_run: bool, out: Path | None) -> dict[str, Any]:
         "command": "python bench/moe_replay_bench.py" + (" --dry-run" if dry_run else ""),
         "git_commit": git_commit(),
         "card": card,
-        "preset": policy.preset,
+        "policy": policy.path or f"preset {policy.preset} (random init)",
         "trainer": "fp32 masters, bf16 autocast" if precision.mixed else "fp32",
         "engine": f"paged, {next(engine_model.parameters()).dtype}",
         "rollouts": {
@@ -161,10 +169,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dry-run", action="store_true", help="tiny-moe on CPU, small shapes")
     parser.add_argument("--out", type=Path, default=None, help="where to write the JSON")
+    parser.add_argument(
+        "--policy-path", type=Path, default=None, help="a trained MoE's folder (a checkpoint)"
+    )
     args = parser.parse_args()
     if not args.dry_run and not torch.cuda.is_available():
         sys.exit("moe_replay_bench measures a GPU: run it on one, or pass --dry-run")
-    run(args.dry_run, args.out)
+    run(args.dry_run, args.out, args.policy_path)
 
 
 if __name__ == "__main__":
