@@ -8,8 +8,14 @@ import pytest
 import torch
 
 from libs.bus import wire
+from libs.moe.wire import encode_routing
 from libs.policy import PolicyConfig, build_policy
-from libs.trainer.refusals import find_failing_samples, model_vocab_size, scored_problem
+from libs.trainer.refusals import (
+    find_failing_samples,
+    model_vocab_size,
+    policy_routing,
+    scored_problem,
+)
 from proto.messages import ScoredRollout, Turn, WeightsStaged
 from proto.validation import (
     InvalidValue,
@@ -95,17 +101,44 @@ def test_an_announcement_above_the_newest_version_made_is_refused() -> None:
 
 def test_the_trainer_refuses_what_its_policy_cannot_train() -> None:
     ok = scored([Turn(role="user", token_ids=[1]), assistant([2, 3], version=4)])
-    assert scored_problem(ok, vocab_size=262, trainer_version=4) is None
+    assert scored_problem(ok, vocab_size=262, routing=None, trainer_version=4) is None
     outside = scored([assistant([2, 300])])
-    assert "vocabulary" in (scored_problem(outside, vocab_size=262, trainer_version=4) or "")
+    assert "vocabulary" in (
+        scored_problem(outside, vocab_size=262, routing=None, trainer_version=4) or ""
+    )
     future = scored([assistant([2], version=9)])
     assert "above the trainer's 4" in (
-        scored_problem(future, vocab_size=262, trainer_version=4) or ""
+        scored_problem(future, vocab_size=262, routing=None, trainer_version=4) or ""
     )
     nothing = scored([Turn(role="user", token_ids=[1])])
     assert "no assistant tokens" in (
-        scored_problem(nothing, vocab_size=262, trainer_version=4) or ""
+        scored_problem(nothing, vocab_size=262, routing=None, trainer_version=4) or ""
     )
+
+
+def test_routing_the_policy_cannot_replay_is_refused_per_sample() -> None:
+    # Replayed as it is, a record of another shape (or any record on a dense policy) would
+    # fail the whole optimizer step; refused as the sample is read, it costs only itself.
+    moe = build_policy(PolicyConfig(preset="tiny-moe"))
+    dense = build_policy(PolicyConfig())
+    assert policy_routing(moe) == (4, 2) and policy_routing(dense) is None
+
+    def with_routing(layers: int, top_k: int) -> ScoredRollout:
+        ids = torch.zeros(2, layers, top_k, dtype=torch.uint8)
+        ids[..., 1:] = 1  # an expert set: ascending ids
+        turn = msgspec.structs.replace(
+            assistant([2, 3], version=4), routed_experts=encode_routing(ids)
+        )
+        return scored([turn])
+
+    def problem(sample: ScoredRollout, routing: tuple[int, int] | None) -> str:
+        return scored_problem(sample, vocab_size=262, routing=routing, trainer_version=4) or ""
+
+    assert problem(with_routing(4, 2), policy_routing(moe)) == ""
+    assert "2 layers x top-2, the policy routes 4 layers x top-2" in problem(
+        with_routing(2, 2), policy_routing(moe)
+    )
+    assert "the policy is dense" in problem(with_routing(4, 2), policy_routing(dense))
 
 
 def test_the_sample_that_breaks_a_step_is_found_alone() -> None:

@@ -56,7 +56,7 @@ from libs.trainer.learner import setup_learner
 from libs.trainer.online_source import OnlineTake
 from libs.trainer.pacing import PacingDecision, StalenessPacer
 from libs.trainer.recorder import StepRecorder
-from libs.trainer.refusals import model_vocab_size
+from libs.trainer.refusals import model_vocab_size, policy_routing
 from libs.trainer.samples import Batch, SampleSource
 from libs.trainer.schedule import learning_rate_at, learning_rate_of, set_learning_rate
 from libs.trainer.step import StepStats
@@ -96,9 +96,16 @@ class Trainer:
         self._versions = VersionPublisher(
             bus, publisher, self.learner, self.state, default_staging_dir(run_dir)
         )
-        vocab_size = model_vocab_size(self.learner.model)
+        model = self.learner.model
         self._source = SampleSource(
-            bus, publisher, config, self.state, self._versions, vocab_size, self._stopping
+            bus,
+            publisher,
+            config,
+            self.state,
+            self._versions,
+            model_vocab_size(model),
+            policy_routing(model),
+            self._stopping,
         )
         assert config.max_staleness is not None, "the learner sizes the config"
         self.max_staleness = config.max_staleness

@@ -1,6 +1,6 @@
 """The trainer's sample source: what the next step trains on, read exactly once.
 
-    source = SampleSource(bus, publisher, config, state, versions, vocab_size, stopping)
+    source = SampleSource(bus, publisher, config, state, versions, vocab_size, routing, stopping)
     work = await source.next()   # a Batch of scored groups, an OnlineTake, None: stopping
     ...train...; state.scored_cursor.mark_done(batch.sequences)
     await source.refuse_failing(batch, failing)   # dead-letter samples a step failed on
@@ -81,6 +81,7 @@ class SampleSource:
         state: TrainerState,
         versions: VersionPublisher,
         vocab_size: int,
+        routing: tuple[int, int] | None,
         stopping: asyncio.Event,
     ) -> None:
         assert config.max_staleness is not None, "the learner sizes the config"
@@ -90,6 +91,7 @@ class SampleSource:
         self._state = state
         self._versions = versions
         self._vocab_size = vocab_size
+        self._routing = routing  # the policy's (MoE layers, top_k); None: dense
         self._stopping = stopping
         self._js = bus.js
         self._buffer = GroupBuffer(config.incomplete_group_timeout_s, taken=state.recent_groups)
@@ -256,7 +258,10 @@ class SampleSource:
             if cursor.is_done(record.sequence):
                 continue
             problem = scored_problem(
-                record.message, vocab_size=self._vocab_size, trainer_version=self._state.version
+                record.message,
+                vocab_size=self._vocab_size,
+                routing=self._routing,
+                trainer_version=self._state.version,
             )
             if problem is not None:
                 await self._refuse(record, problem)
@@ -288,7 +293,10 @@ class SampleSource:
 
     def _online_problem(self, sample: OnlineSample) -> str | None:
         return online_problem(
-            sample, vocab_size=self._vocab_size, trainer_version=self._state.version
+            sample,
+            vocab_size=self._vocab_size,
+            routing=self._routing,
+            trainer_version=self._state.version,
         )
 
     def health_fields(self) -> dict[str, Any]:
