@@ -63,6 +63,10 @@ class Turn(msgspec.Struct, kw_only=True):
     # The version its last tokens came from, when the worker swapped weights mid-turn (the
     # paged engine swaps between decode steps); None: policy_version throughout.
     policy_version_end: int | None = None
+    # Which version sampled which token: (index of the first token sampled with a version,
+    # that version) per change, the last one's policy_version_end (proto.version_switches).
+    # Empty with policy_version_end set: not recorded (an older worker).
+    version_switches: tuple[tuple[int, int], ...] = ()
     # The target hashes of those versions' signed manifests (proto.rollout_contract: a
     # version is named by its number and hash); empty where the engine could not name it.
     policy_version_hash: str = ""

@@ -38,6 +38,7 @@ from proto.messages import (
     WeightsStaged,
 )
 from proto.moe import RoutedExperts
+from proto.version_switches import switches_problem
 
 # A trainer stepping once a second needs 68 years to reach this.
 MAX_POLICY_VERSION = 2**31 - 1
@@ -99,6 +100,12 @@ def check_turn(turn: Turn, where: str) -> None:
         _require(not turn.logprobs, f"{where}: a {turn.role} turn carries logprobs")
     if turn.policy_version is not None:
         _check_version(f"{where}.policy_version", turn.policy_version)
+    for _, version in turn.version_switches:
+        _check_version(f"{where}.version_switches", version)
+    problem = switches_problem(
+        turn.policy_version, turn.policy_version_end, turn.version_switches, num_tokens
+    )
+    _require(problem is None, f"{where}.version_switches: {problem}")
     _check_logprobs(f"{where}.logprobs", turn.logprobs)
     if turn.routed_experts is not None:
         _check_routed_experts(turn.routed_experts, num_tokens, f"{where}.routed_experts")
@@ -288,6 +295,12 @@ def check_rollout_for_policy(rollout: Rollout, *, vocab_size: int, max_version: 
                 f"turns[{index}].policy_version {turn.policy_version} is above the trainer's "
                 f"{max_version}: no such version was made",
             )
+        newest = max((version for _, version in turn.version_switches), default=0)
+        _require(
+            newest <= max_version,
+            f"turns[{index}].version_switches name version {newest}, above the trainer's "
+            f"{max_version}: no such version was made",
+        )
 
 
 def check_served_for_policy(

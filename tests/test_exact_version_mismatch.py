@@ -16,6 +16,7 @@ import torch
 from libs.domains.registry import make_env
 from libs.engine.base import Completion, SamplingParams
 from libs.engine.hf import HFEngine
+from libs.engine.paged import PagedEngine
 from libs.envs.local_client import LocalEnvClient
 from libs.policy import PolicyConfig, build_policy
 from libs.rollout.agent import AgentRunner
@@ -33,7 +34,9 @@ from libs.trainer.samples import Batch
 from libs.trainer.step import StepStats
 from libs.trainer.version_ring import mark_mixed_turns, setup_exact_mismatch
 from proto.messages import Rollout, ScoredRollout, Task, Turn
+from tests.test_engine_paged import wait_for
 from tests.test_router_replay import perturb_routers
+from tests.test_version_switches import negate_final_norm, rollout_with, worker_turn
 
 TOKENIZER = ByteTokenizer()
 POLICY = PolicyConfig(preset="tiny", seed=5)
@@ -136,7 +139,36 @@ def test_against_the_current_weights_older_tokens_show_the_updates_since(
     assert off_policy[3].mean_abs_diff > off_policy[1].mean_abs_diff
 
 
-def test_a_turn_spanning_a_weight_swap_is_not_scored_token_by_token() -> None:
+def test_a_turn_spanning_a_swap_is_scored_token_by_token_under_each_version() -> None:
+    """The real paged engine swaps weights under a running call; each token of the spanning
+    turns is scored under the version its switches say sampled it: to fp32 rounding."""
+    trainer_config = config()
+    meter = setup_exact_mismatch(trainer_config)
+    assert meter is not None
+    engine = PagedEngine(build_policy(POLICY), TOKENIZER, 8)
+    meter.keep(0, engine.model)
+    prompt = TOKENIZER.encode("7+1=")
+    running = engine.submit([prompt], SamplingParams(max_tokens=1000, seed=1), 4)
+    wait_for(lambda: engine.num_steps > 2)
+    negate_final_norm(engine, 1)  # only the logits change: the KV before is both versions'
+    meter.keep(1, engine.model)
+    samples = [
+        ScoredRollout(rollout=rollout_with(worker_turn(c), f"r{i}", prompt), reward=i % 2)
+        for i, c in enumerate(running.result(timeout=300))
+    ]
+    spanning = [s.rollout.turns[1] for s in samples if s.rollout.turns[1].version_switches]
+    assert spanning, "no completion was running at the swap"
+    exact = meter.measure(engine.model, samples, 1, trainer_config, TOKENIZER.pad_id)
+    assert exact.num_unscored == 0
+    after = sum(len(t.token_ids) - t.version_switches[0][0] for t in spanning)
+    assert exact.by_gap["0"].num_tokens == after  # version 1's tokens, the trainer's own
+    assert exact.by_gap["1"].num_tokens == num_sampled(samples) - after
+    for gap in ("0", "1"):
+        assert exact.by_gap[gap].mean_abs_diff < 1e-5 and abs(exact.by_gap[gap].kl) < 1e-8
+
+
+def test_a_turn_spanning_a_swap_without_switches_is_not_scored_token_by_token() -> None:
+    """A turn from an older worker: a swap without the token it happened at."""
     torch.manual_seed(0)
     learner = LocalLearner(config(), POLICY, TOKENIZER)
     engine = HFEngine(build_policy(POLICY), TOKENIZER)

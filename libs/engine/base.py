@@ -80,6 +80,12 @@ class Completion:
     policy_version_end: int | None = None
     """Version the completion ended on, when the weights changed between its decode steps
     (engines that `swap_between_steps`); None: `policy_version` produced every token."""
+    version_switches: tuple[tuple[int, int], ...] = ()
+    """Which version sampled which token: (index of the first token sampled with a version,
+    that version) for every change from `policy_version`, in token order; the last one's
+    version is `policy_version_end`. Index 0 when a newer version than `policy_version`
+    already sampled the first token (a call queued during a swap). Empty when one version
+    sampled every token, and from engines that swap only between calls."""
     policy_version_hash: str = ""
     """Target hash of the signed manifest of `policy_version` (proto.rollout_contract); empty
     where the engine cannot name it (a local engine knows numbers only: the worker fills it

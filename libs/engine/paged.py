@@ -37,7 +37,8 @@ parameter storage (the captured graphs read it), refresh the runner's fused copi
 drop the prefix cache (its KV came from the old weights). The pause reported is that write
 (7 to 12 ms for the 0.5B model on an H200). `write_between_steps` writes the same way
 between two decode steps without waiting: running calls go on with the new weights, and
-their completions say the version they ended on.
+their completions say the version they ended on and the token each version started at
+(`Completion.version_switches`).
 """
 
 from __future__ import annotations
@@ -101,7 +102,6 @@ class PagedEngine(InferenceEngine):
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.max_batch_rows = max_batch_rows
-        self._version = policy_version
         self._tensors: dict[str, torch.Tensor] = dict(model.state_dict(keep_vars=True))
         layout = self._layout(block_size, kv_cache_tokens, kv_cache_memory_fraction)
         self.cache = PagedKVCache(layout, model.device)
@@ -109,7 +109,7 @@ class PagedEngine(InferenceEngine):
         positions = int(model.config.max_position_embeddings)
         self._max_context = min(positions, self.pool.capacity * block_size)
         self.runner = self._runner(staged_prefill_tokens, use_cuda_graphs, record_routing)
-        self.scheduler = Scheduler(self.pool, max_batch_rows, prefill_chunk_tokens)
+        self.scheduler = Scheduler(self.pool, max_batch_rows, prefill_chunk_tokens, policy_version)
         self._stamp = self._weights_stamp()  # parameters as the fused copies last saw them
         self._scorer = HFEngine(model, tokenizer, max_batch_rows, policy_version)
         self._lock = threading.Lock()  # the scheduler's queues, the driver, request counts
@@ -157,7 +157,7 @@ class PagedEngine(InferenceEngine):
 
     @property
     def policy_version(self) -> int:
-        return self._version
+        return self.scheduler.version
 
     @property
     def num_steps(self) -> int:
@@ -217,7 +217,7 @@ class PagedEngine(InferenceEngine):
 
     def _enqueue(self, request: Request) -> None:
         """Queue a request on the weights held now (called with `_lock` held)."""
-        request.version = self._version
+        request.version = self.scheduler.version
         self._num_running_calls += 1
         self.scheduler.waiting.extend(request.sequences)
         self._start_driver()
@@ -238,7 +238,6 @@ class PagedEngine(InferenceEngine):
         if not ended:
             return
         for request in ended:
-            request.version_end = self._version  # a swap between steps may have moved it
             request.resolve()
         with self._lock:
             self._num_running_calls -= len(ended)
@@ -271,14 +270,14 @@ class PagedEngine(InferenceEngine):
         with self._write_lock:
             with self._lock:
                 if not older:
-                    check_version(version, self._version)
+                    check_version(version, self.scheduler.version)
                 self._writing = True  # new calls wait; running ones finish on the old weights
                 while self._num_running_calls:
                     self._changed.wait()
             try:
                 with self._step_lock, torch.no_grad():
                     result, pause_s = self._write_weights(write)
-                    self._version = version
+                    self.scheduler.version = version
                     return result, pause_s
             finally:
                 with self._lock:
@@ -295,12 +294,12 @@ class PagedEngine(InferenceEngine):
     def write_between_steps(self, write: Callable[[], T], version: int) -> tuple[T, float]:
         with self._write_lock:
             with self._lock:
-                check_version(version, self._version)
+                check_version(version, self.scheduler.version)
             with self._step_lock, torch.no_grad():
                 result, pause_s = self._write_weights(write)
-                # A call queued meanwhile may say the old version for new weights' tokens:
-                # older, never newer, so its staleness is never understated.
-                self._version = version
+                # Running sequences record the switch at their next token; a call queued
+                # meanwhile says the old version and records the new one from its first token.
+                self.scheduler.version = version
                 return result, pause_s
 
     def _write_weights(self, write: Callable[[], T]) -> tuple[T, float]:
@@ -320,7 +319,7 @@ class PagedEngine(InferenceEngine):
     def score(self, prompts: list[list[int]], continuations: list[list[int]]) -> ContinuationScores:
         with self._step_lock:
             scores = self._scorer.score(prompts, continuations)
-            return ContinuationScores(scores.logprobs, self._version)
+            return ContinuationScores(scores.logprobs, self.scheduler.version)
 
     def _layout(
         self, block_size: int, kv_cache_tokens: int | None, memory_fraction: float

@@ -50,9 +50,8 @@ class Request:
     params: SamplingParams
     num_samples: int
     version: int = -1
-    """The weights' version the request runs on (set when it joins the queue)."""
-    version_end: int = -1
-    """The weights' version when it ended (newer when weights were swapped between steps)."""
+    """The weights' version the request runs on (set when it joins the queue); a swap
+    between steps moves its running sequences on (`Sequence.version_switches`)."""
     sequences: list[Sequence] = field(default_factory=list)
     num_unfinished: int = 0
     error: BaseException | None = None
@@ -82,7 +81,8 @@ class Request:
                 raw_logprobs=seq.raw_logprobs,
                 finish_reason=seq.finish_reason or "length",
                 policy_version=self.version,
-                policy_version_end=self.version_end if self.version_end > self.version else None,
+                policy_version_end=seq.version_switches[-1][1] if seq.version_switches else None,
+                version_switches=tuple(seq.version_switches),
                 routed_experts=None if seq.routing is None else seq.routing.result(),
             )
             for index, seq in enumerate(self.sequences)
@@ -109,6 +109,9 @@ class Sequence:
     logprobs: list[float] = field(default_factory=list)
     raw_logprobs: list[float] = field(default_factory=list)
     finish_reason: FinishReason | None = None
+    version_switches: list[tuple[int, int]] = field(default_factory=list)
+    """(index of the first generated token sampled with a version, that version) for every
+    version after the request's (see `Completion.version_switches`)."""
     routing: RoutingCopy | None = None
     """The experts each MoE layer chose at each fed position, on its way to the host (set
     when the sequence finishes, by a model that records routing)."""
@@ -131,8 +134,11 @@ def blocks_needed(num_tokens: int, block_size: int) -> int:
 class Scheduler:
     """Queues of sequences and the block bookkeeping between steps (no tensors)."""
 
-    def __init__(self, pool: BlockPool, max_rows: int, prefill_tokens: int) -> None:
+    def __init__(self, pool: BlockPool, max_rows: int, prefill_tokens: int, version: int) -> None:
         self.pool = pool
+        self.version = version
+        """The version of the weights the steps run on now (the engine moves it when it
+        writes weights, between steps): the version of every token sampled."""
         self.block_size = pool.block_size
         self.max_rows = max_rows
         self.prefill_tokens = prefill_tokens
@@ -207,7 +213,11 @@ class Scheduler:
         self._register_full_blocks(seq, num_computed)
 
     def record(self, seq: Sequence, token: int, logprob: float, raw_logprob: float) -> None:
-        """Append one sampled token to `seq`."""
+        """Append one sampled token to `seq` (a switch first when a newer version sampled
+        it than its previous token, or than its request's version for the first token)."""
+        switches = seq.version_switches
+        if self.version != (switches[-1][1] if switches else seq.request.version):
+            switches.append((len(seq.generated), self.version))
         seq.token_ids.append(token)
         seq.generated.append(token)
         seq.logprobs.append(logprob)

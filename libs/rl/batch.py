@@ -27,6 +27,7 @@ import torch
 from libs.moe.routing import NOT_RECORDED
 from libs.moe.wire import decode_routing
 from proto.messages import Rollout, ScoredRollout, Turn
+from proto.version_switches import token_versions
 
 NO_VERSION = -1
 """`token_versions` entry of a token the policy did not generate (or of padding)."""
@@ -40,7 +41,9 @@ class TrainBatch:
     attention_mask: torch.Tensor  # [B, T] long, 1 on real tokens
     loss_mask: torch.Tensor  # [B, T-1] bool, True where entry t predicts a generated token
     behavior_logprobs: torch.Tensor  # [B, T-1] float32, inference logprobs; 0 off loss_mask
-    token_versions: torch.Tensor  # [B, T-1] long, generating version; NO_VERSION off loss_mask
+    # [B, T-1] long, the version that sampled each token (Turn.version_switches; a turn
+    # without them: its policy_version); NO_VERSION on tokens the policy did not generate.
+    token_versions: torch.Tensor
     advantages: torch.Tensor  # [B] float32
     sample_ids: list[str]  # rollout id of each row (repeated for a rollout's segments)
     num_truncated: int = 0  # rows cut to max_length
@@ -174,7 +177,7 @@ def _layout(
         trained = trainable is None or trainable(turn.policy_version)
         row.generated.extend([trained] * num_tokens)
         row.logprobs.extend(turn.logprobs)
-        row.versions.extend([turn.policy_version] * num_tokens)
+        row.versions.extend(token_versions(turn.policy_version, turn.version_switches, num_tokens))
     return row
 
 

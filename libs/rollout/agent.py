@@ -152,6 +152,7 @@ class Transcript:
                 logprobs=list(completion.logprobs),
                 policy_version=completion.policy_version,
                 policy_version_end=completion.policy_version_end,
+                version_switches=completion.version_switches,
                 policy_version_hash=completion.policy_version_hash,
                 policy_version_end_hash=completion.policy_version_end_hash,
                 segment=self.segment,

@@ -51,6 +51,7 @@ from prometheus_client import Gauge, Histogram
 
 from libs.engine.base import Completion, ContinuationScores, InferenceEngine, SamplingParams
 from libs.rollout.throughput import ThroughputMeter
+from proto.version_switches import cut_switches, end_version
 
 log = structlog.get_logger(__name__)
 
@@ -412,6 +413,17 @@ def _truncated(completion: Completion, max_tokens: int, index: int) -> Completio
     routed = completion.routed_experts
     if cut and routed is not None:  # positions fed: the prompt's and all but the last token's
         routed = routed[: routed.shape[0] - len(completion.token_ids) + max_tokens]
+    if cut and completion.version_switches:  # the versions of the tokens kept
+        switches = cut_switches(completion.version_switches, max_tokens)
+        end = end_version(switches)
+        completion = dataclasses.replace(
+            completion,
+            version_switches=switches,
+            policy_version_end=end,
+            policy_version_end_hash=(
+                completion.policy_version_end_hash if end == completion.policy_version_end else ""
+            ),
+        )
     return dataclasses.replace(
         completion,
         prompt_index=index,

@@ -18,7 +18,9 @@ only its own hold's tokens), else "length". A seeded request samples what one ca
 seed would where the engine continues a hold's sampling RNG with its KV (the hf engine's
 continuation cache); elsewhere hold k draws with a seed derived from (seed, k), reproducible
 too. `policy_version` is the version the first token came from; `policy_version_end` the
-last one's when a weight swap fell between two holds.
+last one's when a weight swap fell between two holds or inside one, and `version_switches`
+the token each version started at (proto.version_switches): a hold's own switches and one
+at the hold's first token when the swap fell between holds.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from libs.engine.base import Completion, FinishReason, SamplingParams
 from libs.engine.requests import hits_stop
 from libs.moe.routing import extend_routing
 from libs.tokenizer import Tokenizer
+from proto.version_switches import cut_switches
 
 GenerateFn = Callable[[list[list[int]], SamplingParams], Awaitable[list[Completion]]]
 
@@ -50,6 +53,8 @@ class _Row:
     finish_reason: FinishReason | None = None
     first_version: int | None = None
     last_version: int = 0
+    switches: list[tuple[int, int]] = field(default_factory=list)
+    switches_known: bool = True  # False: a hold spanned a swap without saying where
     routing: torch.Tensor | None = None  # MoE: [prompt + tokens - 1, L, k] so far
 
 
@@ -99,10 +104,7 @@ def _extend(
     row.logprobs += completion.logprobs
     row.raw_logprobs += completion.raw_logprobs
     row.routing = extend_routing(row.routing, completion.routed_experts)
-    if row.first_version is None:
-        row.first_version = completion.policy_version
-    end = completion.policy_version_end
-    row.last_version = completion.policy_version if end is None else end
+    _extend_versions(row, completion, before)
     if completion.finish_reason == "stop":
         row.finish_reason = "stop"
     cut = _spanning_stop(row.token_ids, before, len(completion.token_ids), params, tokenizer)
@@ -110,7 +112,21 @@ def _extend(
         if row.routing is not None:  # the positions fed after the stop's last token go too
             row.routing = row.routing[: row.routing.shape[0] - (len(row.token_ids) - cut)]
         del row.token_ids[cut:], row.logprobs[cut:], row.raw_logprobs[cut:]
+        row.switches = list(cut_switches(row.switches, cut))
         row.finish_reason = "stop"
+
+
+def _extend_versions(row: _Row, completion: Completion, before: int) -> None:
+    """The versions of a hold's tokens, appended at token `before`: a switch at its first
+    token when a swap fell between the holds, then the hold's own switches."""
+    if row.first_version is None:
+        row.first_version = completion.policy_version
+    elif completion.token_ids and completion.policy_version != row.last_version:
+        row.switches.append((before, completion.policy_version))
+    row.switches += [(before + index, version) for index, version in completion.version_switches]
+    end = completion.policy_version_end
+    row.switches_known &= end is None or bool(completion.version_switches)
+    row.last_version = completion.policy_version if end is None else end
 
 
 def _spanning_stop(
@@ -133,6 +149,11 @@ def _spanning_stop(
 def _completion(index: int, row: _Row) -> Completion:
     first, last = row.first_version, row.last_version
     assert row.finish_reason is not None and first is not None, "every row decoded a hold"
+    switches = tuple(row.switches) if row.switches_known else ()
+    if switches:  # the last token's version (a stop string's cut may have dropped a switch)
+        last = switches[-1][1]
+    elif row.switches_known:
+        last = first
     return Completion(
         prompt_index=0,
         sample_index=index,
@@ -142,5 +163,6 @@ def _completion(index: int, row: _Row) -> Completion:
         finish_reason=row.finish_reason,
         policy_version=first,
         policy_version_end=last if last != first else None,
+        version_switches=switches,
         routed_experts=row.routing,
     )

@@ -21,9 +21,11 @@ Cost, stated:
 - each measured step (every `mismatch_exact_every_steps` steps): the batch is laid out again
   and each version present in it is scored by one no-grad forward over the rows holding its
   tokens, with that version's weights copied to the device for the forward (transiently one
-  more copy of the weights there). Rows hold one version each in a one-turn task, so about
-  one no-grad forward of the batch, besides the step's proximal forward, forward and
-  backward: on the 2-core CPU demo a measured step takes a third longer (docs/runs.md).
+  more copy of the weights there). Rows hold one version each in a one-turn task (a turn
+  that spans a swap: its row is scored once per version, each token under the version that
+  sampled it, Turn.version_switches), so about one no-grad forward of the batch, besides
+  the step's proximal forward, forward and backward: on the 2-core CPU demo a measured step
+  takes a third longer (docs/runs.md).
 
 The forward is the step's own (libs.trainer.step._logprobs_no_grad) on the training model,
 its parameters swapped for the version's in place of the module attributes for the duration
@@ -55,7 +57,8 @@ from proto.messages import ScoredRollout, Turn
 # Measured steps by default: every 4th. On the 2-core CPU demo a measured step takes a third
 # longer than the others, so about +8% on the mean step time (docs/runs.md).
 DEFAULT_EVERY_STEPS = 4
-# token_versions entry of a turn that spans a weight swap: its tokens' versions are unknown.
+# token_versions entry of a turn that spans a weight swap without version_switches: its
+# tokens' versions are unknown.
 MIXED_VERSION = -2
 
 
@@ -129,23 +132,30 @@ def score_exact_versions(
 
 
 def mark_mixed_turns(samples: list[ScoredRollout]) -> list[ScoredRollout]:
-    """`samples` with each turn that spans a weight swap (policy_version_end set) labeled
-    MIXED_VERSION: which of its tokens came from which version is not recorded."""
+    """`samples` with each turn that spans a weight swap (policy_version_end set) without
+    saying which token each version sampled (no version_switches: an older worker) labeled
+    MIXED_VERSION. A turn with switches keeps them: each token is scored under its own."""
 
     def marked(turn: Turn) -> Turn:
-        if turn.policy_version_end in (None, turn.policy_version):
+        if not _versions_unknown(turn):
             return turn
         return msgspec.structs.replace(turn, policy_version=MIXED_VERSION)
 
     def relabel(sample: ScoredRollout) -> ScoredRollout:
         rollout = sample.rollout
-        if all(t.policy_version_end in (None, t.policy_version) for t in rollout.turns):
+        if not any(_versions_unknown(turn) for turn in rollout.turns):
             return sample
         turns = [marked(turn) for turn in rollout.turns]
         marked_rollout = msgspec.structs.replace(rollout, turns=turns)
         return msgspec.structs.replace(sample, rollout=marked_rollout)
 
     return [relabel(sample) for sample in samples]
+
+
+def _versions_unknown(turn: Turn) -> bool:
+    """Whether `turn` spans a weight swap without saying where (see `mark_mixed_turns`)."""
+    spans = turn.policy_version_end not in (None, turn.policy_version)
+    return spans and not turn.version_switches
 
 
 class ExactMismatchMeter:
