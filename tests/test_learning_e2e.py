@@ -83,3 +83,12 @@ def test_the_tiny_moe_learns_the_builtin_task_with_router_replay(tmp_path: Path)
     steps = [json.loads(line) for line in (run_dir / "trainer" / "steps.jsonl").open()]
     measured = [s["routing_disagreement"] for s in steps if s["stream"] == "offline"]
     assert all(value is not None for value in measured), "rollouts came without routing"
+    report = subprocess.run(
+        [sys.executable, "-m", "apps.cli", "report", str(run_dir), "--no-plots"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert report.returncode == 0, report.stderr
+    assert any(line.startswith("MoE routing: ") for line in report.stdout.splitlines())

@@ -110,6 +110,8 @@ def summary_lines(figures: RunFigures) -> list[str]:
         lines += [learning_line(figures), pipeline_line(figures), policy_line(figures)]
     if figures.exact_mismatch_steps:
         lines.append(exact_mismatch_line(figures.exact_mismatch_steps))
+    if any(s.routing_disagreement is not None for s in figures.steps):
+        lines.append(routing_line(figures.steps))
     if figures.evals:
         lines.append(eval_line(figures.evals))
     return lines
@@ -173,6 +175,18 @@ def exact_mismatch_line(steps: Sequence[StepRecord]) -> str:
         f"mismatch by version gap (own version): {', '.join(parts) or 'no token scored'} "
         f"nats/token (KL {sci(gap_mean(steps, 'all', 'kl'))}); {scored:,} tokens on "
         f"{len(steps)} steps, {left_out:.1%} not scored (version no longer kept)"
+    )
+
+
+def routing_line(steps: Sequence[StepRecord]) -> str:
+    """An MoE policy's routing: how often the trainer's own routers chose other experts than
+    the engine recorded (replayed or not), first and last steps measured."""
+    measured = [s.routing_disagreement for s in steps if s.routing_disagreement is not None]
+    first, last = mean(measured[:10]), mean(measured[-10:])
+    return (
+        f"MoE routing: the trainer's own routers chose other experts than the engine on "
+        f"{fmt(first, 3)} of token-layer pairs over the first 10 steps measured, "
+        f"{fmt(last, 3)} over the last 10 (replay trains on the engine's; trainer.router_replay)"
     )
 
 
