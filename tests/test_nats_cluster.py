@@ -47,6 +47,7 @@ from tests.chaos_support import (
     read_steps,
     stop_demo,
 )
+from tests.conftest import wait_for
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -116,7 +117,7 @@ async def test_replicas_on_a_single_server_are_refused_with_the_fix(bus: Bus) ->
 
 async def test_provisioning_waits_for_a_node_that_joins_the_cluster_late(tmp_path: Path) -> None:
     """Two of three nodes up: R3 cannot be placed ("no suitable peers"), so provisioning
-    waits; the third node starts two seconds later and every stream lands on all three (a
+    waits; the third node starts once it has said so and every stream lands on all three (a
     compose cluster whose services provision while a node is still starting)."""
     late = NatsCluster(root=tmp_path, size=3)
     try:
@@ -129,12 +130,17 @@ async def test_provisioning_waits_for_a_node_that_joins_the_cluster_late(tmp_pat
                 provisioning = asyncio.create_task(
                     ride_through(lambda: provision(bus.js, replicas=3), "provision")
                 )
-                await asyncio.sleep(2.0)
+
+                def waiting_for_peers() -> bool:  # a fixed sleep missed it on a busy machine
+                    return provisioning.done() or any(
+                        "no peers for placement" in entry["event"] for entry in logs
+                    )
+
+                await wait_for(waiting_for_peers, 120, "provisioning waiting for peers")
                 assert not provisioning.done(), f"ended on two nodes: {provisioning.exception()!r}"
                 late.nodes[2].start()
                 report = await asyncio.wait_for(provisioning, timeout=60)
             assert set(report.outcomes.values()) == {"created"}
-            assert any("no peers for placement" in entry["event"] for entry in logs)
             info = await bus.js.stream_info(streams.ROLLOUTS_SCORED.name)
             assert info.cluster is not None and len(info.cluster.replicas or []) == 2
         finally:
