@@ -197,7 +197,10 @@ def replay_routing(
     if recorded.dim() != 4 or tuple(recorded.shape[2:]) != expected:
         raise ValueError(f"recorded routing {tuple(recorded.shape)} is not [B, T, L, k] {expected}")
     trace = ReplayTrace()
-    flat = recorded.reshape(-1, *expected)  # rows in the routers' [B * T] order
+    # Rows in the routers' [B * T] order, as int64 on the routers' device once for every
+    # layer (not a copy and a cast per layer and forward).
+    device = next(routers(model)[0].parameters()).device
+    flat = recorded.to(device, torch.long).reshape(-1, *expected)
     handles = [
         router.register_forward_hook(_replay_hook(trace, flat[:, layer], replay))
         for layer, router in enumerate(routers(model))
@@ -221,7 +224,7 @@ def _replay_hook(trace: ReplayTrace, recorded: torch.Tensor, replay: bool) -> Ca
                 f"a router saw {own.shape[0]} positions but the recorded routing has "
                 f"{recorded.shape[0]}: replay needs the recorded tensor of this exact batch"
             )
-        ids = recorded.to(own.device, torch.long)
+        ids = recorded.to(own.device)  # a no-op unless a router sits on another device
         # An id past the router's experts (a corrupt or forged record) counts as no record:
         # that position keeps the router's own choice instead of failing the whole step.
         has_record = ((ids >= 0) & (ids < logits.shape[-1])).all(dim=-1)

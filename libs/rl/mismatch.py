@@ -154,7 +154,8 @@ class ExactVersionMismatch:
     left out."""
     num_unscored: int
     """Sampled tokens not scored: their version's weights were no longer kept, or their turn
-    spans a weight swap (its tokens' versions are not known one by one)."""
+    spans a weight swap without the switches that say each token's version (an older worker,
+    a remote fleet)."""
 
 
 def merge_mismatch(stats: list[MismatchStats]) -> MismatchStats:
