@@ -138,12 +138,14 @@ class BatchStepper:
         results = _host_rows(sampled)
         host_s = time.perf_counter()
         keep: list[int] = []
+        finishing: list[tuple[Sequence, FinishReason]] = []
         running = zip(decoding, results[:n], strict=True)
         for index, (seq, (token, logprob, raw)) in enumerate(running):
             self.scheduler.on_computed(seq, seq.num_computed + 1)  # the input token's KV
             self.scheduler.record(seq, token, logprob, raw)
-            if not self._stop_if_done(seq):
+            if not self._stop_if_done(seq, finishing):
                 keep.append(index)
+        self._finish(finishing)
         if len(keep) < n:
             rows.keep(keep)
             self.scheduler.decoding = [decoding[index] for index in keep]
@@ -185,11 +187,13 @@ class BatchStepper:
         """Sequences whose prompt is computed take their first sampled token; those it does
         not finish join the decoding rows."""
         joined: list[Sequence] = []
+        finishing: list[tuple[Sequence, FinishReason]] = []
         for seq, (token, logprob, raw) in zip(seqs, results, strict=True):
             self.scheduler.prefilling.remove(seq)
             self.scheduler.record(seq, token, logprob, raw)
-            if not self._stop_if_done(seq):
+            if not self._stop_if_done(seq, finishing):
                 joined.append(seq)
+        self._finish(finishing)
         if joined:
             self._join_decoding(joined)
 
@@ -205,21 +209,29 @@ class BatchStepper:
         all_top_p_one = all(seq.params.top_p >= 1.0 for seq in seqs)
         return sample_rows(logits, temperatures, top_ps, seeds, all_top_p_one=all_top_p_one)
 
-    def _stop_if_done(self, seq: Sequence) -> bool:
-        """Finish `seq` if its newest token ends it; True if it did. A model that records
-        routing starts the copy of the sequence's routing first (its blocks still held: a
-        later step's writes to them queue behind the copy)."""
+    def _stop_if_done(self, seq: Sequence, finishing: list[tuple[Sequence, FinishReason]]) -> bool:
+        """True if `seq`'s newest token ends it, which adds it to `finishing`."""
         if hits_stop(seq.generated, seq.params, self.tokenizer):
             reason: FinishReason = "stop"
         elif len(seq.generated) >= seq.params.max_tokens:
             reason = "length"
         else:
             return False
-        routing = self.runner.routing
-        if routing is not None:
-            seq.routing = routing.read(seq.blocks, seq.num_computed, self.runner.block_size)
-        self.scheduler.finish(seq, reason)
+        finishing.append((seq, reason))
         return True
+
+    def _finish(self, finishing: list[tuple[Sequence, FinishReason]]) -> None:
+        """Finish the sequences a step ended. A model that records routing first starts one
+        copy of all their routing (their blocks still held: a later step's writes to them
+        queue behind the copy)."""
+        routing = self.runner.routing
+        if routing is not None and finishing:
+            reads = [(seq.blocks, seq.num_computed) for seq, _ in finishing]
+            copies = routing.read(reads, self.runner.block_size)
+            for (seq, _), copy in zip(finishing, copies, strict=True):
+                seq.routing = copy
+        for seq, reason in finishing:
+            self.scheduler.finish(seq, reason)
 
 
 def _host_rows(sampled: SampledTokens) -> list[tuple[int, float, float]]:

@@ -7,30 +7,36 @@ the scratch block). So routing lives and dies with the KV: a block shared by pre
 carries the routing recorded when its KV was computed, and a completion whose prompt hit
 the prefix cache still has routing for every position.
 
-When a sequence finishes, `read` gathers the routing of its positions on the device and
-starts a non-blocking copy to pinned host memory; the engine resolves the request once the
-copy's event has passed (checked after the next step's launch, never waited for inside the
-decode loop), so the copy never stalls a decode step.
+When sequences finish, `read` gathers the routing of all their positions on the device in
+one gather and starts one non-blocking copy to pinned host memory (a copy per sequence cost
+a dozen launches each: 256 rows finishing on one step paid them 256 times); the engine
+resolves a request once the copy's event has passed (checked after the next step's launch,
+never waited for inside the decode loop), so the copy never stalls a decode step.
 
     table = RoutingTable(num_moe_layers, num_slots, top_k, torch.uint8, device)
     table.write(moe_layer, slots, ids)          # in the forward, ids [N, k]
-    copy = table.read(blocks, num_tokens, block_size)   # at finish
-    copy.ready(); copy.result()                 # [num_tokens, L, k] on the CPU
+    copies = table.read([(blocks, num_tokens), ...], block_size)   # at finish
+    copies[0].ready(); copies[0].result()       # [num_tokens, L, k] on the CPU
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 
 class RoutingCopy:
-    """A sequence's routing on its way to the host: ready once its copy's event passed."""
+    """A sequence's routing on its way to the host: rows [start, stop) of a copy that several
+    sequences share, ready once the copy's event passed."""
 
-    def __init__(self, host: torch.Tensor, event: torch.cuda.Event | None) -> None:
+    def __init__(
+        self, host: torch.Tensor, event: torch.cuda.Event | None, start: int, stop: int
+    ) -> None:
         self._host = host
         self._event = event
+        self._rows = slice(start, stop)
 
     def ready(self) -> bool:
         """True once the copy has landed (always on CPU)."""
@@ -38,10 +44,11 @@ class RoutingCopy:
 
     def result(self) -> torch.Tensor:
         """The routing [num_tokens, L, k] in ordinary CPU memory (waits for the copy)."""
-        if self._event is None:
-            return self._host
-        self._event.synchronize()
-        return self._host.clone()  # the pinned staging memory goes back to torch's cache
+        if self._event is not None:
+            self._event.synchronize()
+        # A copy of its own: the shared (pinned) staging memory goes back to torch's cache
+        # once every sequence of the read has taken its rows.
+        return self._host[self._rows].clone()
 
 
 class RoutingTable:
@@ -66,17 +73,31 @@ class RoutingTable:
         """MoE layer `layer` chose experts `ids` [N, k] for the tokens in `slots` [N]."""
         self.ids[layer].index_copy_(0, slots, ids.to(self.ids.dtype))
 
-    def read(self, blocks: Sequence[int], num_tokens: int, block_size: int) -> RoutingCopy:
-        """Start copying the routing of positions [0, num_tokens) of the sequence whose block
-        table is `blocks` to the host; on CUDA the copy runs behind the queued work."""
+    def read(
+        self, sequences: Sequence[tuple[Sequence[int], int]], block_size: int
+    ) -> list[RoutingCopy]:
+        """Start copying, for each (block table, num_tokens) of `sequences`, the routing of
+        positions [0, num_tokens) to the host, all in one gather and one copy; on CUDA the
+        copy runs behind the queued work."""
+        if not sequences:
+            return []
+        offsets = np.arange(block_size)
+        per_sequence = [
+            (np.asarray(blocks, dtype=np.int64)[:, None] * block_size + offsets).reshape(-1)[:n]
+            for blocks, n in sequences
+        ]
+        bounds = np.cumsum([0] + [len(slots) for slots in per_sequence]).tolist()
+        slots = torch.from_numpy(np.concatenate(per_sequence))
         device = self.ids.device
-        table = torch.tensor(list(blocks), dtype=torch.long)
-        slots = (table[:, None] * block_size + torch.arange(block_size)).reshape(-1)[:num_tokens]
-        if device.type != "cuda":
-            return RoutingCopy(self.ids[:, slots].permute(1, 0, 2).contiguous(), None)
-        slots = slots.to(device, non_blocking=True)
-        gathered = self.ids[:, slots].permute(1, 0, 2).contiguous()
-        host = gathered.to("cpu", non_blocking=True)  # pinned (torch's host cache)
-        event = torch.cuda.Event()
-        event.record()
-        return RoutingCopy(host, event)
+        event: torch.cuda.Event | None = None
+        if device.type == "cuda":
+            slots = slots.pin_memory().to(device, non_blocking=True)
+            gathered = self.ids[:, slots].permute(1, 0, 2).contiguous()
+            host = gathered.to("cpu", non_blocking=True)  # pinned (torch's host cache)
+            event = torch.cuda.Event()
+            event.record()
+        else:
+            host = self.ids[:, slots].permute(1, 0, 2).contiguous()
+        return [
+            RoutingCopy(host, event, bounds[i], bounds[i + 1]) for i in range(len(per_sequence))
+        ]
