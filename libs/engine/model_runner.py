@@ -318,7 +318,14 @@ class PagedModelRunner:
         if not record_routing:
             return moe, None
         slots = self.cache.layout.num_slots
-        table = RoutingTable(len(spec.layers), slots, spec.top_k, spec.shape.dtype, self.device)
+        table = RoutingTable(
+            len(spec.layers),
+            slots,
+            spec.top_k,
+            spec.shape.dtype,
+            self.device,
+            staging_tokens=self.rows.max_rows,  # decode rows and staged prompt tokens
+        )
         return moe, table
 
     @property
@@ -453,6 +460,8 @@ class PagedModelRunner:
             moe = self._moe_slot(index)
             mlp = layer.mlp(normed) if moe is None else self._moe(moe, layer.mlp, normed, slots)
             hidden = hidden + mlp
+        if self.routing is not None:
+            self.routing.commit(slots)
         return self.decoder.norm(hidden)
 
     def _moe_slot(self, index: int) -> int | None:
@@ -504,6 +513,8 @@ class PagedModelRunner:
                 assert gate_up_weight is not None
                 gate_up = torch.nn.functional.linear(normed, gate_up_weight)
                 delta = layer.mlp.down_proj(silu_mul(gate_up))
+        if self.routing is not None:
+            self.routing.commit(slots)
         return add_rmsnorm(hidden, delta, self.decoder.norm.weight, self.eps)
 
     def _qk_norm(self, attention: Any, qkv: torch.Tensor) -> torch.Tensor:

@@ -2,10 +2,11 @@
 
 Beside the K and V of every token slot (see `libs.engine.kv_cache`) the table holds the
 top-k expert ids each MoE layer chose for the token in that slot: every forward writes them
-at the same slots as its K and V (inside the CUDA graph for decode; padded rows write to
-the scratch block). So routing lives and dies with the KV: a block shared by prefix reuse
-carries the routing recorded when its KV was computed, and a completion whose prompt hit
-the prefix cache still has routing for every position.
+at the same slots as its K and V, staged per layer and scattered once after the last layer
+(inside the CUDA graph for decode; padded rows write to the scratch block). So routing
+lives and dies with the KV: a block shared by prefix reuse carries the routing recorded
+when its KV was computed, and a completion whose prompt hit the prefix cache still has
+routing for every position.
 
 When sequences finish, `read` gathers the routing of all their positions on the device in
 one gather and starts one non-blocking copy to pinned host memory (a copy per sequence cost
@@ -15,6 +16,7 @@ never waited for inside the decode loop), so the copy never stalls a decode step
 
     table = RoutingTable(num_moe_layers, num_slots, top_k, torch.uint8, device)
     table.write(moe_layer, slots, ids)          # in the forward, ids [N, k]
+    table.commit(slots)                         # after its last layer
     copies = table.read([(blocks, num_tokens), ...], block_size)   # at finish
     copies[0].ready(); copies[0].result()       # [num_tokens, L, k] on the CPU
 """
@@ -61,8 +63,12 @@ class RoutingTable:
         top_k: int,
         dtype: torch.dtype,
         device: torch.device,
+        staging_tokens: int = 256,
     ) -> None:
         self.ids = torch.zeros((num_layers, num_slots, top_k), dtype=dtype, device=device)
+        # A forward's experts of every layer before `commit` (decode rows and staged prompt
+        # chunks fit: the runner sizes it by them).
+        self._staged = torch.zeros((num_layers, staging_tokens, top_k), dtype=dtype, device=device)
 
     @property
     def bytes_per_token(self) -> int:
@@ -70,8 +76,22 @@ class RoutingTable:
         return self.ids.shape[0] * self.ids.shape[2] * self.ids.element_size()
 
     def write(self, layer: int, slots: torch.Tensor, ids: torch.Tensor) -> None:
-        """MoE layer `layer` chose experts `ids` [N, k] for the tokens in `slots` [N]."""
-        self.ids[layer].index_copy_(0, slots, ids.to(self.ids.dtype))
+        """MoE layer `layer` chose experts `ids` [N, k] for the tokens in `slots` [N]: staged
+        (one copy, converting to the table's dtype) until `commit` scatters every layer's at
+        once; a forward of more tokens than the staging holds writes the table directly."""
+        n = ids.shape[0]
+        if n <= self._staged.shape[1]:
+            self._staged[layer, :n].copy_(ids)
+        else:
+            self.ids[layer].index_copy_(0, slots, ids.to(self.ids.dtype))
+
+    def commit(self, slots: torch.Tensor) -> None:
+        """The forward over tokens in `slots` [N] has staged every layer's experts: one
+        scatter into the table (a scatter per layer made each decode graph 16 nodes longer
+        on moe-1b, and a graph's launch costs the host time per node)."""
+        n = slots.shape[0]
+        if n <= self._staged.shape[1]:
+            self.ids.index_copy_(1, slots, self._staged[:, :n])
 
     def read(
         self, sequences: Sequence[tuple[Sequence[int], int]], block_size: int
