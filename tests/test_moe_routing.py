@@ -11,6 +11,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from libs.engine.base import SamplingParams
+from libs.engine.factory import EngineConfig, build_engine
 from libs.engine.hf import HFEngine
 from libs.moe.routing import NOT_RECORDED, moe_shape, record_routing, replay_routing, routers
 from libs.moe.wire import decode_routing, encode_routing, routing_bytes
@@ -216,3 +217,20 @@ def test_an_episode_keeps_each_position_s_first_routing_across_turns_and_segment
     routing.attach(turns)
     pieces = [decode_routing(t.routed_experts)[:, 0, 0].tolist() for t in turns if t.routed_experts]
     assert pieces == [[1] * 5, [1, 1, 2], [2] * 4, [2], [3] * 3, [3]]
+
+
+@pytest.mark.parametrize("engine_type", ["hf", "paged"])
+def test_engine_config_turns_routing_recording_off(engine_type: Literal["hf", "paged"]) -> None:
+    """`engine.record_routing` reaches both local engines built from config: on (the
+    default) every completion carries its routing, off none does and the tokens stay the
+    same (recording only reads the router's choice)."""
+    policy = PolicyConfig(preset="tiny-moe", device="cpu")
+    params = SamplingParams(max_tokens=6, temperature=0.0)
+    prompts = [[5, 6, 7, 8], [9, 10]]
+    got = {}
+    for record in (True, False):
+        config = EngineConfig(type=engine_type, max_batch_rows=8, record_routing=record)
+        got[record] = build_engine(config, policy, tiny_moe()).generate(prompts, params, 2)
+    assert all(c.routed_experts is not None for c in got[True])
+    assert all(c.routed_experts is None for c in got[False])
+    assert [c.token_ids for c in got[True]] == [c.token_ids for c in got[False]]

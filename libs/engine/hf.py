@@ -109,6 +109,8 @@ class HFEngine(InferenceEngine):
         tokenizer: Tokenizer,
         max_batch_rows: int = 64,
         policy_version: int = 0,
+        *,
+        record_routing: bool = True,
     ) -> None:
         if max_batch_rows < 1:
             raise ValueError(f"max_batch_rows must be >= 1, got {max_batch_rows}")
@@ -125,7 +127,7 @@ class HFEngine(InferenceEngine):
         self._continuations: ContinuationCache[_Suspended] = ContinuationCache(
             CONTINUATION_CACHE_TOKENS
         )
-        self._is_moe = moe_shape(model) is not None
+        self._records_routing = record_routing and moe_shape(model) is not None
         # Set for the length of a generate call on an MoE model: every router's choices.
         self._recorder: RoutingRecorder | None = None
 
@@ -167,7 +169,7 @@ class HFEngine(InferenceEngine):
     @contextlib.contextmanager
     def _recording(self) -> Iterator[None]:
         """Record MoE routing during the forwards inside (nothing for a dense model)."""
-        if not self._is_moe:
+        if not self._records_routing:
             yield
             return
         with record_routing(self.model) as recorder:

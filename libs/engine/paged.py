@@ -67,6 +67,7 @@ from libs.engine.model_runner import PagedModelRunner, check_architecture
 from libs.engine.requests import check_request, check_version, stage_update
 from libs.engine.row_sampling import row_seed
 from libs.engine.scheduler import Request, Scheduler, Sequence, blocks_needed
+from libs.moe.routing import moe_shape
 from libs.tokenizer import Tokenizer
 
 CPU_KV_CACHE_TOKENS = 65_536
@@ -103,7 +104,7 @@ class PagedEngine(InferenceEngine):
         self.tokenizer = tokenizer
         self.max_batch_rows = max_batch_rows
         self._tensors: dict[str, torch.Tensor] = dict(model.state_dict(keep_vars=True))
-        layout = self._layout(block_size, kv_cache_tokens, kv_cache_memory_fraction)
+        layout = self._layout(block_size, kv_cache_tokens, kv_cache_memory_fraction, record_routing)
         self.cache = PagedKVCache(layout, model.device)
         self.pool = BlockPool(layout.num_blocks, block_size)
         positions = int(model.config.max_position_embeddings)
@@ -322,9 +323,14 @@ class PagedEngine(InferenceEngine):
             return ContinuationScores(scores.logprobs, self.scheduler.version)
 
     def _layout(
-        self, block_size: int, kv_cache_tokens: int | None, memory_fraction: float
+        self,
+        block_size: int,
+        kv_cache_tokens: int | None,
+        memory_fraction: float,
+        record_routing: bool,
     ) -> CacheLayout:
-        """The cache's shape: `kv_cache_tokens` if given, else sized from free memory."""
+        """The cache's shape: `kv_cache_tokens` if given, else sized from free memory, which
+        the routing table (an MoE model's recorded experts, beside every slot) shares."""
         config = self.model.config
         head_dim = (
             getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -342,7 +348,9 @@ class PagedEngine(InferenceEngine):
         elif self.model.device.type == "cuda":
             free_bytes, _ = torch.cuda.mem_get_info(self.model.device)
             budget = int(free_bytes * memory_fraction)
-            num_blocks = blocks_for_memory(budget, layout.bytes_per_token, block_size)
+            routing = moe_shape(self.model) if record_routing else None
+            per_token = layout.bytes_per_token + (routing.bytes_per_token if routing else 0)
+            num_blocks = blocks_for_memory(budget, per_token, block_size)
             cap = blocks_needed(self.max_batch_rows * GPU_TOKENS_PER_ROW, block_size) + 1
             num_blocks = min(num_blocks, cap)
         else:
