@@ -298,6 +298,12 @@ class ServedGeneration(Message, kw_only=True):
     created_at: float = 0.0
     # MoE routing of prompt + completion positions (router replay); None for dense models.
     routed_experts: RoutedExperts | None = None
+    # The version of the last completion token when the weights changed while it was
+    # generated (the paged engine swaps between decode steps), and where: (index of the
+    # first completion token sampled with a version, that version) per change from
+    # policy_version (proto.version_switches). None and empty: one version sampled all.
+    policy_version_end: int | None = None
+    version_switches: tuple[tuple[int, int], ...] = ()
 
 
 FeedbackSignal = Literal["accepted", "rejected", "edited", "ignored", "thumbs_up", "thumbs_down"]

@@ -26,7 +26,9 @@ Refusal: a replica that cannot serve the requirement answers HTTP 409 with `Retr
 retryable: later, or on another replica.
 
 Response: every choice carries `rl_policy` = `ChoicePolicy`: the versions its first and
-last tokens came from, and which kind of logprobs its `logprobs` are.
+last tokens came from, where between them the version changed (`switches`: a replica that
+swaps weights between decode steps names the first token of each new version), and which
+kind of logprobs its `logprobs` are.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ VERSION_UNAVAILABLE = "policy_version_unavailable"
 VERSION_UNAVAILABLE_STATUS = 409
 
 Version = Annotated[int, msgspec.Meta(ge=0)]
+TokenIndex = Annotated[int, msgspec.Meta(ge=0)]
 VersionHash = Annotated[str, msgspec.Meta(max_length=128)]
 LogprobsMode = Literal["processed_logprobs", "raw_logprobs"]
 
@@ -101,6 +104,12 @@ class ChoicePolicy(msgspec.Struct, frozen=True, kw_only=True):
     end: PolicyVersionRef
     """The version its last token came from (== start unless the weights changed while it
     was generated)."""
+    switches: list[tuple[TokenIndex, Version]] = msgspec.field(default_factory=list)
+    """[index of the first token sampled with a version, that version] for every change
+    from `start`, in token order, the last one's version `end`'s (proto.version_switches).
+    Empty when one version sampled every token, or when the replica does not say where the
+    versions changed (then a token between the first and last is known only to come from a
+    version in start..end)."""
     logprobs_mode: LogprobsMode
     """What the choice's `logprobs` are: `processed_logprobs` (under the distribution each
     token was sampled from, after temperature and top-p: what the trainer corrects

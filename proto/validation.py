@@ -261,6 +261,15 @@ def check_served_generation(generation: ServedGeneration) -> None:
         f"{len(generation.logprobs)} logprobs",
     )
     _check_logprobs("logprobs", generation.logprobs)
+    for _, version in generation.version_switches:
+        _check_version("version_switches", version)
+    problem = switches_problem(
+        generation.policy_version,
+        generation.policy_version_end,
+        generation.version_switches,
+        len(generation.completion_token_ids),
+    )
+    _require(problem is None, f"version_switches: {problem}")
     if generation.routed_experts is not None:
         _check_routed_experts(generation.routed_experts, len(ids), "routed_experts")
 
@@ -309,9 +318,12 @@ def check_served_for_policy(
     """As `check_rollout_for_policy`, for a served generation."""
     _check_vocab("prompt_token_ids", generation.prompt_token_ids, vocab_size)
     _check_vocab("completion_token_ids", generation.completion_token_ids, vocab_size)
+    newest = max(
+        [generation.policy_version, *(version for _, version in generation.version_switches)]
+    )
     _require(
-        generation.policy_version <= max_version,
-        f"policy_version {generation.policy_version} is above the trainer's {max_version}: "
+        newest <= max_version,
+        f"the generation names version {newest}, above the trainer's {max_version}: "
         "no such version was made",
     )
 

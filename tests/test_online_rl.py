@@ -164,6 +164,13 @@ def test_online_batch_trains_completion_tokens_with_served_logprobs_and_versions
     assert batch.advantages.tolist() == [0.5, -0.25] and batch.sample_ids == ["a", "b"]
     truncated = build_online_batch([sample("a")], [1.0], pad_id=pad, max_length=3)
     assert truncated.input_ids.tolist() == [[10, 11, 20]] and truncated.num_truncated == 1
+    # Served across a weight swap between decode steps: each token under the version that
+    # sampled it (the paged engine's switches, carried on the served generation).
+    swapped = sample("c", completion=[20, 21, 22], logprobs=[-0.1] * 3, version=5)
+    swapped.generation.policy_version_end = 7
+    swapped.generation.version_switches = ((1, 6), (2, 7))
+    batch = build_online_batch([swapped], [1.0], pad_id=pad)
+    assert batch.token_versions.tolist() == [[n, 5, 6, 7]]
 
 
 def test_untrainable_samples_are_named_and_refused() -> None:

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import msgspec
 import pytest
 from prometheus_client import REGISTRY
 
@@ -32,7 +33,7 @@ from libs.bus.connection import Bus
 from libs.bus.provision import provision
 from libs.bus.publisher import Publisher
 from libs.chat.template import chat_template_for
-from libs.engine.base import SamplingParams
+from libs.engine.base import Completion, SamplingParams
 from libs.engine.factory import EngineConfig
 from libs.engine.hf import HFEngine
 from libs.engine.remote import (
@@ -48,6 +49,7 @@ from libs.policy import PolicyConfig, build_policy
 from libs.rollout.batcher import GenerationBatcher
 from libs.rollout.version_book import VersionBook
 from libs.serve.app import OpenAIApi, ServeConfig, create_app
+from libs.serve.contract import statement
 from libs.serve.generation import ServedPolicy
 from libs.serve.records import GenerationRecorder
 from libs.serve.server import ServeServer
@@ -152,6 +154,48 @@ def test_a_choice_becomes_a_completion_with_the_versions_it_states() -> None:
     assert all(math.isnan(v) for v in completion.raw_logprobs)
     plain = parse_choice(choice(4), (0, 0), SamplingParams(), PolicyRequirement(), lambda v: "")
     assert plain.raw_logprobs == plain.logprobs and plain.policy_version_end is None
+
+
+def test_a_choice_says_where_its_versions_changed_and_the_completion_keeps_it() -> None:
+    """A replica that swapped weights between decode steps states the first token of each
+    new version (its engine's version switches); the worker's completion carries them."""
+    served = Completion(
+        prompt_index=0,
+        sample_index=0,
+        token_ids=[1, 2, 3],
+        logprobs=[-0.5, -1.0, -0.2],
+        raw_logprobs=[-0.5, -1.0, -0.2],
+        finish_reason="length",
+        policy_version=4,
+        policy_version_end=6,
+        version_switches=((1, 5), (2, 6)),
+    )
+    book = VersionBook()
+    for version in (4, 5, 6):
+        book.record(version, f"h{version}")
+    stated = msgspec.json.decode(  # as JSON carries it
+        msgspec.json.encode(statement(served, book, "processed_logprobs", raw=False))
+    )
+    assert stated["switches"] == [[1, 5], [2, 6]]
+    body = {
+        "index": 0,
+        "token_ids": [1, 2, 3],
+        "logprobs": {"token_logprobs": [-0.5, -1.0, -0.2]},
+        "finish_reason": "length",
+        "rl_policy": stated,
+    }
+    params = SamplingParams(temperature=0.7)
+    completion = parse_choice(body, (0, 0), params, PolicyRequirement(), lambda v: "")
+    assert completion.version_switches == ((1, 5), (2, 6))
+    assert (completion.policy_version, completion.policy_version_end) == (4, 6)
+    for switches, problem in (
+        ([[1, 5], [3, 6]], "not all in 0..2"),
+        ([[1, 5], [2, 5]], "not increasing"),
+        ([[1, 5]], "is not policy_version_end 6"),
+    ):
+        wrong = body | {"rl_policy": stated | {"switches": switches}}
+        with pytest.raises(ContractViolation, match=problem):
+            parse_choice(wrong, (0, 0), params, PolicyRequirement(), lambda v: "")
 
 
 def test_the_worker_refuses_what_the_contract_does_not_allow() -> None:

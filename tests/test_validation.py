@@ -71,6 +71,8 @@ def test_real_messages_pass() -> None:
         (scored([assistant([1])], reward=float("inf")), "reward"),
         (served(policy_version=-5), "policy_version"),
         (served(logprobs=[-1.0, -1.0]), "logprobs"),
+        (served(policy_version_end=2, version_switches=((1, 2),)), "version_switches"),
+        (served(policy_version_end=3, version_switches=((0, 2),)), "version_switches"),
         (WeightsStaged(version=1, file_name="../x", num_bytes=1), "file_name"),
         (WeightsStaged(version=-1, file_name="v1.safetensors", num_bytes=1), "version"),
         (announcement(10**12, manifest=manifest(3)), "version"),

@@ -64,6 +64,7 @@ from proto.rollout_contract import (
     PolicyRequirement,
     PolicyVersionRef,
 )
+from proto.version_switches import switches_problem
 
 log = structlog.get_logger(__name__)
 
@@ -219,6 +220,10 @@ def parse_choice(
     if finish not in ("stop", "length"):
         raise ContractViolation(f"finish_reason {finish!r} (expected stop or length)")
     ended = stated.end if stated.end != stated.start else None
+    switches = tuple((index, version) for index, version in stated.switches)
+    problem = switches_problem(stated.start.version, stated.end.version, switches, len(token_ids))
+    if problem is not None:
+        raise ContractViolation(f"the choice's version switches: {problem}")
     return Completion(
         prompt_index=slot[0],
         sample_index=slot[1],
@@ -230,6 +235,7 @@ def parse_choice(
         policy_version_end=None if ended is None else ended.version,
         policy_version_hash=stated.start.hash,
         policy_version_end_hash="" if ended is None else ended.hash,
+        version_switches=switches,
     )
 
 

@@ -45,6 +45,7 @@ from libs.moe.wire import decode_routing
 from libs.rl.batch import NO_VERSION, TrainBatch, pad_rows, routing_tensor
 from libs.rl.staleness import staleness_histogram
 from proto.messages import FeedbackSignal, OnlineSample
+from proto.version_switches import token_versions
 
 ALL_SIGNALS: tuple[str, ...] = get_args(FeedbackSignal)
 
@@ -193,10 +194,7 @@ def build_online_batch(
     if max_length is not None:
         rows = [(ids[:max_length], gen[:max_length], lps[:max_length]) for ids, gen, lps in rows]
     width = max(len(row[0]) for row in rows)
-    versions = [
-        [sample.generation.policy_version if g else NO_VERSION for g in row[1][1:]]
-        for sample, row in zip(samples, rows, strict=True)
-    ]
+    versions = [_versions(sample, len(row[0])) for sample, row in zip(samples, rows, strict=True)]
     return TrainBatch(
         input_ids=pad_rows([row[0] for row in rows], width, pad_id, torch.long),
         attention_mask=pad_rows([[1] * len(row[0]) for row in rows], width, 0, torch.long),
@@ -209,6 +207,18 @@ def build_online_batch(
         num_truncated=num_truncated,
         routed_experts=routing_tensor([_routing(sample) for sample in samples], width),
     )
+
+
+def _versions(sample: OnlineSample, length: int) -> list[int]:
+    """The version that sampled each of tokens 1..length-1 of prompt + completion (the
+    batch's shifted layout); NO_VERSION for prompt tokens."""
+    generation = sample.generation
+    completion = token_versions(
+        generation.policy_version,
+        generation.version_switches,
+        len(generation.completion_token_ids),
+    )
+    return ([NO_VERSION] * len(generation.prompt_token_ids) + completion)[1:length]
 
 
 def _routing(sample: OnlineSample) -> tuple[list[int], list[torch.Tensor]]:

@@ -121,11 +121,13 @@ def refuse_unless_kept(
 def statement(
     completion: Completion, versions: VersionBook, mode: LogprobsMode, *, raw: bool
 ) -> dict[str, Any]:
-    """A choice's `rl_policy`: the versions it started and ended on, what its logprobs are."""
+    """A choice's `rl_policy`: the versions it started and ended on and where they changed,
+    what its logprobs are."""
     start, end = _refs(completion, versions)
     stated = ChoicePolicy(
         start=start,
         end=end,
+        switches=list(completion.version_switches),
         logprobs_mode=mode,
         raw_logprobs=list(completion.raw_logprobs) if raw else None,
     )

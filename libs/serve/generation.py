@@ -221,4 +221,6 @@ def _record(request: GenerationRequest, choice: ServedChoice, now: float) -> Ser
         training_eligible=request.training_eligible and request.choices is None,
         created_at=now,
         routed_experts=_routing(choice.completion.routed_experts),
+        policy_version_end=choice.completion.policy_version_end,
+        version_switches=tuple(choice.completion.version_switches),
     )
