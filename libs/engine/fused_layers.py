@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from libs.cuda_device import on_device_of
 from libs.engine.paged_attention import HAS_TRITON
 
 if HAS_TRITON:
@@ -130,17 +131,18 @@ def add_rmsnorm(
     """RMSNorm of `hidden` [N, C] (after `hidden += delta` in place, when given)."""
     out = torch.empty_like(hidden)
     num_cols = hidden.shape[1]
-    _add_rmsnorm_kernel[(hidden.shape[0],)](
-        hidden,
-        hidden if delta is None else delta,
-        weight,
-        out,
-        num_cols,
-        eps,
-        HAS_DELTA=delta is not None,
-        BLOCK=triton.next_power_of_2(num_cols),
-        enable_fp_fusion=False,  # bitwise as torch: see the module docstring
-    )
+    with on_device_of(hidden):
+        _add_rmsnorm_kernel[(hidden.shape[0],)](
+            hidden,
+            hidden if delta is None else delta,
+            weight,
+            out,
+            num_cols,
+            eps,
+            HAS_DELTA=delta is not None,
+            BLOCK=triton.next_power_of_2(num_cols),
+            enable_fp_fusion=False,  # bitwise as torch: see the module docstring
+        )
     return out
 
 
@@ -158,20 +160,21 @@ def rope_and_cache(
     are written to the cache at `slots` [N]."""
     num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2]
     q = torch.empty((qkv.shape[0], num_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
-    _rope_and_cache_kernel[(qkv.shape[0], num_heads + 2 * num_kv_heads)](
-        qkv,
-        cos,
-        sin,
-        positions,
-        slots,
-        q,
-        k_cache,
-        v_cache,
-        NUM_HEADS=num_heads,
-        NUM_KV_HEADS=num_kv_heads,
-        HEAD_DIM=head_dim,
-        enable_fp_fusion=False,  # bitwise as torch: see the module docstring
-    )
+    with on_device_of(qkv):
+        _rope_and_cache_kernel[(qkv.shape[0], num_heads + 2 * num_kv_heads)](
+            qkv,
+            cos,
+            sin,
+            positions,
+            slots,
+            q,
+            k_cache,
+            v_cache,
+            NUM_HEADS=num_heads,
+            NUM_KV_HEADS=num_kv_heads,
+            HEAD_DIM=head_dim,
+            enable_fp_fusion=False,  # bitwise as torch: see the module docstring
+        )
     return q
 
 
@@ -180,9 +183,10 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     inner = gate_up.shape[1] // 2
     out = torch.empty((gate_up.shape[0], inner), dtype=gate_up.dtype, device=gate_up.device)
     block = 1024
-    _silu_mul_kernel[(gate_up.shape[0], triton.cdiv(inner, block))](
-        gate_up, out, inner, BLOCK=block, enable_fp_fusion=False
-    )
+    with on_device_of(gate_up):
+        _silu_mul_kernel[(gate_up.shape[0], triton.cdiv(inner, block))](
+            gate_up, out, inner, BLOCK=block, enable_fp_fusion=False
+        )
     return out
 
 

@@ -45,6 +45,7 @@ import torch
 from torch.nn.attention import sdpa_kernel
 from transformers import PreTrainedModel
 
+from libs.cuda_device import on_device_of
 from libs.engine.fused_layers import FusedWeights, add_rmsnorm, rope_and_cache, silu_mul
 from libs.engine.kv_cache import PagedKVCache
 from libs.engine.moe_layers import (
@@ -431,9 +432,10 @@ class PagedModelRunner:
         return self.model.lm_head(hidden)
 
     def _capture_graphs(self) -> None:
-        """One CUDA graph of the decode step per batch bucket, largest first, one memory pool."""
-        pool = torch.cuda.graph_pool_handle()
-        with torch.no_grad():
+        """One CUDA graph of the decode step per batch bucket, largest first, one memory pool,
+        captured on the engine's card (a capture runs on the current device's streams)."""
+        with torch.no_grad(), on_device_of(self.device):
+            pool = torch.cuda.graph_pool_handle()
             for bucket in reversed(self.buckets):
                 self._decode_logits(bucket)  # warm-up: Triton compiles, cuBLAS picks kernels
                 torch.cuda.synchronize(self.device)

@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend
 
+from libs.cuda_device import on_device_of
+
 try:  # Triton comes with CUDA builds of torch; CPU machines run the torch path only.
     import triton
     import triton.language as tl
@@ -281,8 +283,6 @@ def decode_attention(
     if not HAS_TRITON:
         raise RuntimeError("decode_attention needs Triton (a CUDA build of torch)")
     num_rows, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[1]
-    group = num_heads // num_kv_heads
     out = torch.empty_like(q)
     if splits == 1:
         partial, stats = out, out
@@ -291,6 +291,33 @@ def decode_attention(
             (num_rows, num_heads, splits, head_dim), dtype=torch.float32, device=q.device
         )
         stats = torch.empty((num_rows, num_heads, splits, 2), dtype=torch.float32, device=q.device)
+    with on_device_of(q):
+        _launch_decode(
+            q, k_cache, v_cache, (partial, stats, splits), tables, positions, scale, block_size
+        )
+        if splits > 1:
+            _combine_splits_kernel[(num_rows * num_heads,)](
+                partial, stats, out, HEAD_DIM=head_dim, SPLITS=splits
+            )
+    return out
+
+
+def _launch_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    into: tuple[torch.Tensor, torch.Tensor, int],
+    tables: torch.Tensor,
+    positions: torch.Tensor,
+    scale: float,
+    block_size: int,
+) -> None:
+    """The decode attention kernel over (rows, KV heads, splits) `into` (partial results,
+    their softmax statistics, splits; with one split the output itself)."""
+    partial, stats, splits = into
+    num_rows, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[1]
+    group = num_heads // num_kv_heads
     _decode_attention_kernel[(num_rows, num_kv_heads, splits)](
         q,
         k_cache,
@@ -312,8 +339,3 @@ def decode_attention(
         P_IN_INPUT_DTYPE=DECODE_P_IN_INPUT_DTYPE,
         FLASH_ORDER=DECODE_FLASH_ORDER,
     )
-    if splits > 1:
-        _combine_splits_kernel[(num_rows * num_heads,)](
-            partial, stats, out, HEAD_DIM=head_dim, SPLITS=splits
-        )
-    return out

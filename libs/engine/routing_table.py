@@ -28,6 +28,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from libs.cuda_device import recorded_event
+
 
 class RoutingCopy:
     """A sequence's routing on its way to the host: rows [start, stop) of a copy that several
@@ -114,8 +116,7 @@ class RoutingTable:
             slots = slots.pin_memory().to(device, non_blocking=True)
             gathered = self.ids[:, slots].permute(1, 0, 2).contiguous()
             host = gathered.to("cpu", non_blocking=True)  # pinned (torch's host cache)
-            event = torch.cuda.Event()
-            event.record()
+            event = recorded_event(device)
         else:
             host = self.ids[:, slots].permute(1, 0, 2).contiguous()
         return [

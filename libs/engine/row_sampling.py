@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import torch
 
+from libs.cuda_device import on_device_of
 from libs.engine.paged_attention import HAS_TRITON
 from libs.engine.sampling import SampledTokens, nucleus_logprobs
 
@@ -252,25 +253,26 @@ def sample_rows_triton(
         if splits > 1
         else logprobs
     )
-    _sample_kernel[(num_rows, splits)](
-        logits,
-        temperatures,
-        seeds,
-        token_ids,
-        logprobs,
-        raw_logprobs,
-        partial,
-        vocab_size,
-        logits.stride(0),
-        tiles_per_split * SAMPLE_TILE,
-        TILE=SAMPLE_TILE,
-        SPLITS=splits,
-        num_warps=8,
-    )
-    if splits > 1:
-        _combine_samples_kernel[(num_rows,)](
-            partial, temperatures, token_ids, logprobs, raw_logprobs, vocab_size, SPLITS=splits
+    with on_device_of(logits):
+        _sample_kernel[(num_rows, splits)](
+            logits,
+            temperatures,
+            seeds,
+            token_ids,
+            logprobs,
+            raw_logprobs,
+            partial,
+            vocab_size,
+            logits.stride(0),
+            tiles_per_split * SAMPLE_TILE,
+            TILE=SAMPLE_TILE,
+            SPLITS=splits,
+            num_warps=8,
         )
+        if splits > 1:
+            _combine_samples_kernel[(num_rows,)](
+                partial, temperatures, token_ids, logprobs, raw_logprobs, vocab_size, SPLITS=splits
+            )
     return SampledTokens(token_ids, logprobs, raw_logprobs)
 
 

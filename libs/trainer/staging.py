@@ -52,6 +52,7 @@ from prometheus_client import Counter
 
 from libs.bus.connection import ride_through
 from libs.bus.publisher import Publisher
+from libs.cuda_device import cuda_device_of, recorded_event
 from libs.trainer.delta_encoder import DeltaEncoder, DeltaEncoderError
 from libs.trainer.host_memory import HostCopy
 from libs.weights.announcements import announced_head
@@ -99,8 +100,8 @@ class HostBuffers:
         happened (CPU tensors as they are). Blocks until the copies are done."""
         if ready is None:
             return dict(state)
-        if self._stream is None:
-            self._stream = torch.cuda.Stream()
+        if self._stream is None:  # on the state's card, not this thread's current one
+            self._stream = torch.cuda.Stream(cuda_device_of(state.values()))
         out: dict[str, torch.Tensor] = {}
         with torch.cuda.stream(self._stream):
             self._stream.wait_event(ready)
@@ -144,11 +145,11 @@ class WeightStager:
             SKIPPED.inc()
             log.debug("version replaced before staging", version=self._pending.version)
         ready = None
-        if any(tensor.is_cuda for tensor in state.values()):
-            # Everything queued so far (the offered copy) on this thread's stream; the
-            # trainer queues its next step only after offer returns.
-            ready = torch.cuda.Event()
-            ready.record()
+        device = cuda_device_of(state.values())
+        if device is not None:
+            # Everything queued so far (the offered copy) on this thread's stream of the
+            # state's card; the trainer queues its next step only after offer returns.
+            ready = recorded_event(device)
         self._pending = _Offer(dict(state), version, step, time.monotonic(), ready)
         if self._running is None or self._running.done():
             self._running = asyncio.create_task(self._stage_pending(), name="weight-stager")

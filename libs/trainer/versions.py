@@ -27,6 +27,7 @@ from nats.js.errors import KeyNotFoundError
 
 from libs.bus.connection import Bus, ride_through
 from libs.bus.publisher import Publisher
+from libs.cuda_device import cuda_device_of, recorded_event
 from libs.policy_identity import store_identity
 from libs.trainer.checkpoint import TrainerState
 from libs.trainer.learner import Learner
@@ -171,8 +172,5 @@ class VersionPublisher:
 def _made_event(weights: dict[str, torch.Tensor]) -> torch.cuda.Event | None:
     """An event recorded after the copy `weights` was queued on this thread's stream (on a
     card; None on a CPU): what the share's own stream waits for, and nothing later."""
-    if not any(tensor.is_cuda for tensor in weights.values()):
-        return None
-    event = torch.cuda.Event()
-    event.record()
-    return event
+    device = cuda_device_of(weights.values())
+    return None if device is None else recorded_event(device)
