@@ -38,8 +38,7 @@ class Task(Message, kw_only=True):
     env: str
     prompt: str
     group_size: int = 1
-    # Environment-specific inputs (e.g. the expected answer), opaque to the bus; never shown
-    # to the policy.
+    # Environment-specific inputs (the expected answer...), opaque to the bus; never shown.
     spec: dict[str, Any] = msgspec.field(default_factory=dict)
     # Workers roll this task out only with weights of at least this version: the synchronous
     # baseline tags each batch with the version it must use; 0 means any version.
@@ -57,8 +56,7 @@ class Turn(msgspec.Struct, kw_only=True):
     # Logprob of each sampled token under the distribution it was sampled from; empty for
     # turns the policy did not generate (prompt, tool results).
     logprobs: list[float] = msgspec.field(default_factory=list)
-    # Policy version that generated this turn (its first token); None for turns the policy
-    # did not generate.
+    # Policy version that generated this turn (its first token); None: not generated.
     policy_version: int | None = None
     # The version its last tokens came from, when the worker swapped weights mid-turn (the
     # paged engine swaps between decode steps); None: policy_version throughout.
@@ -71,8 +69,7 @@ class Turn(msgspec.Struct, kw_only=True):
     # version is named by its number and hash); empty where the engine could not name it.
     policy_version_hash: str = ""
     policy_version_end_hash: str = ""
-    # Mixture-of-experts routing of this turn's tokens, for router replay; None for dense
-    # models and engines that do not record it.
+    # MoE routing of this turn's tokens, for router replay; None: dense, or not recorded.
     routed_experts: RoutedExperts | None = None
     # Context segment of the episode: a self-summarizing episode restarts its context from the
     # task and a summary; each segment is its own training sequence (sharing the reward).
@@ -298,10 +295,8 @@ class ServedGeneration(Message, kw_only=True):
     created_at: float = 0.0
     # MoE routing of prompt + completion positions (router replay); None for dense models.
     routed_experts: RoutedExperts | None = None
-    # The version of the last completion token when the weights changed while it was
-    # generated (the paged engine swaps between decode steps), and where: (index of the
-    # first completion token sampled with a version, that version) per change from
-    # policy_version (proto.version_switches). None and empty: one version sampled all.
+    # Where the weights changed under the completion (swaps between decode steps), as on
+    # Turn: the last token's version and proto.version_switches; None and (): one version.
     policy_version_end: int | None = None
     version_switches: tuple[tuple[int, int], ...] = ()
 
@@ -431,8 +426,7 @@ class DeadLetter(Message, kw_only=True):
     origin_subject: str
     origin_stream: str
     consumer: str
-    # unsigned, forged, replayed: a weight version refused by its signature
-    # (libs/weights/signing.py).
+    # unsigned, forged, replayed: a version refused by its signature (libs/weights/signing.py).
     reason: Literal[
         "undecodable",
         "invalid",

@@ -6,6 +6,7 @@ recorded, and summarized by `rlpipe report`."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
@@ -237,12 +238,16 @@ def test_the_step_record_and_rlpipe_report_carry_the_mismatch_per_version_gap(
 
 
 async def moe_group(engine: HFEngine, seed: int) -> list[ScoredRollout]:
-    """One arith group rolled out by the real harness on `engine` (its routing recorded)."""
+    """One arith group rolled out by the real harness on `engine` (its routing recorded),
+    sampled with seeds of its own: the same tokens in every run (an unseeded group flipped
+    a different number of routes each run, and the replay's effect moved with it)."""
     env = make_env("arith")
     task = env.task_source(difficulty=0, group_size=4, seed=seed).task(0)
+    calls = iter(range(1000))
 
     async def generate(prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
-        return await asyncio.to_thread(engine.generate, prompts, params)
+        seeded = dataclasses.replace(params, seed=seed * 1000 + next(calls))
+        return await asyncio.to_thread(engine.generate, prompts, seeded)
 
     runner = AgentRunner(
         LocalEnvClient({"arith": env}), TOKENIZER, generate, RunnerSettings(worker_id="moe")
