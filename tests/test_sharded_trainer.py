@@ -36,6 +36,7 @@ from libs.trainer.sharded import (
     exit_rank,
     export_policy_folder,
     full_state_dict,
+    keeps_gathered_weights,
     leave_process_group,
     load_sharded_checkpoint,
     rank_rows,
@@ -129,14 +130,19 @@ def assert_same_step(sharded: StepStats, reference: StepStats) -> None:
     assert math.isclose(sharded.mismatch.kl, reference.mismatch.kl, abs_tol=1e-6)
 
 
-def build_sharded(seed: int) -> tuple[PreTrainedModel, torch.optim.Optimizer]:
-    model = shard_policy(build_policy(POLICY.model_copy(update={"seed": seed})))
+def build_sharded(
+    seed: int, reshard_after_forward: bool = True
+) -> tuple[PreTrainedModel, torch.optim.Optimizer]:
+    policy = build_policy(POLICY.model_copy(update={"seed": seed}))
+    model = shard_policy(policy, reshard_after_forward=reshard_after_forward)
     return model, torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)
 
 
 def run_rank(rank: int, port: int, out: Path, resume: bool) -> None:
     """One rank: steps 1 and 2 with a sharded checkpoint and an HF export in between, or
-    (resume) a fresh differently-seeded model that loads the checkpoint and takes step 2."""
+    (resume) a fresh differently-seeded model that loads the checkpoint and takes step 2,
+    keeping each layer's gathered weights from forward to backward (the other way to run
+    FSDP2: its step must be the resharding one's, bit for bit)."""
     torch.set_num_threads(1)
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD)
@@ -144,7 +150,7 @@ def run_rank(rank: int, port: int, out: Path, resume: bool) -> None:
     setup_process_group(torch.device("cpu"))
     try:
         if resume:
-            model, optimizer = build_sharded(seed=1)
+            model, optimizer = build_sharded(seed=1, reshard_after_forward=False)
             load_sharded_checkpoint(model, optimizer, out / "checkpoint")
         else:
             model, optimizer = build_sharded(seed=0)
@@ -286,9 +292,8 @@ async def test_a_2_rank_trainer_service_stopped_and_resumed_trains_each_sample_o
     max_steps = num_groups // batch_groups
     second = trainer_ranks(resume_ranks, env | {"RLPIPE_TRAINER_MAX_STEPS": str(max_steps)}, log)
     assert second.wait(timeout=180) == 0, log.read_text()[-3000:]
-    assert (
-        f'"ranks": {resume_ranks}, "backend": "gloo", "event": "sharded trainer"' in log.read_text()
-    )
+    started = f'"ranks": {resume_ranks}, "backend": "gloo", "weights_kept_gathered_to_backward"'
+    assert f'{started}: true, "event": "sharded trainer"' in log.read_text()  # a CPU: kept
 
     records = read_samples(tmp_path)
     assert [r["step"] for r in records] == list(range(1, max_steps + 1))
@@ -375,3 +380,10 @@ def test_one_rank_refuses_a_sharded_checkpoint_naming_how_to_resume_it(tmp_path:
     (tmp_path / "sharded").mkdir()
     with pytest.raises(ValueError, match=r"written by a sharded trainer.*torchrun"):
         load_optimizer_state(tmp_path, torch.device("cpu"))
+
+
+def test_ranks_keep_gathered_weights_by_size_unless_told() -> None:
+    model = build_policy(POLICY)  # on a CPU: host memory, always kept
+    assert keeps_gathered_weights(model, None)
+    assert not keeps_gathered_weights(model, True)  # rank_reshard_after_forward = true
+    assert keeps_gathered_weights(model, False)

@@ -52,6 +52,12 @@ class TrainerConfig(StepConfig):
         0.1, gt=0, le=1, description="Learning rate at the end of the decay, as a fraction"
     )
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
+    rank_reshard_after_forward: bool | None = Field(
+        None,
+        description="Trainer ranks: free each layer's gathered weights after its forward and "
+        "gather them again for the backward (FSDP2), or keep them to the backward; unset: by "
+        "size (kept while the whole model fits a quarter of one card: libs/trainer/sharded.py)",
+    )
     batch_groups: int = Field(16, ge=1, description="GRPO groups per optimizer step")
     max_staleness: int | None = Field(
         None,

@@ -67,6 +67,7 @@ from libs.trainer.schedule import learning_rate_at, learning_rate_of, set_learni
 from libs.trainer.sharded import (
     export_policy_folder,
     full_state_dict,
+    keeps_gathered_weights,
     leave_process_group,
     load_sharded_checkpoint,
     save_sharded_checkpoint,
@@ -167,7 +168,8 @@ class Setup(Command):
                 f"{ours!r} vs {self.fingerprint!r}): every rank must load the same policy "
                 "(RLPIPE_TRAINER_POLICY_PATH readable by each, or the same preset and seed)"
             )
-        model = shard_policy(model)
+        keep = keeps_gathered_weights(model, self.config.rank_reshard_after_forward)
+        model = shard_policy(model, reshard_after_forward=not keep)
         optimizer = torch.optim.AdamW(
             model.parameters(),
             lr=learning_rate_at(self.config, 0),
@@ -292,7 +294,8 @@ class RankLearner:
         channel = CommandChannel()  # collective: right after joining, as every rank does
         model = self.precision.build_model(policy)
         fingerprint = weights_fingerprint(model)
-        self.model = shard_policy(model)
+        keep = keeps_gathered_weights(model, config.rank_reshard_after_forward)
+        self.model = shard_policy(model, reshard_after_forward=not keep)
         check_vocabulary(self.model, tokenizer, policy)
         self.config = config.sized_for(sum(p.numel() for p in self.model.parameters()))
         self.optimizer: torch.optim.Optimizer = torch.optim.AdamW(
@@ -305,7 +308,12 @@ class RankLearner:
         )
         self._ranks = RankGroup(channel, ranks)
         channel.send(Setup(self.config, policy, tokenizer.pad_id, fingerprint))
-        log.info("sharded trainer", ranks=world_size(), backend=dist.get_backend())
+        log.info(
+            "sharded trainer",
+            ranks=world_size(),
+            backend=dist.get_backend(),
+            weights_kept_gathered_to_backward=keep,
+        )
 
     def load(self, folder: Path) -> None:
         if not is_sharded(folder):

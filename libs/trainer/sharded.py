@@ -95,18 +95,40 @@ def exit_rank(code: int = 0) -> NoReturn:
     os._exit(code)
 
 
-def shard_policy(model: PreTrainedModel) -> PreTrainedModel:
+def shard_policy(model: PreTrainedModel, reshard_after_forward: bool = True) -> PreTrainedModel:
     """`model` sharded in place by FSDP2: one unit per decoder layer, the rest (embeddings,
-    tied head, final norm) in the root unit; gradients summed, not averaged, across ranks."""
+    tied head, final norm) in the root unit; gradients summed, not averaged, across ranks.
+    `reshard_after_forward` False keeps each layer's gathered weights from its forward to its
+    backward: one all-gather per layer and step instead of two, at the memory of the whole
+    model gathered (`keeps_gathered_weights` says when that is cheap)."""
     for layer in model.model.layers:
-        fully_shard(layer)
-    fully_shard(model)
+        fully_shard(layer, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, reshard_after_forward=reshard_after_forward)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             # Plain SUM collectives with no division (gloo has no AVG or PREMUL_SUM).
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)
     return model
+
+
+# A model whose weights (in their training dtype) take at most this fraction of one card's
+# memory keeps them gathered from forward to backward: byte-0.5b's fp32 masters are 2 GB of
+# an H200's 141; qwen2-7b's 30 GB stay sharded.
+KEEP_GATHERED_FRACTION = 0.25
+
+
+def keeps_gathered_weights(model: PreTrainedModel, override: bool | None) -> bool:
+    """Whether the ranks keep each layer's gathered weights to its backward (not resharding
+    after forward): `override` when given, else whether the whole model in its training dtype
+    fits KEEP_GATHERED_FRACTION of one card (always on a CPU: host memory)."""
+    if override is not None:
+        return not override
+    device = next(model.parameters()).device
+    if device.type != "cuda":
+        return True
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    return weights <= KEEP_GATHERED_FRACTION * torch.cuda.get_device_properties(device).total_memory
 
 
 def sharded_train_step(
@@ -197,15 +219,21 @@ def load_sharded_checkpoint(
 
 
 def full_state_dict(model: PreTrainedModel, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """The full weights on CPU in `dtype` on rank 0 (empty elsewhere); collective: every
-    rank calls it. What the weight stager publishes, gathered once per version."""
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    """The full weights in `dtype` on rank 0, on the ranks' device (empty elsewhere);
+    collective: every rank calls it. What the weight stager publishes, gathered once per
+    version, as the 1-rank learner's published copy is: the shards are gathered on the
+    device (NCCL on GPU) and cast there. Gathering to the host and casting there
+    (checkpoint's cpu_offload) was the suspect in a 2-rank step at byte-0.5b taking 0.51 s
+    against 0.23 s on one rank (H200): the fp32 state crossed to the host and was cast by
+    one core each version; the device gather is not measured yet."""
+    options = StateDictOptions(full_state_dict=True, cpu_offload=False)
     state = get_model_state_dict(model, options=options)
     full = {}
     for name, tensor in state.items():
         assert isinstance(tensor, torch.Tensor), f"{name} is not a tensor in the state dict"
         full[name] = tensor.to(dtype)
-    return full
+    del state
+    return full if _is_rank0() else {}
 
 
 def export_policy_folder(model: PreTrainedModel, policy: PolicyConfig, folder: str | Path) -> None:
