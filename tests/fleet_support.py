@@ -97,8 +97,19 @@ class ProductLoad:
         self.answers.append(await self.balancer.post("/v1/completions", PROMPT))
         self.sent_at.append(sent_at)
 
-    async def drain(self) -> None:
-        await asyncio.gather(*self._open)
+    async def drain(self, hang_s: float = 300.0) -> None:
+        """Wait for the requests still open. A hang guard, not a speed bound: one CI run
+        (2026-11-29) hung here until pytest's 600 s timeout with nothing said, so after
+        `hang_s` this fails naming the backends that still hold requests."""
+        if not self._open:
+            return
+        _, unanswered = await asyncio.wait(set(self._open), timeout=hang_s)
+        holding = {
+            backend.serve_url: {"open": backend.open_requests, "ready": backend.ready}
+            for backend in self.balancer.backends
+            if backend.open_requests
+        }
+        assert not unanswered, f"{len(unanswered)} product requests unanswered: {holding}"
 
     def failed(self) -> list[Answer]:
         return [a for a in self.answers if a.status != 200]
