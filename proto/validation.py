@@ -100,16 +100,31 @@ def check_turn(turn: Turn, where: str) -> None:
         _require(not turn.logprobs, f"{where}: a {turn.role} turn carries logprobs")
     if turn.policy_version is not None:
         _check_version(f"{where}.policy_version", turn.policy_version)
-    for _, version in turn.version_switches:
-        _check_version(f"{where}.version_switches", version)
-    problem = switches_problem(
-        turn.policy_version, turn.policy_version_end, turn.version_switches, num_tokens
+    _check_switches(
+        f"{where}.version_switches",
+        turn.policy_version,
+        turn.policy_version_end,
+        turn.version_switches,
+        num_tokens,
     )
-    _require(problem is None, f"{where}.version_switches: {problem}")
     _check_logprobs(f"{where}.logprobs", turn.logprobs)
     if turn.routed_experts is not None:
         _check_routed_experts(turn.routed_experts, num_tokens, f"{where}.routed_experts")
     _require(turn.segment >= 0, f"{where}: negative segment")
+
+
+def _check_switches(
+    where: str,
+    first: int | None,
+    end: int | None,
+    switches: tuple[tuple[int, int], ...],
+    num_tokens: int,
+) -> None:
+    """Version switches of `num_tokens` tokens from `first` to `end` (proto.version_switches)."""
+    for _, version in switches:
+        _check_version(where, version)
+    problem = switches_problem(first, end, switches, num_tokens)
+    _require(problem is None, f"{where}: {problem}")
 
 
 def _check_routed_experts(routed: RoutedExperts, num_tokens: int, where: str) -> None:
@@ -261,15 +276,13 @@ def check_served_generation(generation: ServedGeneration) -> None:
         f"{len(generation.logprobs)} logprobs",
     )
     _check_logprobs("logprobs", generation.logprobs)
-    for _, version in generation.version_switches:
-        _check_version("version_switches", version)
-    problem = switches_problem(
+    _check_switches(
+        "version_switches",
         generation.policy_version,
         generation.policy_version_end,
         generation.version_switches,
         len(generation.completion_token_ids),
     )
-    _require(problem is None, f"version_switches: {problem}")
     if generation.routed_experts is not None:
         _check_routed_experts(generation.routed_experts, len(ids), "routed_experts")
 
