@@ -45,6 +45,10 @@ def add_domain_parser(commands: Any) -> None:
     evaluate.add_argument("--difficulty", type=int, default=0)
     evaluate.add_argument("--temperature", type=float, default=1.0)
     evaluate.add_argument("--no-summarize", action="store_true")
+    evaluate.add_argument("--device", default="cpu", help='torch device: "cpu", "cuda", "cuda:1"')
+    evaluate.add_argument(
+        "--engine", default="hf", choices=("hf", "paged"), help="paged: a CUDA device's engine"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -86,8 +90,8 @@ def evaluate_policy(args: argparse.Namespace) -> int:
     from libs.policy import PolicyConfig, load_policy_tokenizer
     from libs.sft.evaluate import measure
 
-    policy = PolicyConfig(path=args.policy_path, tokenizer=args.tokenizer, device="cpu")
-    engine = build_engine(EngineConfig(), policy)
+    policy = PolicyConfig(path=args.policy_path, tokenizer=args.tokenizer, device=args.device)
+    engine = build_engine(EngineConfig(type=args.engine), policy)
     tokenizer = load_policy_tokenizer(policy)
     agent = harness_for(args.env, chat_template_for(tokenizer))
     if args.no_summarize:

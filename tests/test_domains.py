@@ -47,7 +47,7 @@ from tests.conftest import wait_for
 
 TOKENIZER = ByteTokenizer()
 TEMPLATE = chat_template_for(TOKENIZER)
-BUILTINS = {"arith", "calc", "coding", "dataset", "recall"}
+BUILTINS = {"arith", "calc", "coding", "dataset", "functions", "recall"}
 
 # A domain as a user writes it: a folder of its own (env, rubric, harness limits), nothing else.
 EXAMPLE_DOMAIN = Path(__file__).resolve().parent.parent / "examples" / "domains" / "echo"
@@ -74,7 +74,7 @@ def test_every_builtin_domain_is_found_in_its_own_folder() -> None:
         assert domain.recipe_path == domain.folder / "recipe.toml"
         assert registry.make_env(name).name == name
         assert registry.rubric_for(name).criteria
-    assert {n for n in BUILTINS if found[n].expert is not None} == {"calc", "recall"}
+    assert {n for n in BUILTINS if found[n].expert is not None} == {"calc", "functions", "recall"}
 
 
 def test_a_domain_needs_no_recipe_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

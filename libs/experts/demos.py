@@ -13,7 +13,9 @@ import asyncio
 import functools
 import hashlib
 import json
+import os
 import random
+from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +29,10 @@ from libs.tokenizer import load_tokenizer
 
 # Episodes recorded for `demonstrations_digest` (milliseconds each).
 DIGEST_TASKS = 8
+# Episodes recorded at once: a sandboxed one (functions, coding) waits on its tool processes
+# for most of its ~0.25 s, so one at a time left a 2-core machine mostly idle (8 at once:
+# 0.1 s an episode there).
+CONCURRENT_EPISODES = max(8, os.cpu_count() or 1)
 
 
 def expert_domains() -> list[str]:
@@ -63,10 +69,11 @@ class DemoStats:
 
 
 async def record_demonstrations(
-    config: DemoConfig, num_tasks: int | None = None
+    config: DemoConfig, num_tasks: int | None = None, concurrency: int = CONCURRENT_EPISODES
 ) -> AsyncIterator[tuple[list[Transcript], dict[str, Any]]]:
-    """The expert's episodes of `config` (its first `num_tasks`, default all): each one's
-    segments as transcripts and the env's final info."""
+    """The expert's episodes of `config` (its first `num_tasks`, default all), in task order:
+    each one's segments as transcripts and the env's final info. Up to `concurrency` run at
+    once; each has a generator of its own, so the demonstrations are the same however many."""
     found = domain(config.env)
     if found.expert is None:
         raise ValueError(
@@ -76,10 +83,24 @@ async def record_demonstrations(
     expert = found.expert(config.error_rate)
     template = chat_template_for(load_tokenizer(config.tokenizer))
     source = env.task_source(difficulty=config.difficulty, group_size=1, seed=config.seed)
-    rng = random.Random(config.seed)
     agent = found.harness(template)
-    for index in range(config.num_tasks if num_tasks is None else num_tasks):
-        yield await record_episode(env, source.task(index), expert, agent, template, rng)
+
+    async def episode(index: int) -> tuple[list[Transcript], dict[str, Any]]:
+        rng = random.Random(f"demo:{config.seed}:{index}")
+        return await record_episode(env, source.task(index), expert, agent, template, rng)
+
+    pending: deque[asyncio.Task[tuple[list[Transcript], dict[str, Any]]]] = deque()
+    try:
+        for index in range(config.num_tasks if num_tasks is None else num_tasks):
+            pending.append(asyncio.create_task(episode(index)))
+            if len(pending) >= max(1, concurrency):
+                yield await pending.popleft()
+        while pending:
+            yield await pending.popleft()
+    finally:
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
 
 
 async def write_demonstrations(config: DemoConfig, path: Path) -> DemoStats:

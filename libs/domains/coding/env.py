@@ -1,10 +1,12 @@
 """The built-in Python coding environment: files, tools and hidden tests, in a sandbox.
 
-A task (see tasks.py) is a folder of files plus hidden cases. Each episode gets its own
-sandbox (libs.sandbox) seeded with the task's files; the policy works with the tools of
-tools.py and ends the episode with a turn without tool calls. That final step grades the
-files (grading.py) and returns `info = {"tests_passed", "tests_total", "grading_error",
-"grading_notes"}`, which reward reads from Rollout.env_info.
+A task (see tasks.py) is a folder of files plus hidden cases, from a task set: the shipped
+folders by default (the `functions` domain serves generated ones through this env). Each
+episode gets its own sandbox (libs.sandbox) seeded with the task's files; the policy works
+with the tools of tools.py and ends the episode with a turn without tool calls. That final
+step grades the files (grading.py) and returns `info = {"answer_correct", "tests_passed",
+"tests_total", "grading_error", "grading_notes"}` (correct: every hidden test passed), which
+reward reads from Rollout.env_info.
 
 An episode that ends any other way (closed at max_turns, expired, an env error) is not
 graded: nobody would receive the result, since only a step's reply carries info. The
@@ -25,7 +27,7 @@ from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from libs.domains.coding.grading import grade_files
-from libs.domains.coding.tasks import ENV_NAME, CodingTask, CodingTasks, load_tasks
+from libs.domains.coding.tasks import ENV_NAME, CodingTask, ShippedTasks, TaskSet
 from libs.domains.coding.tools import TOOLS, SandboxTools, ToolLimits
 from libs.envs.base import Environment, Episode, Opening, StepResult, TaskSource
 from libs.sandbox import (
@@ -117,12 +119,14 @@ class CodingEpisode(Episode):
 
 
 class CodingEnv(Environment):
-    """Serves the shipped coding tasks; sandboxes are built on first use."""
+    """Serves a set of coding tasks (default: the shipped ones); sandboxes are built on first
+    use."""
 
     name: ClassVar[str] = ENV_NAME
 
-    def __init__(self, config: CodingConfig | None = None) -> None:
+    def __init__(self, config: CodingConfig | None = None, tasks: TaskSet | None = None) -> None:
         self.config = config or CodingConfig()
+        self.tasks = tasks or ShippedTasks()
         self._factories: SandboxFactories | None = None
 
     def factories(self) -> SandboxFactories:
@@ -141,11 +145,11 @@ class CodingEnv(Environment):
         return self._factories
 
     async def reset(self, task: Task) -> tuple[Episode, Opening]:
-        name = task.spec.get("task")
-        coding_task = load_tasks().get(name) if isinstance(name, str) else None
+        coding_task = self.tasks.find(task.spec)
         if coding_task is None:
             raise ValueError(
-                f"coding task {task.task_id}: spec['task'] must name a shipped task, got {name!r}"
+                f"{self.name} task {task.task_id}: its spec names no task of this environment "
+                f"({type(self.tasks).__name__}), got {task.spec!r}"
             )
         stack = contextlib.AsyncExitStack()
         try:
@@ -176,4 +180,4 @@ class CodingEnv(Environment):
         )
 
     def task_source(self, *, difficulty: int, group_size: int, seed: int) -> TaskSource:
-        return CodingTasks(difficulty=difficulty, group_size=group_size, seed=seed)
+        return self.tasks.source(difficulty=difficulty, group_size=group_size, seed=seed)

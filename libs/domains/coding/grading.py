@@ -59,7 +59,10 @@ class Grade:
     notes: str = ""
 
     def info(self) -> dict[str, Any]:
+        solved = self.tests_total > 0 and self.tests_passed == self.tests_total
         return {
+            # The episode's verdict, as every domain states it (success in reports).
+            "answer_correct": solved and not self.grading_error,
             "tests_passed": self.tests_passed,
             "tests_total": self.tests_total,
             "grading_error": self.grading_error,

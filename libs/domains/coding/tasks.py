@@ -18,15 +18,17 @@ through stdin (never as a file), and without their expected values, which stay o
 
 from __future__ import annotations
 
+import abc
 import fnmatch
 import functools
 import json
 import tomllib
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from libs.envs.base import SeededTaskSource
+from libs.envs.base import SeededTaskSource, TaskSource
 
 ENV_NAME = "coding"
 TASKS_DIR = Path(__file__).resolve().parent / "tasks"
@@ -145,3 +147,26 @@ class CodingTasks(SeededTaskSource):
         self.rng(epoch).shuffle(order)
         name = order[position]
         return load_tasks()[name].prompt, {"task": name}
+
+
+class TaskSet(abc.ABC):
+    """The tasks a coding environment serves: found by a Task's spec, drawn by a source."""
+
+    @abc.abstractmethod
+    def find(self, spec: Mapping[str, Any]) -> CodingTask | None:
+        """The task `spec` names, or None when it names none of this set."""
+
+    @abc.abstractmethod
+    def source(self, *, difficulty: int, group_size: int, seed: int) -> TaskSource:
+        """The set's tasks in a seeded order."""
+
+
+class ShippedTasks(TaskSet):
+    """The task folders shipped with the package (spec {"task": <folder name>})."""
+
+    def find(self, spec: Mapping[str, Any]) -> CodingTask | None:
+        name = spec.get("task")
+        return load_tasks().get(name) if isinstance(name, str) else None
+
+    def source(self, *, difficulty: int, group_size: int, seed: int) -> TaskSource:
+        return CodingTasks(difficulty=difficulty, group_size=group_size, seed=seed)
