@@ -4,8 +4,9 @@
     rlpipe sft --data demos.jsonl --out models/mine --policy-path BASE   # BASE's tokenizer
     rlpipe sft --data demos.jsonl --out models/calc-sft --train-tokenizer 1024  # its own
 
-Progress is a rich bar on a terminal and a log line every 10 steps otherwise. A malformed
-transcript line stops the run before training with its line number and field (exit 2).
+Progress is a rich bar on a terminal and a log line every 10 steps otherwise (with the steps
+per second). A malformed transcript line stops the run before training with its line number
+and field (exit 2).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -143,8 +145,16 @@ def run_with_progress(
 
 
 def log_progress(config: SftConfig, title: str, emit: LogFn) -> ProgressFn:
+    """A line every LOG_EVERY_STEPS steps and at the last, with the steps per second since
+    the line before (the first line: since the first step, past the model's loading)."""
+    mark: list[float] = []  # step and monotonic time of the last line, or of the first step
+
     def on_step(step: SftStep) -> None:
+        now = time.monotonic()
+        if not mark:
+            mark[:] = [step.step, now]
         if step.step % LOG_EVERY_STEPS == 0 or step.step == config.steps:
+            rate = (step.step - mark[0]) / (now - mark[1]) if now > mark[1] else None
             emit(
                 f"{title} step",
                 step=step.step,
@@ -152,6 +162,8 @@ def log_progress(config: SftConfig, title: str, emit: LogFn) -> ProgressFn:
                 loss=round(step.loss, 4),
                 confident_tokens=round(step.confident_tokens, 3),
                 learning_rate=round(step.learning_rate, 6),
+                steps_per_s=None if rate is None else round(rate, 2),
             )
+            mark[:] = [step.step, now]
 
     return on_step

@@ -203,7 +203,8 @@ def prepare_warm_start(scenario: Scenario, device: str) -> dict[str, Any] | None
 
     On `cpu` (the default) it is built as calc's CPU recipe builds it, fp32, in a process
     that sees no GPU, on up to 8 cores; on `cuda` in this process, where the SFT's policy
-    goes to the card in bf16 (its `auto` device and dtype): faster, but another warm start."""
+    goes to the card (its `auto` device; the forward in bf16): faster, but another warm
+    start."""
     recipe = load_recipe(scenario.recipe_path()).warm_start
     assert recipe is not None, f"{scenario.recipe_path()} has no [warm_start]"
     started = time.monotonic()

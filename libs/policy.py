@@ -19,123 +19,20 @@ the same fields with the same defaults. Nothing is downloaded: a folder is read 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 from transformers.utils import logging as transformers_logging
 
-from libs.tokenizer import BYTE_TOKENIZER_SPEC, ByteTokenizer, Tokenizer, load_tokenizer
-
-BYTE_VOCAB_SIZE = ByteTokenizer().vocab_size
+from libs.policy_presets import POLICY_PRESETS
+from libs.tokenizer import BYTE_TOKENIZER_SPEC, Tokenizer, load_tokenizer
 
 # transformers draws a tqdm bar on stderr for every model load and save ("Loading weights",
 # "Writing model shards"): in the services' JSON logs and beside the SFT's own progress it is
 # noise, one per checkpoint. Every model of the project is loaded and saved here.
 transformers_logging.disable_progress_bar()
-
-# Named architectures, as `AutoConfig.for_model` arguments. `vocab_size` is the preset's
-# default and is overridden by `PolicyConfig.vocab_size` to match another tokenizer.
-POLICY_PRESETS: dict[str, dict[str, Any]] = {
-    # The embedded default: 821K params (Llama-style, GQA, tied embeddings) over the byte
-    # vocabulary; about 1 ms per decoded token per sequence on one CPU core.
-    "tiny": {
-        "model_type": "llama",
-        "vocab_size": BYTE_VOCAB_SIZE,
-        "hidden_size": 128,
-        "intermediate_size": 384,
-        "num_hidden_layers": 4,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        # RoPE, no position parameters: room for tool episodes (coding openings are ~2K).
-        "max_position_embeddings": 8192,
-        "tie_word_embeddings": True,
-    },
-    # About 0.5B parameters over the byte vocabulary, for the loop on one GPU with the
-    # embedded tokenizer: the Qwen2.5-0.5B layer shape, 33 layers (492M params).
-    "byte-0.5b": {
-        "model_type": "qwen2",
-        "vocab_size": BYTE_VOCAB_SIZE,
-        "hidden_size": 896,
-        "intermediate_size": 4864,
-        "num_hidden_layers": 33,
-        "num_attention_heads": 14,
-        "num_key_value_heads": 2,
-        "max_position_embeddings": 4096,
-        "rope_theta": 1_000_000.0,
-        "rms_norm_eps": 1e-6,
-        "tie_word_embeddings": True,
-    },
-    # The Qwen2.5-3B layer shape over the byte vocabulary (2.77B params, 5.5 GB in bf16),
-    # random init: the size at which the weight path must keep up (issue #29).
-    "byte-3b": {
-        "model_type": "qwen2",
-        "vocab_size": BYTE_VOCAB_SIZE,
-        "hidden_size": 2048,
-        "intermediate_size": 11008,
-        "num_hidden_layers": 36,
-        "num_attention_heads": 16,
-        "num_key_value_heads": 2,
-        "max_position_embeddings": 4096,
-        "rope_theta": 1_000_000.0,
-        "rms_norm_eps": 1e-6,
-        "tie_word_embeddings": True,
-    },
-    # Mixture of experts for the CPU: the Qwen3-MoE layer shape at the tiny preset's size,
-    # 8 experts with 2 routed per token in every layer (1.4M params, ~0.5M active).
-    "tiny-moe": {
-        "model_type": "qwen3_moe",
-        "vocab_size": BYTE_VOCAB_SIZE,
-        "hidden_size": 128,
-        "intermediate_size": 384,
-        "moe_intermediate_size": 96,
-        "num_hidden_layers": 4,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 32,
-        "num_experts": 8,
-        "num_experts_per_tok": 2,
-        "norm_topk_prob": True,
-        "max_position_embeddings": 8192,
-        "tie_word_embeddings": True,
-    },
-    # Mixture of experts for one GPU: the Qwen3-MoE layer shape (qk-norm, 8 of 48 experts
-    # routed per token in all 16 layers) over the byte vocabulary, 949M params, ~0.19B active.
-    "moe-1b": {
-        "model_type": "qwen3_moe",
-        "vocab_size": BYTE_VOCAB_SIZE,
-        "hidden_size": 1024,
-        "intermediate_size": 3072,
-        "moe_intermediate_size": 384,
-        "num_hidden_layers": 16,
-        "num_attention_heads": 16,
-        "num_key_value_heads": 4,
-        "head_dim": 64,
-        "num_experts": 48,
-        "num_experts_per_tok": 8,
-        "norm_topk_prob": True,
-        "max_position_embeddings": 4096,
-        "rope_theta": 1_000_000.0,
-        "rms_norm_eps": 1e-6,
-        "tie_word_embeddings": True,
-    },
-    # The shape of Qwen2.5-0.5B (494M params with its 151,936-token vocabulary), for a GPU
-    # run from random init; pair with that tokenizer or set vocab_size to your own.
-    "qwen2-0.5b": {
-        "model_type": "qwen2",
-        "vocab_size": 151936,
-        "hidden_size": 896,
-        "intermediate_size": 4864,
-        "num_hidden_layers": 24,
-        "num_attention_heads": 14,
-        "num_key_value_heads": 2,
-        "max_position_embeddings": 32768,
-        "rope_theta": 1_000_000.0,
-        "rms_norm_eps": 1e-6,
-        "tie_word_embeddings": True,
-    },
-}
 
 DTypeName = Literal["auto", "float32", "bfloat16", "float16"]
 

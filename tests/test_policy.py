@@ -8,9 +8,11 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
+from libs.engine.model_runner import check_architecture
 from libs.policy import (
     POLICY_PRESETS,
     PolicyConfig,
+    architecture,
     build_policy,
     save_policy,
     sequence_logprobs,
@@ -162,6 +164,18 @@ def test_presets_have_their_documented_sizes() -> None:
             AutoConfig.for_model(kwargs.pop("model_type"), **kwargs)
         )
     assert 480e6 < sum(p.numel() for p in big.parameters()) < 510e6
+
+
+def test_the_agent_preset_is_tens_of_millions_of_params_the_paged_engine_runs() -> None:
+    # Over a warm start's trained 1,024-token tokenizer (the SFT overrides the vocabulary).
+    config = architecture(PolicyConfig(preset="agent-75m", vocab_size=1024))
+    with torch.device("meta"):  # shapes only
+        agent = AutoModelForCausalLM.from_config(config)
+    assert agent.config.vocab_size == 1024
+    assert 20e6 < sum(p.numel() for p in agent.parameters()) < 100e6
+    check_architecture(agent)  # raises for what the paged engine cannot run
+    head_dim = config.hidden_size // config.num_attention_heads
+    assert head_dim & (head_dim - 1) == 0, "its Triton kernels take power-of-two head dims"
 
 
 def test_unknown_preset_and_missing_folder_name_the_field() -> None:

@@ -143,6 +143,23 @@ def test_a_typo_in_a_recipe_is_refused_naming_the_field(
     assert "a [warm_start] needs a domain with a scripted expert" in capsys.readouterr().err
 
 
+def test_a_warm_start_of_an_unknown_preset_is_refused_naming_the_field(tmp_path: Path) -> None:
+    recipe = tmp_path / "recipe.toml"
+    table = (
+        '[env_gateway]\nenv = "calc"\n\n[warm_start]\nnum_tasks = 4\nerror_rate = 0.1\nsteps = 2\n'
+    )
+    recipe.write_text(table + 'preset = "huge"\n')
+    refused = r"warm_start\.preset: .*unknown policy preset 'huge'; choose one of \[.*'agent-75m'"
+    with pytest.raises(RecipeError, match=refused):
+        load_recipe(recipe)
+    recipe.write_text(table + 'preset = "agent-75m"\n')
+    warm = load_recipe(recipe).warm_start
+    assert warm is not None and warm.preset == "agent-75m"
+    recipe.write_text(table)
+    warm = load_recipe(recipe).warm_start
+    assert warm is not None and warm.preset == "tiny", "the default: the tiny policy, on CPU"
+
+
 def test_a_run_hands_its_recipe_to_every_service(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -33,7 +33,7 @@ from libs.policy import PolicyConfig, build_policy, load_policy
 from libs.rollout.agent import AgentRunner
 from libs.rollout.episode import RunnerSettings
 from libs.sft.loss import MIN_SHARED_PREFIX_TOKENS, sft_loss, shared_prefix_length
-from libs.sft.train import SftConfig, SftStep, load_examples, train_sft
+from libs.sft.train import SftConfig, SftStep, load_examples, train_sft, training_policy
 from libs.sft.transcript import (
     Transcript,
     TranscriptError,
@@ -366,11 +366,24 @@ def test_the_warm_start_cache_follows_what_the_demonstrations_are(tmp_path: Path
 def test_the_warm_start_cache_follows_the_recipes_build_settings(tmp_path: Path) -> None:
     recipe = tiny_recipe()
     folder = warm_start.warm_start_dir("calc", tmp_path, recipe)
-    for changed in ({"steps": 3}, {"num_tasks": 5}, {"error_rate": 0.1}, {"batch_size": 4}):
+    changes = ({"steps": 3}, {"num_tasks": 5}, {"error_rate": 0.1}, {"batch_size": 4})
+    for changed in (*changes, {"preset": "agent-75m"}):
         assert warm_start.warm_start_dir("calc", tmp_path, tiny_recipe(**changed)) != folder
     rl = {"trainer": {"learning_rate": 1e-5}}
     assert warm_start.warm_start_dir("calc", tmp_path, tiny_recipe(rl=rl)) == folder, (
         "RL's settings do not change what the warm start is"
+    )
+
+
+def test_a_warm_start_fine_tunes_its_recipes_preset_with_fp32_weights(tmp_path: Path) -> None:
+    agent = warm_start.sft_stage("calc", tmp_path, tiny_recipe(preset="agent-75m")).policy
+    assert agent.preset == "agent-75m" and agent.tokenizer is not None
+    assert warm_start.sft_stage("calc", tmp_path, tiny_recipe()).policy.preset == "tiny"
+    # bf16 weights would not take the SFT's updates: the optimizer steps fp32 ones on any
+    # device (a GPU runs the forward in bf16), unless a dtype is asked for.
+    assert training_policy(agent, TOKENIZER).dtype == "float32"
+    assert training_policy(agent.model_copy(update={"dtype": "bfloat16"}), TOKENIZER).dtype == (
+        "bfloat16"
     )
 
 
@@ -412,6 +425,7 @@ def test_a_warm_start_trains_on_the_free_cores_and_is_reused(
     # Not a terminal here: the progress came as lines through `emit`.
     events = [(event, fields["step"]) for event, fields in progress]
     assert events == [("warm start (calc): sft step", 2)]
+    assert progress[0][1]["steps_per_s"] > 0, "the line says how fast the SFT steps"
 
 
 def test_a_chat_tokenizer_trained_on_demonstrations_keeps_digits_apart(tmp_path: Path) -> None:

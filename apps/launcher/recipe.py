@@ -27,8 +27,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from libs.policy_presets import POLICY_PRESETS
 from libs.settings import CONFIG_VARIABLE, toml_document
 from proto.services import SERVICES
 
@@ -45,7 +46,7 @@ class RecipeError(ValueError):
 
 class WarmStartRecipe(BaseModel):
     """A recipe's `[warm_start]`: how the policy RL starts from is made (the scripted expert's
-    demonstrations, a tokenizer trained on them, SFT of the random-init tiny policy) and the
+    demonstrations, a tokenizer trained on them, SFT of a random-init policy preset) and the
     service tables RL from it changes."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -58,10 +59,25 @@ class WarmStartRecipe(BaseModel):
     )
     batch_size: int = Field(32, gt=0, description="Demonstration segments per SFT step")
     learning_rate: float = Field(3e-3, gt=0, description="SFT learning rate")
+    preset: str = Field(
+        "tiny",
+        description="Policy preset fine-tuned (libs.policy_presets): tiny on a CPU, agent-75m "
+        "on a GPU (with a learning_rate of 1e-3 or less)",
+    )
     rl: dict[str, dict[str, Any]] = Field(
         default_factory=dict,
         description="Service tables applied over the recipe's when RL starts from the warm start",
     )
+
+    @field_validator("preset")
+    @classmethod
+    def _known_preset(cls, preset: str) -> str:
+        """`preset`, when it names a policy preset."""
+        if preset not in POLICY_PRESETS:
+            raise ValueError(
+                f"unknown policy preset {preset!r}; choose one of {sorted(POLICY_PRESETS)}"
+            )
+        return preset
 
     def build_settings(self) -> dict[str, Any]:
         """The settings that make the warm start (all but `rl`): what its cache is keyed on."""

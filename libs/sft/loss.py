@@ -68,7 +68,7 @@ def sft_loss(
     # The prefix's last token stays in the suffix: it holds the first suffix target's logits.
     prefix = shared_prefix_length(examples) - 1
     if prefix < MIN_SHARED_PREFIX_TOKENS:
-        ids, attention, loss_mask = batch_tensors(examples, pad_id)
+        ids, attention, loss_mask = (t.to(model.device) for t in batch_tensors(examples, pad_id))
         logprobs = sequence_logprobs(model, ids, attention)  # [B, T-1]: t scores ids[:, t+1]
         return _mean_nll(logprobs, loss_mask[:, 1:])
     return _mean_nll(*_suffix_logprobs(model, examples, prefix, pad_id))

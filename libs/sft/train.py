@@ -6,7 +6,8 @@ or `train_sft(SftConfig(data=..., out=...))`. Each transcript is rendered exactl
 harness lays out an episode (libs.sft.transcript) and the loss is the mean negative
 log-likelihood of the assistant tokens only. The result in `out` is a model folder
 (config.json + model.safetensors, and the tokenizer files when the tokenizer is a local HF
-one) that the trainer and the rollout-worker load as `policy_path`.
+one) that the trainer and the rollout-worker load as `policy_path`. On a GPU the weights the
+optimizer steps are fp32 (the policy's dtype "auto") and the forward runs in bf16.
 
 Resumable: every `checkpoint_every_steps` the model, the optimizer and the step are written to
 `out/checkpoint/`; a rerun with the same config continues from there, and batches are drawn by
@@ -48,7 +49,8 @@ class SftConfig:
     data: Path
     out: Path
     policy: PolicyConfig = field(default_factory=PolicyConfig)
-    """The starting policy and its tokenizer (the one policy description, libs.policy)."""
+    """The starting policy and its tokenizer (the one policy description, libs.policy); its
+    dtype "auto" trains fp32 weights (`training_policy`)."""
     steps: int = 300
     batch_size: int = 8
     learning_rate: float = 2e-3
@@ -147,7 +149,11 @@ def _optimize(
     rate = learning_rate_at(config, step)
     for group in optimizer.param_groups:
         group["lr"] = rate
-    loss, confident = sft_loss(model, batch, tokenizer.pad_id)
+    # On CUDA the forward runs in bf16 over the fp32 weights (`training_policy`); on the CPU
+    # in fp32, as the weights are.
+    on_cuda = model.device.type == "cuda"
+    with torch.autocast(model.device.type, dtype=torch.bfloat16, enabled=on_cuda):
+        loss, confident = sft_loss(model, batch, tokenizer.pad_id)
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -161,18 +167,31 @@ def _setup(
     """The model and optimizer, from the checkpoint when there is one; and the next step."""
     checkpoint = config.out / CHECKPOINT_DIR
     state_path = checkpoint / "state.json"
+    policy = training_policy(config.policy, tokenizer)
     if state_path.exists() and json.loads(state_path.read_text()).get("config") == _config_json(
         config
     ):
-        model = build_policy(config.policy.model_copy(update={"path": str(checkpoint)}))
+        model = build_policy(policy.model_copy(update={"path": str(checkpoint)}))
         optimizer = _optimizer(model, config)
         optimizer.load_state_dict(torch.load(checkpoint / "optimizer.pt", weights_only=True))
         return model, optimizer, int(json.loads(state_path.read_text())["step"])
-    policy = config.policy
-    if policy.path is None and policy.vocab_size is None and isinstance(tokenizer, HFTokenizer):
-        policy = policy.model_copy(update={"vocab_size": tokenizer.vocab_size})
     model = build_policy(policy)
     return model, _optimizer(model, config), 0
+
+
+def training_policy(policy: PolicyConfig, tokenizer: Tokenizer) -> PolicyConfig:
+    """The policy the SFT trains: a preset sized to a trained tokenizer's vocabulary, and
+    dtype "auto" made fp32 on every device.
+
+    bf16 weights would not train here: an update below ~1/256 of a bf16 weight rounds away,
+    and RMSNorm's weights start at 1.0 against AdamW steps of about the rate (3e-3 decaying
+    to 3e-4). So the optimizer steps fp32 weights, and on CUDA the forward runs under bf16
+    autocast (`_optimize`): its matrix products in bf16, as with bf16 weights."""
+    if policy.path is None and policy.vocab_size is None and isinstance(tokenizer, HFTokenizer):
+        policy = policy.model_copy(update={"vocab_size": tokenizer.vocab_size})
+    if policy.dtype == "auto":
+        policy = policy.model_copy(update={"dtype": "float32"})
+    return policy
 
 
 def _optimizer(model: PreTrainedModel, config: SftConfig) -> torch.optim.Optimizer:
