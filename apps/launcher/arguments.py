@@ -91,7 +91,8 @@ def add_recipe_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="domain to train, with its recipe (libs/domains/<name>/recipe.toml): arith "
         "(default, learns in minutes on a CPU), calc (multi-turn calculator tools), recall "
-        "(long episodes that need self-summarization) or coding (Python tasks in sandboxes)",
+        "(long episodes that need self-summarization), coding (Python projects in sandboxes) or "
+        "functions (generated Python functions in sandboxes)",
     )
     parser.add_argument(
         "--recipe",
