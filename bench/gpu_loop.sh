@@ -13,7 +13,12 @@
 #   [DECODE_PROCESS=true|false] [VERIFY_FULL=true|false] [MAX_BATCH_TASKS=N] [MAX_BATCH_ROWS=N] \
 #   [QUEUE_DEPTH=N] [MAX_AHEAD=N] [HANDOVER=auto|state|delta] [HANDOVER_THREADS=N] \
 #   [ENCODE_THREADS=N] [SNAPSHOT_EVERY=N] [PROFILE_WORKER=S [PROFILE_AT=S]] [RECIPE=FILE] \
+#   [TRAINER_GPUS=N] [WORKER_GPUS=I,J,...] \
 #       bash bench/gpu_loop.sh [SECONDS] [OUT_DIR]
+#
+# The layout on a host of several cards: TRAINER_GPUS=N runs the trainer's N ranks on cards
+# 0..N-1 (`--trainer-ranks`), WORKER_GPUS=2,3 one rollout-worker on each card listed
+# (`--worker-devices cuda:2,cuda:3`); unset, everything shares the recipe's device.
 #
 # Trainer settings the recipe leaves out are the trainer's defaults: for byte-0.5b that is
 # fp32 master weights, a learning rate of 1e-5 and a staleness bound of 8 (chosen by model
@@ -66,6 +71,9 @@ if [ "${MODE:-async}" = sync ]; then
   knob env-gateway.feeder.mode sync
   knob trainer.publish_every_steps 1
 fi
+layout=()
+if [ -n "${TRAINER_GPUS:-}" ] && [ "$TRAINER_GPUS" != 1 ]; then layout+=(--trainer-ranks "$TRAINER_GPUS"); fi
+if [ -n "${WORKER_GPUS:-}" ]; then layout+=(--worker-devices "$(echo "$WORKER_GPUS" | sed -E 's/([0-9]+)/cuda:\1/g')"); fi
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
 python3 -c 'import torch; print("device:", torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")'
 # PROFILE_WORKER=S: py-spy samples the rollout-worker for S seconds from PROFILE_AT seconds
@@ -80,7 +88,7 @@ if [ -n "${PROFILE_WORKER:-}" ]; then
   ) &
 fi
 python3 -m apps.cli demo --recipe "$recipe" --duration-s "$seconds" --run-dir "$run" "${sets[@]}" \
-  ${DEMO_ARGS:-} > "$out/summary.json" || true
+  ${layout[@]+"${layout[@]}"} ${DEMO_ARGS:-} > "$out/summary.json" || true
 cp "$run/trainer/steps.jsonl" "$out/steps.jsonl" || true
 # Version latency (optimizer step end -> swapped in the worker), part by part, over the delta
 # chain and from the trainer's memory (a worker on its host).
@@ -93,12 +101,15 @@ fi
 # gpu_loop.json for arith's recipe; another domain's recipe gpu_loop_<domain>.json beside it.
 domain=$(basename "$(dirname "$recipe")")
 name=gpu_loop; if [ "$recipe" != libs/domains/arith/gpu.toml ]; then name="gpu_loop_$domain"; fi
+# A layout's run beside it: gpu_loop_layout_t2_w2-3.json for TRAINER_GPUS=2 WORKER_GPUS=2,3.
+if [ ${#layout[@]} -gt 0 ]; then name="${name}_layout_t${TRAINER_GPUS:-1}_w${WORKER_GPUS:-0}"; name=${name//,/-}; fi
 result=${RESULT:-$(python3 -c 'import sys, torch; sys.path.insert(0, "bench")
 from result_file import result_file
 print(result_file(sys.argv[1], torch.cuda.get_device_name() if torch.cuda.is_available() else None))' "$name")}
-python3 - "$out" "$seconds" "$result" <<'PY'
+python3 - "$out" "$seconds" "$result" "${TRAINER_GPUS:-}" "${WORKER_GPUS:-}" <<'PY'
 import json, sys, pathlib
 out, seconds, result = pathlib.Path(sys.argv[1]), float(sys.argv[2]), pathlib.Path(sys.argv[3])
+layout = {"trainer_gpus": sys.argv[4] or None, "worker_gpus": sys.argv[5] or None}
 rows = [json.loads(l) for l in (out / "steps.jsonl").read_text().splitlines() if l.strip()]
 if not rows:
     sys.exit("no trainer steps recorded")
@@ -112,6 +123,7 @@ window = [sum(r["mean_reward"] for r in rows[i - 10:i]) / 10 for i in range(10, 
 best = max(window, default=0.0)
 above = next((i + 10 for i, w in enumerate(window) if w > 0.8), None)
 summary = {
+    "layout": layout,
     "steps": len(rows),
     "seconds": seconds,
     "stopped_because": f"the {seconds:.0f} s duration of the run ended",

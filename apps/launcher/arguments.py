@@ -66,6 +66,11 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
         help="the bus over TLS with client certificates, from a CA made for the run "
         "(run folder tls/); clients without a certificate are refused",
     )
+    add_layout_arguments(parser)
+
+
+def add_layout_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags that say how many processes of the trainer and the workers run, and where."""
     parser.add_argument(
         "--rollout-workers",
         type=int,
@@ -73,6 +78,13 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="run N rollout-worker processes with the same settings (on a GPU: the same card, "
         "each its own engine and copy of the weights) (default: 1)",
+    )
+    parser.add_argument(
+        "--worker-devices",
+        default="",
+        metavar="DEV,...",
+        help="one rollout-worker per device, each on its own (e.g. cuda:2,cuda:3 beside "
+        "--trainer-ranks 2 on cuda:0 and cuda:1); overrides the recipe's worker device",
     )
     parser.add_argument(
         "--trainer-ranks",
@@ -148,6 +160,7 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
         warm_start_root=args.warm_start_dir,
         nats_cluster=args.nats_cluster,
         rollout_workers=args.rollout_workers,
+        worker_devices=tuple(d.strip() for d in args.worker_devices.split(",") if d.strip()),
         commands=commands,
         secure_bus=not args.open_bus,
         tls=args.tls,

@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Any
 from apps.launcher.episode_report import episode_report
 from apps.launcher.harness import harness_tables
 from apps.launcher.health import HealthMonitor
+from apps.launcher.layout import instance_name, worker_device
 from apps.launcher.nats_watch import NatsWatch
 from apps.launcher.recipe import (
     RECIPE_FILE,
@@ -100,6 +101,9 @@ class LaunchOptions:
     # Rollout-worker processes, each with the same settings: "rollout-worker", then
     # "rollout-worker-2", ... (their own health port, logs and worker id; one task stream).
     rollout_workers: int = 1
+    # One rollout-worker per device, each on its own (its policy.device): the layout's
+    # worker cards. Empty: `rollout_workers` workers on the recipe's device.
+    worker_devices: tuple[str, ...] = ()
     # A user per role from proto/permissions.py, passwords made for the run (secure_bus.py
     # says why this is the default); `tls` adds a CA made for the run and client certificates.
     secure_bus: bool = True
@@ -124,6 +128,11 @@ class LaunchOptions:
             raise ValueError(f"max_trainer_steps must be >= 1 (got {self.max_trainer_steps})")
         if self.rollout_workers < 1:
             raise ValueError(f"rollout_workers must be >= 1 (got {self.rollout_workers})")
+        if self.worker_devices and self.rollout_workers not in (1, len(self.worker_devices)):
+            raise ValueError(
+                f"rollout_workers {self.rollout_workers} and {len(self.worker_devices)} worker "
+                "devices: a worker runs on each device; give one or the other"
+            )
 
     def stopped_first(self) -> list[str]:
         """The instances of the STOP_FIRST services."""
@@ -133,16 +142,11 @@ class LaunchOptions:
         """(instance name, service) of every process the run starts: the services, with
         `rollout_workers` instances of the rollout-worker."""
         pairs = []
+        workers = len(self.worker_devices) or self.rollout_workers
         for service in self.services:
-            copies = self.rollout_workers if service == "rollout-worker" else 1
+            copies = workers if service == "rollout-worker" else 1
             pairs += [(instance_name(service, i), service) for i in range(copies)]
         return pairs
-
-
-def instance_name(service: str, index: int) -> str:
-    """The first instance keeps the service's name (logs, health, summaries read it);
-    the others are numbered from 2."""
-    return service if index == 0 else f"{service}-{index + 1}"
 
 
 def with_warm_start(options: LaunchOptions, log: LauncherLog) -> LaunchOptions:
@@ -226,6 +230,7 @@ def service_spec(
         # so torch in the trainer and the workers does not oversubscribe them.
         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
         **trainer_bound(name, options),
+        **worker_device(name, instance or name, options.worker_devices),
         **(bus_env or {}),
         **signing_environment(name, run_dir),
     }
