@@ -75,6 +75,23 @@ POLICY_PRESETS: dict[str, dict[str, Any]] = {
         "rms_norm_eps": 1e-6,
         "tie_word_embeddings": True,
     },
+    # The Qwen2.5-7B layer shape over the byte vocabulary (6.5B params: 13 GB in bf16, ~104 GB
+    # with fp32 master weights, AdamW state and gradients, before activations), random init:
+    # a model whose training is sharded over several cards, and whose versions the weight path
+    # must move (issue #33).
+    "byte-7b": {
+        "model_type": "qwen2",
+        "vocab_size": BYTE_VOCAB_SIZE,
+        "hidden_size": 3584,
+        "intermediate_size": 18944,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 28,
+        "num_key_value_heads": 4,
+        "max_position_embeddings": 4096,
+        "rope_theta": 1_000_000.0,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False,
+    },
     # Mixture of experts for the CPU: the Qwen3-MoE layer shape at the tiny preset's size,
     # 8 experts with 2 routed per token in every layer (1.4M params, ~0.5M active).
     "tiny-moe": {

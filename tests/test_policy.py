@@ -178,6 +178,18 @@ def test_the_agent_preset_is_tens_of_millions_of_params_the_paged_engine_runs() 
     assert head_dim & (head_dim - 1) == 0, "its Triton kernels take power-of-two head dims"
 
 
+def test_the_7b_preset_needs_several_cards_to_train_and_the_paged_engine_runs_it() -> None:
+    config = architecture(PolicyConfig(preset="byte-7b"))
+    with torch.device("meta"):  # shapes only: 13 GB in bf16
+        model = AutoModelForCausalLM.from_config(config)
+    params = sum(p.numel() for p in model.parameters())
+    assert 6.0e9 < params < 7.0e9
+    # fp32 master weights, AdamW's two moments, bf16 weights and gradients: over 100 GB of
+    # an H200's 141 before a single activation
+    assert params * (4 + 4 + 4 + 2 + 2) > 100e9
+    check_architecture(model)
+
+
 def test_unknown_preset_and_missing_folder_name_the_field() -> None:
     with pytest.raises(ValueError, match="preset 'huge' is unknown"):
         build_policy(PolicyConfig(preset="huge"))
