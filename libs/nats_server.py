@@ -67,18 +67,27 @@ def find_nats_server() -> str:
 # the ingester crash-looping on "address in use").
 LOWEST_PORT = 20000
 _random = random.SystemRandom()
+# Ports this process handed out: never twice. A launcher draws ~14 before any is bound, and
+# from ~12.8K ports two draws met about once a run in 140 (CI, 2026-11-29: env-gateway's
+# health port was the feedback API's too; the gateway crash-looped on "address in use"
+# while the API answered its health checks, and the run stalled).
+_handed_out: set[int] = set()
 
 
 def free_port() -> int:
-    """A port free on 127.0.0.1 now, drawn at random below the ephemeral range."""
+    """A port free on 127.0.0.1 now, drawn at random below the ephemeral range, and not one
+    this process handed out before."""
     top = _ephemeral_range_start() - 1
     for _ in range(100):
         port = _random.randint(LOWEST_PORT, top)
+        if port in _handed_out:
+            continue
         with socket.socket() as sock:
             try:
                 sock.bind(("127.0.0.1", port))
             except OSError:
                 continue
+            _handed_out.add(port)
             return port
     with socket.socket() as sock:  # that range is full: any free port
         sock.bind(("127.0.0.1", 0))
