@@ -78,7 +78,7 @@ def warm_start(recipe_path: Path) -> tuple[Path, dict[str, Any]]:
     folder = warm_start_dir(recipe.env, default_cache_root(), recipe.warm_start)
     cached = (folder / MODEL_DIR / RESULT_FILE).is_file()
     started = time.perf_counter()
-    model = ensure_warm_start(recipe.env, default_cache_root(), recipe.warm_start, _progress)
+    model = ensure_warm_start(recipe.env, default_cache_root(), recipe.warm_start)
     if torch.cuda.is_available():  # the SFT's cached blocks, for the child processes
         torch.cuda.empty_cache()
     sft = json.loads((model / RESULT_FILE).read_text())
@@ -92,10 +92,6 @@ def warm_start(recipe_path: Path) -> tuple[Path, dict[str, Any]]:
         "sft_train_s": sft.get("train_s"),
     }
     return model, info
-
-
-def _progress(event: str, **fields: Any) -> None:
-    print(event, json.dumps(fields), flush=True)
 
 
 def reinforce(recipe_path: Path, args: argparse.Namespace, run_dir: Path) -> dict[str, Any]:

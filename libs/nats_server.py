@@ -68,9 +68,8 @@ def find_nats_server() -> str:
 LOWEST_PORT = 20000
 _random = random.SystemRandom()
 # Ports this process handed out: never twice. A launcher draws ~14 before any is bound, and
-# from ~12.8K ports two draws met about once a run in 140 (CI, 2026-11-29: env-gateway's
-# health port was the feedback API's too; the gateway crash-looped on "address in use"
-# while the API answered its health checks, and the run stalled).
+# from ~12.8K ports two draws meet about once a run in 140: a service then crash-loops on
+# "address in use" while another answers on its port.
 _handed_out: set[int] = set()
 
 

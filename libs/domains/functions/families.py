@@ -91,6 +91,17 @@ def _off_by(rng: random.Random, value: int, low: int) -> int:
     return value + step if value + step >= low else value + abs(step)
 
 
+def _last_letter_changed(text: str, rng: random.Random) -> str:
+    return text[:-1] + _other(rng, LETTERS, text[-1])
+
+
+def _scale_or_offset_slipped(p: Params, rng: random.Random) -> Params:
+    """`a` or `b` of an `x * a + b` family moved by one or two."""
+    if rng.random() < 0.5:
+        return {"a": _off_by(rng, p["a"], 2)}
+    return {"b": _off_by(rng, p["b"], 1)}
+
+
 def _word(rng: random.Random, letters: str, low: int, high: int) -> str:
     return "".join(rng.choice(letters) for _ in range(rng.randint(low, high)))
 
@@ -119,7 +130,7 @@ def _count_text() -> Family:
         body=lambda p: f"{p['arg']}.count({p['t']!r})",
         value=lambda p, s: s.count(p["t"]),
         draw_input=draw_input,
-        slip=lambda p, rng: {"t": p["t"][:-1] + _other(rng, LETTERS, p["t"][-1])},
+        slip=lambda p, rng: {"t": _last_letter_changed(p["t"], rng)},
     )
 
 
@@ -156,16 +167,11 @@ def _has_prefix() -> Family:
         body=lambda p: f"{p['arg']}.startswith({p['p']!r})",
         value=lambda p, s: s.startswith(p["p"]),
         draw_input=draw_input,
-        slip=lambda p, rng: {"p": p["p"][:-1] + _other(rng, LETTERS, p["p"][-1])},
+        slip=lambda p, rng: {"p": _last_letter_changed(p["p"], rng)},
     )
 
 
 def _map_affine() -> Family:
-    def slip(p: Params, rng: random.Random) -> Params:
-        if rng.random() < 0.5:
-            return {"a": _off_by(rng, p["a"], 2)}
-        return {"b": _off_by(rng, p["b"], 1)}
-
     return Family(
         name="map_affine",
         difficulty=2,
@@ -178,16 +184,11 @@ def _map_affine() -> Family:
         body=lambda p: f"[item * {p['a']} + {p['b']} for item in {p['arg']}]",
         value=lambda p, xs: [x * p["a"] + p["b"] for x in xs],
         draw_input=lambda p, rng: _ints(rng, -9, 20),
-        slip=slip,
+        slip=_scale_or_offset_slipped,
     )
 
 
 def _affine() -> Family:
-    def slip(p: Params, rng: random.Random) -> Params:
-        if rng.random() < 0.5:
-            return {"a": _off_by(rng, p["a"], 2)}
-        return {"b": _off_by(rng, p["b"], 1)}
-
     return Family(
         name="affine",
         difficulty=2,
@@ -198,7 +199,7 @@ def _affine() -> Family:
         body=lambda p: f"{p['arg']} * {p['a']} + {p['b']}",
         value=lambda p, x: x * p["a"] + p["b"],
         draw_input=lambda p, rng: rng.randint(-20, 50),
-        slip=slip,
+        slip=_scale_or_offset_slipped,
     )
 
 

@@ -39,8 +39,8 @@ NUM_HIDDEN = 6
 # A task source of seed s draws only tasks of partition s mod PARTITIONS (a digest of the
 # spec), so sources whose seeds differ modulo it never share a task: the eval gate's held-out
 # tasks (seed 1_000_003: partition 3) are never trained on (the feeder's seed 0) nor
-# demonstrated (the demonstrations' 1234: partition 2). Drawn by seed alone, 106 of 256
-# held-out tasks were among 20K training draws (the families with the fewest tasks most).
+# demonstrated (the demonstrations' 1234: partition 2); drawn by seed alone, the families
+# with the fewest tasks shared many.
 PARTITIONS = 8
 MAX_CONSTANT = 1000  # bounds of a spec's constants (families draw well inside them)
 MAX_CONSTANT_CHARS = 16
@@ -57,13 +57,19 @@ def parse_spec(spec: Mapping[str, Any]) -> tuple[Family, Params] | None:
         return None
     if params.get("fn") not in family.names or params.get("arg") not in family.args:
         return None
-    example = family.draw(random.Random(0))
-    if params.keys() != example.keys():
+    types = _param_types(family.name)
+    if params.keys() != types.keys():
         return None
-    for key, value in example.items():
-        if type(params[key]) is not type(value) or not _bounded(params[key]):
+    for key, kind in types.items():
+        if type(params[key]) is not kind or not _bounded(params[key]):
             return None
     return family, dict(params)
+
+
+@functools.cache
+def _param_types(family: str) -> dict[str, type]:
+    """The type of each parameter a family draws (from one draw: every draw has the same)."""
+    return {key: type(value) for key, value in FAMILIES[family].draw(random.Random(0)).items()}
 
 
 def _bounded(value: Any) -> bool:
