@@ -110,7 +110,7 @@ def weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     assert a.keys() == b.keys()
-    return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+    return max(float((a[k].cpu().float() - b[k].cpu().float()).abs().max()) for k in a)
 
 
 def assert_same_step(sharded: StepStats, reference: StepStats) -> None:
@@ -131,33 +131,40 @@ def assert_same_step(sharded: StepStats, reference: StepStats) -> None:
 
 
 def build_sharded(
-    seed: int, reshard_after_forward: bool = True
+    seed: int, device: str, reshard_after_forward: bool = True
 ) -> tuple[PreTrainedModel, torch.optim.Optimizer]:
-    policy = build_policy(POLICY.model_copy(update={"seed": seed}))
+    policy = build_policy(POLICY.model_copy(update={"seed": seed, "device": device}))
     model = shard_policy(policy, reshard_after_forward=reshard_after_forward)
     return model, torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)
 
 
-def run_rank(rank: int, port: int, out: Path, resume: bool) -> None:
+def run_rank(rank: int, port: int, out: Path, resume: bool, device: str) -> None:
     """One rank: steps 1 and 2 with a sharded checkpoint and an HF export in between, or
     (resume) a fresh differently-seeded model that loads the checkpoint and takes step 2,
     keeping each layer's gathered weights from forward to backward (the other way to run
-    FSDP2: its step must be the resharding one's, bit for bit)."""
+    FSDP2: its step must be the resharding one's, bit for bit). On "cuda" each rank takes
+    its own card (LOCAL_RANK) and the group is NCCL's."""
     torch.set_num_threads(1)
     os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD)
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(WORLD),
     )
-    setup_process_group(torch.device("cpu"))
+    setup_process_group(torch.device(device))
     try:
         if resume:
-            model, optimizer = build_sharded(seed=1, reshard_after_forward=False)
+            model, optimizer = build_sharded(1, device, reshard_after_forward=False)
             load_sharded_checkpoint(model, optimizer, out / "checkpoint")
         else:
-            model, optimizer = build_sharded(seed=0)
+            model, optimizer = build_sharded(0, device)
             stats = sharded_train_step(model, optimizer, batch(1), 0, CONFIG1, TOKENIZER.pad_id)
             step1 = full_state_dict(model, torch.float32)
             save_sharded_checkpoint(model, optimizer, out / "checkpoint")
-            export_policy_folder(model, POLICY, out / "policy")
+            export_policy_folder(
+                model, POLICY.model_copy(update={"device": device}), out / "policy"
+            )
             if rank == 0:
                 torch.save({"stats": stats, "weights": step1}, out / "step1.pt")
         stats = sharded_train_step(model, optimizer, batch(2), 1, CONFIG2, TOKENIZER.pad_id)
@@ -172,8 +179,8 @@ def run_rank(rank: int, port: int, out: Path, resume: bool) -> None:
             dist.destroy_process_group()
 
 
-def spawn_ranks(out: Path, resume: bool) -> None:
-    mp.spawn(run_rank, args=(free_port(), out, resume), nprocs=WORLD, join=True)
+def spawn_ranks(out: Path, resume: bool, device: str) -> None:
+    mp.spawn(run_rank, args=(free_port(), out, resume, device), nprocs=WORLD, join=True)
 
 
 def test_rank_rows_split_each_minibatch_so_every_row_is_trained_once() -> None:
@@ -185,17 +192,30 @@ def test_rank_rows_split_each_minibatch_so_every_row_is_trained_once() -> None:
         assert all(rows == sorted(rows) for rows in joined)
 
 
-def test_two_gloo_ranks_step_like_one_and_resume_a_sharded_checkpoint_exactly(
-    tmp_path: Path,
+# The same on 2 CUDA cards over NCCL, where a host has them (issue #33: the losses of 1 and N
+# GPU ranks stay equal); the reference step runs on card 0.
+BACKENDS = [
+    pytest.param("cpu", id="gloo-cpu"),
+    pytest.param(
+        "cuda",
+        id="nccl-2-gpus",
+        marks=pytest.mark.skipif(torch.cuda.device_count() < WORLD, reason="needs 2 CUDA GPUs"),
+    ),
+]
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_two_ranks_step_like_one_and_resume_a_sharded_checkpoint_exactly(
+    tmp_path: Path, device: str
 ) -> None:
-    model = build_policy(POLICY)
+    model = build_policy(POLICY.model_copy(update={"device": device}))
     optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)
     reference1 = train_step(model, optimizer, batch(1), 0, CONFIG1, TOKENIZER.pad_id)
     weights1 = weights(model)
     reference2 = train_step(model, optimizer, batch(2), 1, CONFIG2, TOKENIZER.pad_id)
     weights2 = weights(model)
 
-    spawn_ranks(tmp_path, resume=False)
+    spawn_ranks(tmp_path, resume=False, device=device)
     step1 = torch.load(tmp_path / "step1.pt", weights_only=False)
     step2 = torch.load(tmp_path / "step2.pt", weights_only=False)
     assert_same_step(step1["stats"], reference1)
@@ -216,7 +236,7 @@ def test_two_gloo_ranks_step_like_one_and_resume_a_sharded_checkpoint_exactly(
     exported = weights(load_policy(tmp_path / "policy"))
     assert max_difference(exported, step1["weights"]) == 0.0
 
-    spawn_ranks(tmp_path, resume=True)
+    spawn_ranks(tmp_path, resume=True, device=device)
     resumed = torch.load(tmp_path / "resumed.pt", weights_only=False)
     assert resumed["stats"].loss == step2["stats"].loss
     assert max_difference(resumed["weights"], step2["weights"]) == 0.0
