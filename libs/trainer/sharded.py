@@ -62,10 +62,21 @@ from libs.trainer.step import (
 )
 from proto.messages import ScoredRollout
 
+NO_NVLINK_MULTICAST = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}
+
 
 def setup_process_group(device: torch.device) -> None:
     """Join the job's process group (torchrun's env:// variables): NCCL on GPU, gloo on CPU.
-    On GPU each rank takes the card of its LOCAL_RANK, so `device="cuda"` means that card."""
+    On GPU each rank takes the card of its LOCAL_RANK, so `device="cuda"` means that card.
+    NVLink multicast stays off unless the environment says otherwise: the ranks' collectives
+    are a model's worth of bytes on one host, where it gains little, and on hosts whose
+    GPUs others share a program that uses it can take them out of service."""
+    for name, value in NO_NVLINK_MULTICAST.items():
+        os.environ.setdefault(name, value)
     if device.type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if not dist.is_initialized():
