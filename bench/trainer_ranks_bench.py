@@ -73,7 +73,11 @@ def samples(step: int, args: argparse.Namespace) -> list[ScoredRollout]:
 
 
 def learner(args: argparse.Namespace) -> Learner:
-    config = TrainerConfig(batch_groups=args.groups, max_staleness=1000)
+    # The exact-version mismatch meter is off: N ranks refuse it, and with this staleness bound
+    # the 1-rank learner would keep a new pinned copy of the weights every step.
+    config = TrainerConfig(
+        batch_groups=args.groups, max_staleness=1000, mismatch_exact_every_steps=0
+    )
     policy = PolicyConfig(preset=args.preset, device=args.device)
     if world_size() > 1:
         return RankLearner(config, policy, TOKENIZER)

@@ -53,7 +53,7 @@ from tests.test_trainer import publish_scored, read_samples, read_steps
 from tests.test_trainer import scored as scored_sample
 
 TOKENIZER = ByteTokenizer()
-POLICY = PolicyConfig(preset="tiny", device="cpu")
+POLICY = PolicyConfig(preset="tiny", device="cpu", dtype="float32")  # fp32 on a GPU too
 # 7 rows with answers of different lengths, so the ranks hold unequal token shares. Step 1:
 # minibatches of 4 and 3 rows, split 2/2 and 2/1 across the ranks; step 2: 2, 2, 2 and 1
 # rows, the last one leaving rank 1 without rows (it runs a masked row).
