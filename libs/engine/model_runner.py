@@ -433,14 +433,18 @@ class PagedModelRunner:
 
     def _capture_graphs(self) -> None:
         """One CUDA graph of the decode step per batch bucket, largest first, one memory pool,
-        captured on the engine's card (a capture runs on the current device's streams)."""
+        captured on the engine's card (a capture runs on the current device's streams) from a
+        stream of that card: torch.cuda.graph's default capture stream is made once per process
+        on whichever card was current then, so a second engine on another card captured on the
+        first one's stream and failed ("operation not permitted when stream is capturing")."""
         with torch.no_grad(), on_device_of(self.device):
             pool = torch.cuda.graph_pool_handle()
+            stream = torch.cuda.Stream(self.device)
             for bucket in reversed(self.buckets):
                 self._decode_logits(bucket)  # warm-up: Triton compiles, cuBLAS picks kernels
                 torch.cuda.synchronize(self.device)
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
                     logits = self._decode_logits(bucket)
                 self._graphs[bucket] = (graph, logits)
         torch.cuda.synchronize(self.device)
