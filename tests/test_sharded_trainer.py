@@ -407,3 +407,38 @@ def test_ranks_keep_gathered_weights_by_size_unless_told() -> None:
     assert keeps_gathered_weights(model, None)
     assert not keeps_gathered_weights(model, True)  # rank_reshard_after_forward = true
     assert keeps_gathered_weights(model, False)
+
+
+def gather_on_ranks(rank: int, world: int, port: int, out: Path) -> None:
+    """One of `world` ranks: the sharded tiny policy's full state as rank 0 gathers it."""
+    torch.set_num_threads(1)
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world)
+    )
+    setup_process_group(torch.device("cpu"))
+    try:
+        model, _ = build_sharded(0, "cpu")
+        state = full_state_dict(model, torch.bfloat16)
+        if rank == 0:
+            torch.save(state, out / "gathered.pt")
+        else:
+            assert state == {}
+        leave_process_group()
+        exit_rank()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def test_the_version_gathered_from_3_ranks_is_the_whole_model_in_the_publish_dtype(
+    tmp_path: Path,
+) -> None:
+    """Three ranks shard the tiny policy's 262 and 128 rows unevenly (88/88/86 and 43/43/42 rows):
+    the one flat all-gather still puts every row back where it was."""
+    mp.spawn(gather_on_ranks, args=(3, free_port(), tmp_path), nprocs=3, join=True)
+    gathered = torch.load(tmp_path / "gathered.pt")
+    whole = build_policy(POLICY).state_dict()
+    assert gathered.keys() == whole.keys()
+    for name, tensor in whole.items():
+        assert gathered[name].dtype == torch.bfloat16
+        assert torch.equal(gathered[name], tensor.to(torch.bfloat16)), name
