@@ -7,7 +7,8 @@
 
 One rank is the 1-rank trainer's learner (libs.trainer.learner.LocalLearner); N ranks under
 torchrun are the sharded trainer's (libs.trainer.ranks: RankLearner on rank 0, `follow` on
-the others), so what is timed is the code the trainer service runs. Each step is the
+the others; --layout: replicas or FSDP2 shards, auto by size as the trainer chooses), so what
+is timed is the code the trainer service runs. Each step is the
 learner's `train` on a batch of --groups x --group-size samples (prompts of
 --prompt-tokens, completions of --completion-tokens: the digit task's 2 by default, as
 bench/gpu_loop.sh trains; rewards varied within each group), then, every --publish-every
@@ -76,7 +77,10 @@ def learner(args: argparse.Namespace) -> Learner:
     # The exact-version mismatch meter is off: N ranks refuse it, and with this staleness bound
     # the 1-rank learner would keep a new pinned copy of the weights every step.
     config = TrainerConfig(
-        batch_groups=args.groups, max_staleness=1000, mismatch_exact_every_steps=0
+        batch_groups=args.groups,
+        max_staleness=1000,
+        mismatch_exact_every_steps=0,
+        rank_layout=args.layout,
     )
     policy = PolicyConfig(preset=args.preset, device=args.device)
     if world_size() > 1:
@@ -110,6 +114,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     seconds = sum(step_s) + sum(publish_s)
     return {
         "world_size": world_size(),
+        "layout": args.layout if world_size() > 1 else "1 rank",
         "tokens_per_step": tokens,
         "tokens_per_s": round(tokens * len(step_s) / seconds, 1),
         "step_s_median": round(statistics.median(step_s), 4),
@@ -149,6 +154,7 @@ def main() -> None:
     parser.add_argument("--publish-every", type=int, default=1, help="steps per version")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--layout", default="auto", choices=["auto", "replicate", "shard"])
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     if world_size() > 1 and this_rank() > 0:

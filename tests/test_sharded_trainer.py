@@ -39,7 +39,9 @@ from libs.trainer.sharded import (
     keeps_gathered_weights,
     leave_process_group,
     load_sharded_checkpoint,
+    place_policy,
     rank_rows,
+    replicates,
     save_sharded_checkpoint,
     setup_process_group,
     shard_policy,
@@ -131,14 +133,16 @@ def assert_same_step(sharded: StepStats, reference: StepStats) -> None:
 
 
 def build_sharded(
-    seed: int, device: str, reshard_after_forward: bool = True
+    seed: int, device: str, reshard_after_forward: bool = True, layout: str = "shard"
 ) -> tuple[PreTrainedModel, torch.optim.Optimizer]:
+    """The tiny policy as the ranks hold it: FSDP2 shards, or ("replicate") whole on each."""
     policy = build_policy(POLICY.model_copy(update={"seed": seed, "device": device}))
-    model = shard_policy(policy, reshard_after_forward=reshard_after_forward)
-    return model, torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)
+    if layout == "shard":
+        policy = shard_policy(policy, reshard_after_forward=reshard_after_forward)
+    return policy, torch.optim.AdamW(policy.parameters(), lr=LEARNING_RATE)
 
 
-def run_rank(rank: int, port: int, out: Path, resume: bool, device: str) -> None:
+def run_rank(rank: int, port: int, out: Path, resume: bool, device: str, layout: str) -> None:
     """One rank: steps 1 and 2 with a sharded checkpoint and an HF export in between, or
     (resume) a fresh differently-seeded model that loads the checkpoint and takes step 2,
     keeping each layer's gathered weights from forward to backward (the other way to run
@@ -155,10 +159,10 @@ def run_rank(rank: int, port: int, out: Path, resume: bool, device: str) -> None
     setup_process_group(torch.device(device))
     try:
         if resume:
-            model, optimizer = build_sharded(1, device, reshard_after_forward=False)
+            model, optimizer = build_sharded(1, device, False, layout)
             load_sharded_checkpoint(model, optimizer, out / "checkpoint")
         else:
-            model, optimizer = build_sharded(0, device)
+            model, optimizer = build_sharded(0, device, True, layout)
             stats = sharded_train_step(model, optimizer, batch(1), 0, CONFIG1, TOKENIZER.pad_id)
             step1 = full_state_dict(model, torch.float32)
             save_sharded_checkpoint(model, optimizer, out / "checkpoint")
@@ -179,8 +183,9 @@ def run_rank(rank: int, port: int, out: Path, resume: bool, device: str) -> None
             dist.destroy_process_group()
 
 
-def spawn_ranks(out: Path, resume: bool, device: str) -> None:
-    mp.spawn(run_rank, args=(free_port(), out, resume, device), nprocs=WORLD, join=True)
+def spawn_ranks(out: Path, resume: bool, device: str, layout: str) -> None:
+    arguments = (free_port(), out, resume, device, layout)
+    mp.spawn(run_rank, args=arguments, nprocs=WORLD, join=True)
 
 
 def test_rank_rows_split_each_minibatch_so_every_row_is_trained_once() -> None:
@@ -204,9 +209,10 @@ BACKENDS = [
 ]
 
 
+@pytest.mark.parametrize("layout", ["shard", "replicate"])
 @pytest.mark.parametrize("device", BACKENDS)
 def test_two_ranks_step_like_one_and_resume_a_sharded_checkpoint_exactly(
-    tmp_path: Path, device: str
+    tmp_path: Path, device: str, layout: str
 ) -> None:
     model = build_policy(POLICY.model_copy(update={"device": device}))
     optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)
@@ -215,7 +221,7 @@ def test_two_ranks_step_like_one_and_resume_a_sharded_checkpoint_exactly(
     reference2 = train_step(model, optimizer, batch(2), 1, CONFIG2, TOKENIZER.pad_id)
     weights2 = weights(model)
 
-    spawn_ranks(tmp_path, resume=False, device=device)
+    spawn_ranks(tmp_path, resume=False, device=device, layout=layout)
     step1 = torch.load(tmp_path / "step1.pt", weights_only=False)
     step2 = torch.load(tmp_path / "step2.pt", weights_only=False)
     assert_same_step(step1["stats"], reference1)
@@ -232,11 +238,12 @@ def test_two_ranks_step_like_one_and_resume_a_sharded_checkpoint_exactly(
         f"step2 {max_difference(step2['weights'], weights2):.2e}"
     )
 
-    assert len(list((tmp_path / "checkpoint").glob("*.distcp"))) == WORLD  # a file per rank
+    # A file per rank; replicas' tensors are written once, spread over the files.
+    assert len(list((tmp_path / "checkpoint").glob("*.distcp"))) == WORLD
     exported = weights(load_policy(tmp_path / "policy"))
     assert max_difference(exported, step1["weights"]) == 0.0
 
-    spawn_ranks(tmp_path, resume=True, device=device)
+    spawn_ranks(tmp_path, resume=True, device=device, layout=layout)
     resumed = torch.load(tmp_path / "resumed.pt", weights_only=False)
     assert resumed["stats"].loss == step2["stats"].loss
     assert max_difference(resumed["weights"], step2["weights"]) == 0.0
@@ -312,8 +319,9 @@ async def test_a_2_rank_trainer_service_stopped_and_resumed_trains_each_sample_o
     max_steps = num_groups // batch_groups
     second = trainer_ranks(resume_ranks, env | {"RLPIPE_TRAINER_MAX_STEPS": str(max_steps)}, log)
     assert second.wait(timeout=180) == 0, log.read_text()[-3000:]
-    started = f'"ranks": {resume_ranks}, "backend": "gloo", "weights_kept_gathered_to_backward"'
-    assert f'{started}: true, "event": "sharded trainer"' in log.read_text()  # a CPU: kept
+    layout = '"layout": "sharded, weights kept gathered to the backward"'  # a CPU: kept
+    started = f'"ranks": {resume_ranks}, "backend": "gloo", {layout}, "event": "sharded trainer"'
+    assert started in log.read_text()
 
     records = read_samples(tmp_path)
     assert [r["step"] for r in records] == list(range(1, max_steps + 1))
@@ -400,6 +408,14 @@ def test_one_rank_refuses_a_sharded_checkpoint_naming_how_to_resume_it(tmp_path:
     (tmp_path / "sharded").mkdir()
     with pytest.raises(ValueError, match=r"written by a sharded trainer.*torchrun"):
         load_optimizer_state(tmp_path, torch.device("cpu"))
+
+
+def test_ranks_replicate_a_policy_that_fits_a_card_unless_told_and_shard_on_a_cpu() -> None:
+    model = build_policy(POLICY)
+    assert not replicates(model, "auto")  # a CPU: the ranks share the host's memory
+    assert replicates(model, "replicate") and not replicates(model, "shard")
+    placed, layout = place_policy(model, TrainerConfig(policy=POLICY, rank_layout="replicate"))
+    assert (placed, layout) == (model, "replicated")  # nothing wrapped
 
 
 def test_ranks_keep_gathered_weights_by_size_unless_told() -> None:

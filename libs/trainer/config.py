@@ -52,6 +52,13 @@ class TrainerConfig(StepConfig):
         0.1, gt=0, le=1, description="Learning rate at the end of the decay, as a fraction"
     )
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
+    rank_layout: Literal["auto", "replicate", "shard"] = Field(
+        "auto",
+        description="Trainer ranks: each holds the whole policy and AdamW state and the "
+        "gradients are summed (replicate), or each holds 1/N of them (shard, FSDP2); auto: "
+        "replicate on GPUs while weights, gradients and AdamW state fit a quarter of one "
+        "card, shard otherwise and on CPUs (libs/trainer/sharded.py)",
+    )
     rank_reshard_after_forward: bool | None = Field(
         None,
         description="Trainer ranks: free each layer's gathered weights after its forward and "

@@ -1,4 +1,5 @@
-"""The trainer as N processes (ranks) of one torch.distributed job, the policy FSDP2-sharded.
+"""The trainer as N processes (ranks) of one torch.distributed job: the policy replicated on
+every rank when it fits one card, FSDP2-sharded when not (libs.trainer.sharded.place_policy).
 
     torchrun --standalone --nproc-per-node 2 -m services.trainer    # gloo on CPU, NCCL on GPU
 
@@ -11,10 +12,11 @@ the command channel and then runs itself; the other ranks receive each one and r
 so every rank enters every collective in the same order:
 
     Setup   the resolved config (learning rate and staleness bound sized on rank 0)
-    Step    the batch's samples and learning rate -> the sharded optimizer step
+    Step    the batch's samples and learning rate -> the ranks' optimizer step
     Gather  the full weights on rank 0: the version to stage, once per version
-    Save    each rank its shard (sharded/) + the consolidated HF folder by rank 0
-    Load    each rank its shard of a sharded checkpoint
+    Save    each rank its shard in sharded/ (replicas: one copy over the ranks' files),
+            the HF folder by rank 0
+    Load    each rank its shard (or replica) of a sharded checkpoint
     Stop    the other ranks exit 0
 
 Exactly-once is the 1-rank trainer's: a step's samples are marked consumed once every rank
@@ -67,12 +69,11 @@ from libs.trainer.schedule import learning_rate_at, learning_rate_of, set_learni
 from libs.trainer.sharded import (
     export_policy_folder,
     full_state_dict,
-    keeps_gathered_weights,
     leave_process_group,
     load_sharded_checkpoint,
+    place_policy,
     save_sharded_checkpoint,
     setup_process_group,
-    shard_policy,
     sharded_train_step,
 )
 from libs.trainer.step import StepStats
@@ -168,8 +169,7 @@ class Setup(Command):
                 f"{ours!r} vs {self.fingerprint!r}): every rank must load the same policy "
                 "(RLPIPE_TRAINER_POLICY_PATH readable by each, or the same preset and seed)"
             )
-        keep = keeps_gathered_weights(model, self.config.rank_reshard_after_forward)
-        model = shard_policy(model, reshard_after_forward=not keep)
+        model, _ = place_policy(model, self.config)
         optimizer = torch.optim.AdamW(
             model.parameters(),
             lr=learning_rate_at(self.config, 0),
@@ -294,8 +294,7 @@ class RankLearner:
         channel = CommandChannel()  # collective: right after joining, as every rank does
         model = self.precision.build_model(policy)
         fingerprint = weights_fingerprint(model)
-        keep = keeps_gathered_weights(model, config.rank_reshard_after_forward)
-        self.model = shard_policy(model, reshard_after_forward=not keep)
+        self.model, layout = place_policy(model, config)
         check_vocabulary(self.model, tokenizer, policy)
         self.config = config.sized_for(sum(p.numel() for p in self.model.parameters()))
         self.optimizer: torch.optim.Optimizer = torch.optim.AdamW(
@@ -312,7 +311,7 @@ class RankLearner:
             "sharded trainer",
             ranks=world_size(),
             backend=dist.get_backend(),
-            weights_kept_gathered_to_backward=keep,
+            layout=layout,
         )
 
     def load(self, folder: Path) -> None:

@@ -215,6 +215,10 @@ class RowShare:
         """One minibatch's loss statistics over the processes."""
         return stats
 
+    def reduce_gradients(self, model: torch.nn.Module) -> None:
+        """Sum this process's gradients with the other processes' (after the backward, before
+        clipping), where nothing else does."""
+
 
 ALL_ROWS = RowShare()
 
@@ -254,6 +258,7 @@ def optimize_on_batch(
         optimizer.zero_grad(set_to_none=True)
         loss, loss_stats = _minibatch_loss(model, batch, proximal, anchor, rows, config, share)
         loss.backward()
+        share.reduce_gradients(model)
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.max_grad_norm)
         grad_norms.append(_full_value(norm))
         optimizer.step()
