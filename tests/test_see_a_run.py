@@ -31,7 +31,14 @@ PY = sys.executable
 REPO_ROOT = Path(__file__).resolve().parent.parent
 STEPS = 12  # past the eval gate's version 10, so a decision follows a trained version
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b\][^\x07]*\x07|\r")
-PLOTS = ("reward.png", "staleness.png", "throughput.png", "mismatch.png", "training.png")
+PLOTS = (
+    "reward.png",
+    "staleness.png",
+    "throughput.png",
+    "mismatch.png",
+    "training.png",
+    "episodes.png",
+)
 
 
 @dataclass(frozen=True)
@@ -193,9 +200,28 @@ def test_report_writes_the_plots_and_summarizes_the_steps(demo: DemoRun, tmp_pat
     assert lines[0].startswith(f"trainer: {STEPS} steps")
     assert f"reward: {first:.2f} -> {last:.2f}" in report.stdout
     assert lines[-1] == f"plots: {out}/ ({', '.join(PLOTS)})"
+    assert "episodes: turns 1.00 -> 1.00, context segments 1.00 -> 1.00" in report.stdout
+
+    # Held-out episodes of the first decision beside the last's, task by task.
+    evals = read_evals(demo.run_dir)
+    first_version, last_version = evals[0].version, evals[-1].version
+    assert first_version < last_version
+    page = (out / "transcripts.md").read_text()
+    assert lines[-2] == (
+        f"transcripts: {out / 'transcripts.md'} (3 held-out tasks at version {first_version} "
+        f"and {last_version})"
+    )
+    assert page.count("\n## Task ") == 3
+    assert page.count(f"Before: version {first_version}, reward ") == 3
+    assert page.count(f"After: version {last_version}, reward ") == 3
+    assert page.count("```text\n[user]\n") == 6  # each episode opens with the task's prompt
 
     summary_only = rlpipe("report", str(demo.run_dir), "--no-plots")
-    assert summary_only.returncode == 0 and summary_only.stdout.splitlines() == lines[:-1]
+    assert summary_only.returncode == 0
+    *summary, transcripts = summary_only.stdout.splitlines()  # the page in RUN_DIR/report
+    assert summary == lines[:-2] and transcripts.startswith(
+        f"transcripts: {demo.run_dir / 'report' / 'transcripts.md'} (3 held-out tasks"
+    )
 
 
 def test_report_on_a_folder_without_a_run_says_so_in_one_line(tmp_path: Path) -> None:

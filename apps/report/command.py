@@ -13,6 +13,7 @@ from typing import Any
 
 from apps.report.figures import RunFigures, run_figures, summary_lines
 from apps.report.plots import MissingMatplotlibError, write_plots
+from apps.report.transcripts import transcripts_line
 
 EXIT_OK, EXIT_ERROR = 0, 2
 
@@ -22,7 +23,10 @@ def add_report_parser(commands: Any) -> None:
     report = commands.add_parser("report", help="plots and a summary of a run's training")
     report.add_argument("run_dir", type=Path, help="the run folder (e.g. runs/<time>)")
     report.add_argument(
-        "--out", type=Path, default=None, help="folder for the plots (default: RUN_DIR/report)"
+        "--out",
+        type=Path,
+        default=None,
+        help="folder for the plots and transcripts.md (default: RUN_DIR/report)",
     )
     report.add_argument("--no-plots", action="store_true", help="print the summary only")
 
@@ -49,7 +53,8 @@ def report_lines(run_dir: Path) -> list[str]:
         plots = plots_line(figures, run_dir / "report")
     except MissingMatplotlibError as exc:
         plots = f"plots: none ({exc})"
-    return [*summary_lines(figures), plots]
+    transcripts = transcripts_line(run_dir, run_dir / "report")
+    return [*summary_lines(figures), plots, *([transcripts] if transcripts else [])]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -59,6 +64,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_ERROR
     print("\n".join(summary_lines(figures)), flush=True)
+    transcripts = transcripts_line(args.run_dir, args.out or args.run_dir / "report")
+    if transcripts:
+        print(transcripts, flush=True)
     if args.no_plots:
         return EXIT_OK
     try:

@@ -112,9 +112,28 @@ def summary_lines(figures: RunFigures) -> list[str]:
         lines.append(exact_mismatch_line(figures.exact_mismatch_steps))
     if any(s.routing_disagreement is not None for s in figures.steps):
         lines.append(routing_line(figures.steps))
+    if any(s.turns_per_episode is not None for s in figures.steps):
+        lines.append(episodes_line(figures))
     if figures.evals:
         lines.append(eval_line(figures.evals))
     return lines
+
+
+def episodes_line(figures: RunFigures) -> str:
+    """The trained episodes' tool use and length, first steps against last."""
+
+    def change(name: str) -> str:
+        first = mean([v for s in figures.first if (v := getattr(s, name)) is not None])
+        last = mean([v for s in figures.last if (v := getattr(s, name)) is not None])
+        return f"{fmt(first)} -> {fmt(last)}"
+
+    window = min(WINDOW, len(figures.steps))
+    called = any(s.tool_call_validity is not None for s in figures.steps)
+    validity = f"tool-call validity {change('tool_call_validity')}, " if called else ""
+    return (
+        f"episodes: {validity}turns {change('turns_per_episode')}, context segments "
+        f"{change('segments_per_episode')} (first and last {window} steps)"
+    )
 
 
 def training_line(figures: RunFigures) -> str:

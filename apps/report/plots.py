@@ -55,6 +55,8 @@ def write_plots(figures: RunFigures, out_dir: Path) -> list[Path]:
         "mismatch": mismatch_plot,
         "training": training_plot,
     }
+    if any(r.turns_per_episode is not None for r in figures.steps):
+        drawers["episodes"] = episodes_plot
     paths = []
     for name, draw in drawers.items():
         path = out_dir / f"{name}.png"
@@ -148,6 +150,30 @@ def throughput_plot(figures: RunFigures) -> Figure:
     busy.set_ylabel("fraction of time")
     busy.legend(fontsize=8)
     for axes in (rates, busy):
+        axes.set_xlabel("trainer step")
+        axes.grid(alpha=0.3)
+    return figure
+
+
+def episodes_plot(figures: RunFigures) -> Figure:
+    """Tool-call validity; turns and context segments per trained episode."""
+    steps = [r for r in figures.steps if r.turns_per_episode is not None]
+    figure, (validity, length) = new_figure("Episodes: tool use and length", 2)
+    x = steps_of(steps)
+    pairs = [(xi, r.tool_call_validity) for xi, r in zip(x, steps, strict=True)]
+    called = [(xi, v) for xi, v in pairs if v is not None]
+    if called:
+        xs, ys = [p[0] for p in called], [p[1] for p in called]
+        plot_series(validity, xs, ys, "well-formed tool calls / calls", "C0")
+        validity.legend(fontsize=8)
+    validity.set_ylim(0, 1.05)
+    validity.set_ylabel("fraction of calls")
+    plot_series(length, x, [r.turns_per_episode or 0.0 for r in steps], "turns", "C1")
+    segments = [r.segments_per_episode or 0.0 for r in steps]
+    plot_series(length, x, segments, "context segments", "C2")
+    length.set_ylabel("per episode")
+    length.legend(fontsize=8)
+    for axes in (validity, length):
         axes.set_xlabel("trainer step")
         axes.grid(alpha=0.3)
     return figure

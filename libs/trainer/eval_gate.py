@@ -51,6 +51,7 @@ from libs.envs.client import EnvClient, EnvError
 from libs.policy import PolicyConfig
 from libs.rollout.agent import AgentSettings
 from libs.rollout.evaluate import evaluate, mean_reward
+from libs.rollout.transcripts import HeldOutTranscript, held_out_transcripts
 from libs.tokenizer import Tokenizer
 from proto import streams, subjects
 from proto.messages import PromotionDecision, ScoredRollout, Task
@@ -82,6 +83,12 @@ class EvalGateConfig(BaseModel):
         DEFAULT_EVAL_SEED, description="Seed of the held-out tasks; never the feeder's seed"
     )
     env: str = Field("arith", description="Domain of the held-out tasks (env-gateway)")
+    transcripts: int = Field(
+        3,
+        ge=0,
+        description="Held-out episodes of each decision written as text for `rlpipe report` "
+        "(the first tasks, the same each time)",
+    )
 
     @property
     def enabled(self) -> bool:
@@ -180,6 +187,8 @@ class EvalGate:
         # The workers' harness limits for this domain, in the policy's tokens.
         self.agent = harness_for(config.env, chat_template_for(tokenizer))
         self.last: PromotionDecision | None = None
+        # The last decision's first held-out episodes, rendered (HeldOutTranscript).
+        self.last_transcripts: list[HeldOutTranscript] = []
 
     async def setup(self, js: JetStreamContext) -> None:
         """Resume from the last decision; repair the KV key if a crash left it behind."""
@@ -202,7 +211,7 @@ class EvalGate:
         started_s = time.monotonic()
         engine = await asyncio.to_thread(build_engine, EngineConfig(), self.policy, model)
         try:
-            score = mean_reward(await self.held_out_episodes(engine))
+            episodes = await self.held_out_episodes(engine)
         except EnvError as exc:
             DECISIONS.labels("not_evaluated").inc()
             log.error(
@@ -212,9 +221,12 @@ class EvalGate:
                 error=str(exc),
             )
             return None
+        self.last_transcripts = held_out_transcripts(
+            episodes, self.tokenizer, self.config.transcripts
+        )
         decision = decide(
             version,
-            score,
+            mean_reward(episodes),
             self.last,
             margin=self.config.margin,
             num_tasks=len(self.tasks),

@@ -266,7 +266,7 @@ class Trainer:
             model, self.state.version, self._publisher, self._bus.js
         )
         if decision is not None:
-            self._recorder.decision(decision)
+            self._recorder.decision(decision, self._gate.last_transcripts)
 
     def _keeps_version(self) -> bool:
         """True when the eval gate just promoted the version held, or scored it the best yet:

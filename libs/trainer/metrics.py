@@ -89,6 +89,7 @@ LEARNING_RATE = Gauge("rlpipe_trainer_learning_rate", "Learning rate of the last
 STEPS_FILE = Path("trainer") / "steps.jsonl"
 STEP_SAMPLES_FILE = Path("trainer") / "step_samples.jsonl"
 EVALS_FILE = Path("trainer") / "evals.jsonl"
+TRANSCRIPTS_FILE = Path("trainer") / "eval_transcripts.jsonl"
 # Steps whose rewards make the "recent" figures of the trainer's health answer.
 RECENT_STEPS = 10
 
@@ -166,6 +167,11 @@ class StepRecord(msgspec.Struct, kw_only=True):
     max_staleness: int | None = None
     # The pacer's decision after this step (None: pacing off, or an online step).
     pacing: PacingDecision | None = None
+    # The trained episodes' tool use and length (libs.rollout.figures; None: online steps,
+    # records before these were, or no tool call attempted for the validity).
+    tool_call_validity: float | None = None
+    turns_per_episode: float | None = None
+    segments_per_episode: float | None = None
 
 
 class StepSamples(msgspec.Struct, kw_only=True):
@@ -192,6 +198,17 @@ class EvalRecord(msgspec.Struct, kw_only=True):
     serving_version: int | None
     serving_score: float | None
     reason: str
+
+
+class TranscriptRecord(msgspec.Struct, kw_only=True):
+    """One held-out episode of an eval-gate decision, as a person reads it."""
+
+    step: int
+    version: int
+    task_id: str
+    reward: float
+    success: bool
+    text: str
 
 
 class StepLog:
@@ -229,6 +246,12 @@ class StepLog:
         )
         append_line(self.run_dir / EVALS_FILE, record)
         self.tracking.log(eval_scalars(record), step)
+
+    def write_transcripts(self, transcripts: list[TranscriptRecord]) -> None:
+        """Held-out episodes of an eval-gate decision (`rlpipe report` sets the first
+        evaluated version's beside the last's)."""
+        for transcript in transcripts:
+            append_line(self.run_dir / TRANSCRIPTS_FILE, transcript)
 
     def health_fields(self, window: int = RECENT_STEPS) -> dict[str, float | None]:
         """Reward of the first and last `window` steps, and the recent steps' figures."""
@@ -386,6 +409,10 @@ def read_step_samples(run_dir: Path) -> list[StepSamples]:
 
 def read_evals(run_dir: Path) -> list[EvalRecord]:
     return read_records(run_dir / EVALS_FILE, EvalRecord)
+
+
+def read_transcripts(run_dir: Path) -> list[TranscriptRecord]:
+    return read_records(run_dir / TRANSCRIPTS_FILE, TranscriptRecord)
 
 
 R = TypeVar("R", StepRecord, StepSamples)

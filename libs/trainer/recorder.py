@@ -6,7 +6,7 @@ the experiment trackers).
     recorder.start_clock()                              # busy fraction from now
     recorder.offline(batch, stats, step_s, learning_rate, max_staleness=4, pacing=decision)
     recorder.online(taken, stats, step_s, learning_rate)
-    recorder.decision(decision)
+    recorder.decision(decision, gate.last_transcripts)   # + a few held-out episodes
 
 Each record carries the trainer's step, version and segment as `state` has them after the
 step, and the busy fraction: the share of wall time spent in optimizer steps since the
@@ -22,16 +22,31 @@ from typing import Any
 
 from libs.rl import MismatchStats, PolicyLossStats, staleness_buckets
 from libs.rl.mismatch import ExactVersionMismatch
-from libs.rollout.figures import is_success
+from libs.rollout.figures import episode_figures, is_success
+from libs.rollout.transcripts import HeldOutTranscript
 from libs.trainer.checkpoint import TrainerState
 from libs.trainer.config import TrainerConfig
-from libs.trainer.metrics import MismatchFigures, StepRecord, StepSamples, open_step_log
+from libs.trainer.metrics import (
+    MismatchFigures,
+    StepRecord,
+    StepSamples,
+    TranscriptRecord,
+    open_step_log,
+)
 from libs.trainer.online_source import OnlineTake
 from libs.trainer.online_step import OnlineStepStats
 from libs.trainer.pacing import PacingDecision
 from libs.trainer.samples import Batch
 from libs.trainer.step import StepStats
-from proto.messages import PromotionDecision
+from proto.messages import PromotionDecision, ScoredRollout
+
+EPISODE_FIELDS = ("tool_call_validity", "turns_per_episode", "segments_per_episode")
+
+
+def episode_fields(kept: list[ScoredRollout]) -> dict[str, float | None]:
+    """The step record's tool-use and length figures of the episodes it trained on."""
+    figures = episode_figures(kept) if kept else {}
+    return {name: figures.get(name) for name in EPISODE_FIELDS}
 
 
 @dataclass
@@ -76,6 +91,7 @@ class StepRecorder:
             **self._step_fields(stats.policy, stats.mismatch, step_s, learning_rate),
             mean_reward=sum(rewards) / len(rewards) if rewards else 0.0,
             success=sum(map(is_success, batch.kept)) / max(len(batch.kept), 1),
+            **episode_fields(batch.kept),
             num_samples=len(batch.kept),
             num_rows=stats.num_rows,
             num_groups=len(batch.groups),
@@ -133,9 +149,12 @@ class StepRecorder:
         )
         self._log.write(record, samples)
 
-    def decision(self, decision: PromotionDecision) -> None:
-        """An eval-gate decision, at the trainer's step."""
+    def decision(self, decision: PromotionDecision, transcripts: list[HeldOutTranscript]) -> None:
+        """An eval-gate decision, at the trainer's step, and a few of its held-out episodes."""
         self._log.write_decision(decision, self._state.step)
+        step, version = self._state.step, decision.version
+        records = [TranscriptRecord(step=step, version=version, **vars(t)) for t in transcripts]
+        self._log.write_transcripts(records)
 
     def _samples(self, **ids: Any) -> StepSamples:
         return StepSamples(step=self._state.step, segment=self._state.segment, **ids)
