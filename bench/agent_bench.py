@@ -12,7 +12,8 @@
    gate's) with the warm start, on `--device` and `--engine`;
 3. RL: `rlpipe demo --recipe FILE --duration-s N` from the warm start (a child process, its
    run folder under --run-root), and its summary (the run's summary.json: steps, reward and
-   success of the first and last steps, trainer busy, staleness);
+   success of the first and last steps, trainer busy, staleness) and the eval gate's
+   held-out episodes of a few tasks at its first and last evaluated versions, as text;
 4. held-out again, with the run's last checkpoint.
 
 `--set SERVICE.FIELD=VALUE` passes through to the demo (e.g. `rollout-worker.engine.type=hf`
@@ -42,10 +43,14 @@ from apps.launcher.warm_start import (
     ensure_warm_start,
     warm_start_dir,
 )
+from apps.report.transcripts import before_after
 from libs.sft.train import RESULT_FILE
+from libs.trainer.metrics import read_transcripts
 
 REPO = Path(__file__).resolve().parent.parent
 CLI = [sys.executable, "-m", "apps.cli"]
+# Held-out tasks whose episodes before and after RL the result shows.
+TRANSCRIPTS = 2
 # Fields of the run's summary.json kept in the result.
 RUN_FIELDS = (
     "duration_s", "trainer_step", "trainer_busy_fraction", "trainer_reward_first_10",
@@ -105,7 +110,28 @@ def reinforce(recipe_path: Path, args: argparse.Namespace, run_dir: Path) -> dic
     summary = json.loads((run_dir / "summary.json").read_text())
     if done.returncode != 0:
         raise SystemExit(f"the RL run failed ({done.returncode}): {run_dir}/logs")
-    return {field: summary.get(field) for field in RUN_FIELDS}
+    return {
+        **{field: summary.get(field) for field in RUN_FIELDS},
+        "held_out_transcripts": transcripts(run_dir),
+    }
+
+
+def transcripts(run_dir: Path) -> list[dict[str, Any]]:
+    """The eval gate's first TRANSCRIPTS held-out tasks at its first and last evaluated
+    versions (what `rlpipe report` writes to transcripts.md): the learned behaviour."""
+    before, after = before_after(read_transcripts(run_dir))
+    later = {r.task_id: r for r in after}
+    pairs = []
+    for episode in before[:TRANSCRIPTS]:
+        pair = {"task_id": episode.task_id}
+        for label, record in (("before", episode), ("after", later.get(episode.task_id))):
+            if record is not None:
+                pair[label] = {
+                    "version": record.version, "reward": record.reward,
+                    "success": record.success, "text": record.text,
+                }  # fmt: skip
+        pairs.append(pair)
+    return pairs
 
 
 def last_checkpoint(run_dir: Path) -> Path:
