@@ -33,7 +33,7 @@ from libs.trainer.ranks import refuse_unsupported
 from libs.trainer.recorder import StepRecorder
 from libs.trainer.samples import Batch
 from libs.trainer.step import StepStats
-from libs.trainer.version_ring import mark_mixed_turns, setup_exact_mismatch
+from libs.trainer.version_ring import VersionRing, mark_mixed_turns, setup_exact_mismatch
 from proto.messages import Rollout, ScoredRollout, Task, Turn
 from tests.test_engine_paged import wait_for
 from tests.test_router_replay import perturb_routers
@@ -199,6 +199,38 @@ def test_the_ring_covers_the_staleness_bound_and_the_setting_turns_it_off() -> N
         every_4th is not None
         and [every_4th.due() for _ in range(8)] == [False, False, False, True] * 2
     )
+
+
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+        ),
+    ],
+)
+def test_the_ring_keeps_each_version_as_it_was_on_the_card_when_it_fits(device: str) -> None:
+    """Copies are queued, not waited for: each kept version still reads as it was after the
+    parameters changed in place (as the optimizer changes them), and the oldest goes first.
+    On a GPU the ring is on the model's card (the tiny policy fits); on a CPU in host memory."""
+    model = build_policy(PolicyConfig(preset="tiny", device=device))
+    ring = VersionRing(2)
+    originals = []
+    for version in range(3):
+        originals.append({n: p.detach().clone() for n, p in model.named_parameters()})
+        ring.keep(version, model)
+        with torch.no_grad():
+            for parameter in model.parameters():
+                parameter.add_(1.0)
+    assert ring.on_card == (device == "cuda") and ring.versions == [1, 2]
+    assert ring.weights(0) is None
+    for version in (1, 2):
+        kept = ring.weights(version)
+        assert kept is not None
+        assert all(kept[n].device == p.device for n, p in model.named_parameters())
+        assert all(torch.equal(kept[n], originals[version][n]) for n in kept)
 
 
 def test_the_sharded_trainer_refuses_the_setting_by_name() -> None:
