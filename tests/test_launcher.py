@@ -7,6 +7,7 @@ Children are real processes; stand-in services are small Python programs that an
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import itertools
 import json
@@ -14,8 +15,10 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -335,6 +338,7 @@ def test_service_command_that_cannot_start_fails_the_run(
 
 LAUNCH_WITH_FAKES = """
 import sys
+import threading
 from pathlib import Path
 from apps.launcher.run import LaunchOptions, run_local
 sys.exit(run_local(LaunchOptions(run_dir=Path(sys.argv[1]), commands={commands!r},
@@ -549,3 +553,38 @@ def test_demo_stops_cleanly_on_ctrl_c_once_every_service_is_up(run_dir: Path) ->
 def _all_services_up(status: dict[str, Any]) -> bool:
     states = status.get("services", {})
     return set(states) == set(ALL_SERVICES) and all(v in ("ok", "idle") for v in states.values())
+
+
+def test_a_health_answer_from_another_service_on_the_port_is_not_taken_as_healthy() -> None:
+    """Two ports drawn alike once gave env-gateway's health check to the feedback API: its
+    "ok" hid a gateway that crash-looped. Whoever answers must be the service expected."""
+
+    class Answer(BaseHTTPRequestHandler):
+        service = "feedback-ingester"
+
+        def do_GET(self) -> None:
+            data = json.dumps({"service": self.service, "status": "ok"}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Answer)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}/healthz"
+    try:
+        monitor = HealthMonitor({"env-gateway": url}, services={"env-gateway": "env-gateway"})
+        asyncio.run(monitor.poll_once({"env-gateway": 1}))
+        record = monitor.records["env-gateway"]
+        assert record.status == "unreachable" and not record.ever_healthy
+        assert record.detail == (
+            f"{url} answers as 'feedback-ingester', not env-gateway: another process holds the port"
+        )
+        Answer.service = "env_gateway"  # the package's spelling is the same service
+        asyncio.run(monitor.poll_once({"env-gateway": 1}))
+        assert record.status == "ok" and record.ever_healthy
+    finally:
+        server.shutdown()

@@ -2,6 +2,9 @@
 
 A service answers 200 when healthy and 503 when not, both with a JSON body such as
 `{"service": "trainer", "status": "ok", "detail": "...", "step": 12, "policy_version": 3}`.
+An answer naming another service is no answer: another process holds the port (two ports
+drawn alike once gave env-gateway's check to the feedback API, which answered "ok" while
+the gateway crash-looped).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ class HealthRecord:
     """The latest health answer of one service; `ever_healthy` survives restarts."""
 
     url: str
+    service: str = ""  # the service expected to answer ("": any)
     status_code: int | None = None
     body: dict[str, Any] = field(default_factory=dict)
     error: str = ""
@@ -59,8 +63,19 @@ def parse_body(raw: bytes) -> dict[str, Any]:
 class HealthMonitor:
     """Keeps one `HealthRecord` per service, polled while the service's process is alive."""
 
-    def __init__(self, urls: Mapping[str, str], interval_s: float = 1.0, timeout_s: float = 1.0):
-        self.records = {name: HealthRecord(url) for name, url in urls.items()}
+    def __init__(
+        self,
+        urls: Mapping[str, str],
+        interval_s: float = 1.0,
+        timeout_s: float = 1.0,
+        services: Mapping[str, str] | None = None,
+    ):
+        """`urls` by name (a service, or an instance of one); `services`: the service each
+        name's answer must come from (default: any)."""
+        services = services or {}
+        self.records = {
+            name: HealthRecord(url, services.get(name, "")) for name, url in urls.items()
+        }
         self.interval_s = interval_s
         self.timeout_s = timeout_s
 
@@ -84,8 +99,21 @@ class HealthMonitor:
         except (OSError, ValueError, http.client.HTTPException) as exc:
             record.error = f"no answer from {record.url}: {_reason(exc)}"
             return
+        answered = str(body.get("service", ""))
+        if record.service and _package(answered) != _package(record.service):
+            record.status_code, record.body = None, {}
+            record.error = (
+                f"{record.url} answers as {answered or 'no service'!r}, not {record.service}: "
+                "another process holds the port"
+            )
+            return
         record.status_code, record.body, record.error = code, body, ""
         record.ever_healthy = record.ever_healthy or code == 200
+
+
+def _package(service: str) -> str:
+    """A service's name as its package spells it ("env-gateway" and "env_gateway" alike)."""
+    return service.replace("-", "_")
 
 
 def _reason(exc: Exception) -> str:

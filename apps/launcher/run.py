@@ -350,7 +350,8 @@ class LocalRun:
             on_spawn=lambda _: self._write_pids(),
             on_event=self.log.info,
         )
-        self.monitor = HealthMonitor({spec.name: url for spec, url in pairs})
+        services = dict(self.options.instances())  # instance -> the service it runs
+        self.monitor = HealthMonitor({spec.name: url for spec, url in pairs}, services=services)
         return self.supervisor, self.monitor
 
     async def _run_services(self) -> None:
