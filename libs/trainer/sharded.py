@@ -306,7 +306,7 @@ def full_state_dict(model: PreTrainedModel, dtype: torch.dtype) -> dict[str, tor
     full = {}
     for name, tensor in state.items():
         if not isinstance(tensor, DTensor):
-            full[name] = tensor.detach().to(dtype)  # replicated: the same on every rank
+            full[name] = tensor.detach().to(dtype, copy=True)  # the same on every rank
             continue
         offset, rows = layout[id(tensor)]
         row_shape = tensor.shape[1:]
