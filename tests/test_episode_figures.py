@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from libs.rollout.transcripts import held_out_transcripts, render_episode
 from libs.tokenizer import ByteTokenizer
-from libs.trainer.recorder import episode_fields
+from libs.trainer.recorder import EpisodeFields, episode_fields
 from proto import messages as m
 from proto.messages import Rollout, ScoredRollout, Task, Turn
 
@@ -40,14 +40,13 @@ def episode(index: int, calls: int, invalid: int, turns: int, segments: int) -> 
 
 def test_a_step_records_tool_call_validity_and_turns_and_segments_per_episode() -> None:
     kept = [episode(0, calls=3, invalid=1, turns=4, segments=1), episode(1, 0, 0, 1, 2)]
-    assert episode_fields(kept) == {
-        "tool_call_validity": 0.75,  # 3 well-formed of 4 attempted
-        "turns_per_episode": 2.5,
-        "segments_per_episode": 1.5,
-    }
-    no_calls = episode_fields([episode(1, 0, 0, 1, 1)])
-    assert no_calls["tool_call_validity"] is None and no_calls["turns_per_episode"] == 1.0
-    assert episode_fields([]) == dict.fromkeys(no_calls)
+    assert episode_fields(kept) == EpisodeFields(
+        tool_call_validity=0.75,  # 3 well-formed of 4 attempted
+        turns_per_episode=2.5,
+        segments_per_episode=1.5,
+    )
+    assert episode_fields([episode(1, 0, 0, 1, 1)]) == EpisodeFields(None, 1.0, 1.0)
+    assert episode_fields([]) == EpisodeFields(None, None, None)
 
 
 def test_held_out_episodes_render_each_turn_under_its_role_in_task_order() -> None:

@@ -40,13 +40,23 @@ from libs.trainer.samples import Batch
 from libs.trainer.step import StepStats
 from proto.messages import PromotionDecision, ScoredRollout
 
-EPISODE_FIELDS = ("tool_call_validity", "turns_per_episode", "segments_per_episode")
 
-
-def episode_fields(kept: list[ScoredRollout]) -> dict[str, float | None]:
+@dataclass(frozen=True)
+class EpisodeFields:
     """The step record's tool-use and length figures of the episodes it trained on."""
+
+    tool_call_validity: float | None
+    turns_per_episode: float | None
+    segments_per_episode: float | None
+
+
+def episode_fields(kept: list[ScoredRollout]) -> EpisodeFields:
     figures = episode_figures(kept) if kept else {}
-    return {name: figures.get(name) for name in EPISODE_FIELDS}
+    return EpisodeFields(
+        figures.get("tool_call_validity"),
+        figures.get("turns_per_episode"),
+        figures.get("segments_per_episode"),
+    )
 
 
 @dataclass
@@ -86,12 +96,15 @@ class StepRecorder:
         """The record of an offline step: `max_staleness` the bound its samples were split
         by, `pacing` the pacer's decision after it (None: pacing off)."""
         rewards = [s.reward for s in batch.kept]
+        episodes = episode_fields(batch.kept)
         tokens = stats.num_loss_tokens
         record = StepRecord(
             **self._step_fields(stats.policy, stats.mismatch, step_s, learning_rate),
             mean_reward=sum(rewards) / len(rewards) if rewards else 0.0,
             success=sum(map(is_success, batch.kept)) / max(len(batch.kept), 1),
-            **episode_fields(batch.kept),
+            tool_call_validity=episodes.tool_call_validity,
+            turns_per_episode=episodes.turns_per_episode,
+            segments_per_episode=episodes.segments_per_episode,
             num_samples=len(batch.kept),
             num_rows=stats.num_rows,
             num_groups=len(batch.groups),
