@@ -35,11 +35,13 @@ def result_file(benchmark: str, card: str | None = None) -> Path:
 
 
 def git_commit() -> str:
-    """The short hash of the commit the benchmark ran at ("" outside a git checkout)."""
+    """The short hash of the commit the benchmark ran at: the checkout's, else
+    $RLPIPE_GIT_COMMIT (a copy without .git, such as an archive unpacked on a GPU host), else
+    ""."""
     done = subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], cwd=RESULTS.parent, capture_output=True, text=True
     )
-    return done.stdout.strip()
+    return done.stdout.strip() or os.environ.get("RLPIPE_GIT_COMMIT", "")
 
 
 def result_json(document: object) -> str:
