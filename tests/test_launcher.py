@@ -556,8 +556,8 @@ def _all_services_up(status: dict[str, Any]) -> bool:
 
 
 def test_a_health_answer_from_another_service_on_the_port_is_not_taken_as_healthy() -> None:
-    """Two ports drawn alike once gave env-gateway's health check to the feedback API: its
-    "ok" hid a gateway that crash-looped. Whoever answers must be the service expected."""
+    """The feedback API answering on env-gateway's port (a port drawn for both) must not pass
+    for a healthy gateway: whoever answers must be the service expected."""
 
     class Answer(BaseHTTPRequestHandler):
         service = "feedback-ingester"

@@ -2,9 +2,8 @@
 
 A service answers 200 when healthy and 503 when not, both with a JSON body such as
 `{"service": "trainer", "status": "ok", "detail": "...", "step": 12, "policy_version": 3}`.
-An answer naming another service is no answer: another process holds the port (two ports
-drawn alike once gave env-gateway's check to the feedback API, which answered "ok" while
-the gateway crash-looped).
+An answer naming another service is no answer: another process holds the port, and its
+"ok" must not pass for a service that cannot bind it (and may be crash-looping).
 """
 
 from __future__ import annotations
