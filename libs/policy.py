@@ -163,6 +163,11 @@ def _place(model: PreTrainedModel, device: torch.device, dtype: torch.dtype) -> 
     return model.eval()
 
 
+def parameter_bytes(model: torch.nn.Module) -> int:
+    """The bytes of `model`'s parameters in their own dtypes."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
 def save_policy(model: PreTrainedModel, folder: str | Path) -> None:
     """Write `model` to `folder` as config.json + safetensors, loadable by `load_policy`."""
     model.save_pretrained(folder, safe_serialization=True)

@@ -20,10 +20,12 @@ class HostCopy:
         return self.buffer(key, tensor).copy_(tensor.detach())
 
     def buffer(self, key: str, like: torch.Tensor) -> torch.Tensor:
-        """The host buffer of `key`, shaped and typed as `like` (made anew when it is not)."""
+        """The buffer of `key`, shaped and typed as `like` (made anew when it is not)."""
         buffer = self._buffers.get(key)
         if buffer is None or buffer.shape != like.shape or buffer.dtype != like.dtype:
-            pin = like.is_cuda  # pinned: the copy from the GPU runs at full bus speed
-            buffer = torch.empty(like.shape, dtype=like.dtype, pin_memory=pin)
-            self._buffers[key] = buffer
+            buffer = self._buffers[key] = self._allocate(like)
         return buffer
+
+    def _allocate(self, like: torch.Tensor) -> torch.Tensor:
+        pin = like.is_cuda  # pinned: the copy from the GPU runs at full bus speed
+        return torch.empty(like.shape, dtype=like.dtype, pin_memory=pin)

@@ -51,7 +51,14 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 from transformers import PreTrainedModel
 
-from libs.policy import PolicyConfig, build_policy, resolve_device, resolve_dtype, save_policy
+from libs.policy import (
+    PolicyConfig,
+    build_policy,
+    parameter_bytes,
+    resolve_device,
+    resolve_dtype,
+    save_policy,
+)
 from libs.rl import PolicyLossStats
 from libs.trainer.config import TrainerConfig
 from libs.trainer.step import (
@@ -151,11 +158,7 @@ def replicates(model: PreTrainedModel, layout: str) -> bool:
     ranks' processes share the host's memory, which replicas would multiply."""
     if layout != "auto":
         return layout == "replicate"
-    device = next(model.parameters()).device
-    if device.type != "cuda":
-        return False
-    state = 5 * sum(p.numel() * p.element_size() for p in model.parameters())
-    return state <= REPLICATE_FRACTION * torch.cuda.get_device_properties(device).total_memory
+    return _fits_card(model, 5 * parameter_bytes(model), REPLICATE_FRACTION, on_cpu=False)
 
 
 # A model whose weights (in their training dtype) take at most this fraction of one card's
@@ -170,11 +173,16 @@ def keeps_gathered_weights(model: PreTrainedModel, override: bool | None) -> boo
     fits KEEP_GATHERED_FRACTION of one card (always on a CPU: host memory)."""
     if override is not None:
         return not override
+    return _fits_card(model, parameter_bytes(model), KEEP_GATHERED_FRACTION, on_cpu=True)
+
+
+def _fits_card(model: PreTrainedModel, size: int, fraction: float, on_cpu: bool) -> bool:
+    """Whether `size` bytes fit `fraction` of the memory of `model`'s card (`on_cpu` for a
+    model on the CPU)."""
     device = next(model.parameters()).device
     if device.type != "cuda":
-        return True
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    return weights <= KEEP_GATHERED_FRACTION * torch.cuda.get_device_properties(device).total_memory
+        return on_cpu
+    return size <= fraction * torch.cuda.get_device_properties(device).total_memory
 
 
 def sharded_train_step(

@@ -49,6 +49,7 @@ import torch
 from torch.nn.utils.stateless import _reparametrize_module
 from transformers import PreTrainedModel
 
+from libs.policy import parameter_bytes
 from libs.rl.batch import NO_VERSION, TrainBatch
 from libs.rl.mismatch import ExactVersionMismatch, mismatch_by_gap, token_staleness
 from libs.trainer.config import TrainerConfig
@@ -69,20 +70,11 @@ MIXED_VERSION = -2
 RING_ON_CARD_FREE_FRACTION = 0.25
 
 
-class CardCopy:
-    """Buffers on the model's card for copies of its parameters, reused from one copy to
-    the next (HostCopy's counterpart)."""
+class CardCopy(HostCopy):
+    """HostCopy's buffers on the copied tensors' own card."""
 
-    def __init__(self) -> None:
-        self._buffers: dict[str, torch.Tensor] = {}
-
-    def buffer(self, key: str, like: torch.Tensor) -> torch.Tensor:
-        buffer = self._buffers.get(key)
-        if buffer is None or buffer.shape != like.shape or buffer.dtype != like.dtype:
-            buffer = self._buffers[key] = torch.empty_like(
-                like, memory_format=torch.contiguous_format
-            )
-        return buffer
+    def _allocate(self, like: torch.Tensor) -> torch.Tensor:
+        return torch.empty_like(like, memory_format=torch.contiguous_format)
 
 
 def ring_on_card(model: torch.nn.Module, num_versions: int) -> bool:
@@ -91,7 +83,7 @@ def ring_on_card(model: torch.nn.Module, num_versions: int) -> bool:
     first = next(model.parameters())
     if not first.is_cuda:
         return False
-    size = num_versions * sum(p.numel() * p.element_size() for p in model.parameters())
+    size = num_versions * parameter_bytes(model)
     free, _ = torch.cuda.mem_get_info(first.device)
     return size <= RING_ON_CARD_FREE_FRACTION * free
 
@@ -112,7 +104,7 @@ class VersionRing:
             raise ValueError(f"the version ring needs room for a version, got {num_versions}")
         self.num_versions = num_versions
         self.on_card: bool | None = None  # decided at the first keep
-        self._slots: OrderedDict[int, HostCopy | CardCopy] = OrderedDict()
+        self._slots: OrderedDict[int, HostCopy] = OrderedDict()
         self._weights: dict[int, dict[str, torch.Tensor]] = {}
 
     def keep(self, version: int, model: torch.nn.Module) -> None:
