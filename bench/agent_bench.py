@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import torch
 from result_file import git_commit, result_file, result_json
 
@@ -119,19 +120,14 @@ def reinforce(recipe_path: Path, args: argparse.Namespace, run_dir: Path) -> dic
 def transcripts(run_dir: Path) -> list[dict[str, Any]]:
     """The eval gate's first TRANSCRIPTS held-out tasks at its first and last evaluated
     versions (what `rlpipe report` writes to transcripts.md): the learned behaviour."""
-    before, after = before_after(read_transcripts(run_dir))
-    later = {r.task_id: r for r in after}
-    pairs = []
-    for episode in before[:TRANSCRIPTS]:
-        pair = {"task_id": episode.task_id}
-        for label, record in (("before", episode), ("after", later.get(episode.task_id))):
-            if record is not None:
-                pair[label] = {
-                    "version": record.version, "reward": record.reward,
-                    "success": record.success, "text": record.text,
-                }  # fmt: skip
-        pairs.append(pair)
-    return pairs
+    return [
+        {
+            "task_id": before.episode.task_id,
+            "before": msgspec.to_builtins(before),
+            "after": msgspec.to_builtins(after) if after else None,
+        }
+        for before, after in before_after(read_transcripts(run_dir))[:TRANSCRIPTS]
+    ]
 
 
 def last_checkpoint(run_dir: Path) -> Path:

@@ -82,6 +82,28 @@ def plot_series(
     axes.plot(x, rolling(y), color=color, linewidth=1.8, label=label, **style)
 
 
+def plot_present(
+    axes: Axes,
+    x: Sequence[float],
+    y: Sequence[float | None],
+    label: str,
+    color: str,
+    **style: Any,
+) -> bool:
+    """`plot_series` of the points whose value is known; False when none is."""
+    points = [(xi, yi) for xi, yi in zip(x, y, strict=True) if yi is not None]
+    if points:
+        plot_series(axes, [p[0] for p in points], [p[1] for p in points], label, color, **style)
+    return bool(points)
+
+
+def by_trainer_step(*axes: Axes) -> None:
+    """Trainer steps along the x axis, a light grid."""
+    for each in axes:
+        each.set_xlabel("trainer step")
+        each.grid(alpha=0.3)
+
+
 def steps_of(records: Sequence[StepRecord]) -> list[float]:
     return [float(r.step) for r in records]
 
@@ -94,10 +116,8 @@ def reward_plot(figures: RunFigures) -> Figure:
     minutes = [(r.time - start) / 60 for r in steps]
     for axes, x in ((by_step, steps_of(steps)), (by_time, minutes)):
         plot_series(axes, x, [r.mean_reward for r in steps], f"reward ({SMOOTH}-step mean)", "C0")
-        pairs = [(xi, r.success) for xi, r in zip(x, steps, strict=True) if r.success is not None]
-        if pairs:
-            xs, ys = [p[0] for p in pairs], [p[1] for p in pairs]
-            plot_series(axes, xs, ys, f"success ({SMOOTH}-step mean)", "C2", linestyle="--")
+        success = [r.success for r in steps]
+        plot_present(axes, x, success, f"success ({SMOOTH}-step mean)", "C2", linestyle="--")
         axes.set_ylabel("mean over the step's samples")
         axes.grid(alpha=0.3)
     for decision in figures.evals:
@@ -124,9 +144,8 @@ def staleness_plot(figures: RunFigures) -> Figure:
     fractions = [r.num_dropped / max(r.num_samples + r.num_dropped, 1) for r in steps]
     plot_series(dropped, x, fractions, "dropped as too stale", "C3")
     dropped.set_ylabel("fraction of the step's samples")
+    by_trainer_step(versions, dropped)
     for axes in (versions, dropped):
-        axes.set_xlabel("trainer step")
-        axes.grid(alpha=0.3)
         axes.legend(fontsize=8)
     return figure
 
@@ -149,9 +168,7 @@ def throughput_plot(figures: RunFigures) -> Figure:
     busy.set_ylim(0, 1.05)
     busy.set_ylabel("fraction of time")
     busy.legend(fontsize=8)
-    for axes in (rates, busy):
-        axes.set_xlabel("trainer step")
-        axes.grid(alpha=0.3)
+    by_trainer_step(rates, busy)
     return figure
 
 
@@ -160,11 +177,8 @@ def episodes_plot(figures: RunFigures) -> Figure:
     steps = [r for r in figures.steps if r.turns_per_episode is not None]
     figure, (validity, length) = new_figure("Episodes: tool use and length", 2)
     x = steps_of(steps)
-    pairs = [(xi, r.tool_call_validity) for xi, r in zip(x, steps, strict=True)]
-    called = [(xi, v) for xi, v in pairs if v is not None]
-    if called:
-        xs, ys = [p[0] for p in called], [p[1] for p in called]
-        plot_series(validity, xs, ys, "well-formed tool calls / calls", "C0")
+    validities = [r.tool_call_validity for r in steps]
+    if plot_present(validity, x, validities, "well-formed tool calls / calls", "C0"):
         validity.legend(fontsize=8)
     validity.set_ylim(0, 1.05)
     validity.set_ylabel("fraction of calls")
@@ -173,9 +187,7 @@ def episodes_plot(figures: RunFigures) -> Figure:
     plot_series(length, x, segments, "context segments", "C2")
     length.set_ylabel("per episode")
     length.legend(fontsize=8)
-    for axes in (validity, length):
-        axes.set_xlabel("trainer step")
-        axes.grid(alpha=0.3)
+    by_trainer_step(validity, length)
     return figure
 
 
@@ -214,8 +226,7 @@ def training_plot(figures: RunFigures) -> Figure:
     plot_series(loss, x, [r.loss for r in steps], "loss", "C0")
     plot_series(grad, x, [r.grad_norm for r in steps], "gradient norm", "C1")
     rate.plot(x, [r.learning_rate for r in steps], color="C2", label="learning rate")
+    by_trainer_step(loss, grad, rate)
     for axes in (loss, grad, rate):
-        axes.set_xlabel("trainer step")
-        axes.grid(alpha=0.3)
         axes.legend(fontsize=8)
     return figure

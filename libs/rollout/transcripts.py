@@ -12,16 +12,16 @@ version's episodes beside the last's: what the policy learned to do, in its own 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+
+import msgspec
 
 from libs.rollout.figures import is_success
 from libs.tokenizer import Tokenizer
 from proto.messages import Rollout, ScoredRollout
 
 
-@dataclass(frozen=True)
-class HeldOutTranscript:
-    """One held-out episode: its task, verdict and text."""
+class EpisodeText(msgspec.Struct, kw_only=True, frozen=True):
+    """One episode as a person reads it: its task, verdict and text."""
 
     task_id: str
     reward: float
@@ -40,10 +40,10 @@ def render_episode(rollout: Rollout, tokenizer: Tokenizer) -> str:
 
 def held_out_transcripts(
     scored: Sequence[ScoredRollout], tokenizer: Tokenizer, limit: int
-) -> list[HeldOutTranscript]:
+) -> list[EpisodeText]:
     """The first `limit` episodes of `scored` (held-out tasks, in task order) rendered."""
     return [
-        HeldOutTranscript(
+        EpisodeText(
             task_id=s.rollout.task_id,
             reward=s.reward,
             success=is_success(s),

@@ -51,7 +51,7 @@ from libs.envs.client import EnvClient, EnvError
 from libs.policy import PolicyConfig
 from libs.rollout.agent import AgentSettings
 from libs.rollout.evaluate import evaluate, mean_reward
-from libs.rollout.transcripts import HeldOutTranscript, held_out_transcripts
+from libs.rollout.transcripts import EpisodeText, held_out_transcripts
 from libs.tokenizer import Tokenizer
 from proto import streams, subjects
 from proto.messages import PromotionDecision, ScoredRollout, Task
@@ -187,8 +187,8 @@ class EvalGate:
         # The workers' harness limits for this domain, in the policy's tokens.
         self.agent = harness_for(config.env, chat_template_for(tokenizer))
         self.last: PromotionDecision | None = None
-        # The last decision's first held-out episodes, rendered (HeldOutTranscript).
-        self.last_transcripts: list[HeldOutTranscript] = []
+        # The last decision's first held-out episodes, rendered.
+        self.last_transcripts: list[EpisodeText] = []
 
     async def setup(self, js: JetStreamContext) -> None:
         """Resume from the last decision; repair the KV key if a crash left it behind."""

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, TypeVar
 import msgspec
 from prometheus_client import Counter, Gauge, Histogram
 
+from libs.rollout.transcripts import EpisodeText
 from libs.tracking import Tracking, build_tracking
 from libs.trainer.pacing import PacingDecision
 from proto.messages import PromotionDecision
@@ -201,14 +202,11 @@ class EvalRecord(msgspec.Struct, kw_only=True):
 
 
 class TranscriptRecord(msgspec.Struct, kw_only=True):
-    """One held-out episode of an eval-gate decision, as a person reads it."""
+    """One held-out episode of an eval-gate decision, at the trainer step it was taken."""
 
     step: int
     version: int
-    task_id: str
-    reward: float
-    success: bool
-    text: str
+    episode: EpisodeText
 
 
 class StepLog:

@@ -23,7 +23,7 @@ from typing import Any
 from libs.rl import MismatchStats, PolicyLossStats, staleness_buckets
 from libs.rl.mismatch import ExactVersionMismatch
 from libs.rollout.figures import episode_figures, is_success
-from libs.rollout.transcripts import HeldOutTranscript
+from libs.rollout.transcripts import EpisodeText
 from libs.trainer.checkpoint import TrainerState
 from libs.trainer.config import TrainerConfig
 from libs.trainer.metrics import (
@@ -162,11 +162,11 @@ class StepRecorder:
         )
         self._log.write(record, samples)
 
-    def decision(self, decision: PromotionDecision, transcripts: list[HeldOutTranscript]) -> None:
+    def decision(self, decision: PromotionDecision, transcripts: list[EpisodeText]) -> None:
         """An eval-gate decision, at the trainer's step, and a few of its held-out episodes."""
         self._log.write_decision(decision, self._state.step)
         step, version = self._state.step, decision.version
-        records = [TranscriptRecord(step=step, version=version, **vars(t)) for t in transcripts]
+        records = [TranscriptRecord(step=step, version=version, episode=t) for t in transcripts]
         self._log.write_transcripts(records)
 
     def _samples(self, **ids: Any) -> StepSamples:
