@@ -363,13 +363,14 @@ def audit(
     """Counts a user cares about: trained twice, stored twice, consumed but unaccounted."""
     trained = [sid for s in steps for sid in s["sample_ids"]]
     dropped = [sid for s in steps for sid in s["dropped_ids"]]
+    skipped = [sid for s in steps for sid in s.get("skipped_ids", [])]
     dead_ids = {d["sequence"] for d in dead if d["origin_stream"] == "RL_ROLLOUTS_SCORED"}
     seqs_of: dict[str, list[int]] = {}
     for seq, sid in stored:
         seqs_of.setdefault(sid, []).append(seq)
     floor, done = cursor
     consumed = {sid for seq, sid in stored if seq <= floor or seq in done}
-    accounted = set(trained) | set(dropped)
+    accounted = set(trained) | set(dropped) | set(skipped)
     unaccounted = sorted(
         sid
         for sid in consumed

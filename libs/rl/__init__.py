@@ -10,7 +10,12 @@
 Each is tested on CPU against hand-computed references in tests/test_rl_math.py.
 """
 
-from libs.rl.advantages import GroupAdvantages, group_advantages, group_index
+from libs.rl.advantages import (
+    GroupAdvantages,
+    group_advantages,
+    group_index,
+    has_reward_variance,
+)
 from libs.rl.batch import NO_VERSION, TrainBatch, build_batch
 from libs.rl.loss import (
     LossAggregation,
@@ -50,6 +55,7 @@ __all__ = [
     "build_batch",
     "group_advantages",
     "group_index",
+    "has_reward_variance",
     "merge_mismatch",
     "mismatch_by_staleness",
     "mismatch_stats",

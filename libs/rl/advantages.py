@@ -4,10 +4,12 @@
     result = group_advantages(rewards, index, normalize_std=True)
     result.advantages                  # [N], in input order
     result.num_zero_variance_groups    # groups whose samples all got the same reward
+    has_reward_variance([1.0, 1.0, 1.0])   # False: one group's rewards, all equal
 
 A group whose rewards are all equal teaches nothing relative to itself: its samples get an
 advantage of exactly 0 (also with normalization, where 0/eps would otherwise amplify noise),
-and the group is counted so the trainer can report it.
+and the group is counted so the trainer can report it (or leave it out of the batch:
+trainer.zero_variance_groups).
 """
 
 from __future__ import annotations
@@ -16,6 +18,9 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 import torch
+
+# Rewards of a group spanning at most this much are equal: the group is a zero-variance group.
+ZERO_RANGE_TOL = 1e-6
 
 
 @dataclass(frozen=True)
@@ -44,7 +49,7 @@ def group_advantages(
     group_ids: torch.Tensor,
     normalize_std: bool = False,
     std_eps: float = 1e-6,
-    zero_range_tol: float = 1e-6,
+    zero_range_tol: float = ZERO_RANGE_TOL,
 ) -> GroupAdvantages:
     """Advantages [N] of `rewards` [N] within the groups `group_ids` [N] (ints >= 0).
 
@@ -85,6 +90,12 @@ def group_advantages(
         num_groups=int(present.sum().item()),
         num_zero_variance_groups=int(zero_group.sum().item()),
     )
+
+
+def has_reward_variance(rewards: Sequence[float], zero_range_tol: float = ZERO_RANGE_TOL) -> bool:
+    """Whether one group's `rewards` span more than `zero_range_tol`: a group whose rewards do
+    not is a zero-variance group in `group_advantages` (every advantage 0). False when empty."""
+    return bool(rewards) and max(rewards) - min(rewards) > zero_range_tol
 
 
 def _group_sum(values: torch.Tensor, index: torch.Tensor, num_slots: int) -> torch.Tensor:

@@ -66,6 +66,17 @@ class TrainerConfig(StepConfig):
         "size (kept while the whole model fits a quarter of one card: libs/trainer/sharded.py)",
     )
     batch_groups: int = Field(16, ge=1, description="GRPO groups per optimizer step")
+    # A group whose samples all got the same reward has advantage 0 on every sample: no
+    # policy gradient, yet it takes a batch slot and dilutes the token mean of the loss.
+    zero_variance_groups: Literal["train", "skip"] = Field(
+        "train",
+        description="Groups whose fresh samples all got the same reward: train: they fill "
+        "the batch like any group (advantage 0, counted in num_zero_variance_groups); skip: "
+        "they are consumed without training, counted in num_skipped_groups, and the step "
+        "waits for batch_groups groups whose rewards differ (DAPO's dynamic sampling; "
+        "groups of size 1 still train; needs feeder.mode async: sync feeds no tasks "
+        "for skipped groups)",
+    )
     max_staleness: int | None = Field(
         None,
         ge=0,

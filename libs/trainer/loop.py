@@ -220,7 +220,7 @@ class Trainer:
         if self._pacer is None:
             return None
         decision = self._pacer.observe(
-            self.state.step, stats.mismatch_by_staleness, len(batch.kept), len(batch.dropped)
+            self.state.step, stats.mismatch_by_staleness, len(batch.fresh), len(batch.dropped)
         )
         if decision.bound_after != decision.bound_before:
             log.info("staleness bound moved", **msgspec.structs.asdict(decision))

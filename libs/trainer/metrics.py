@@ -6,7 +6,7 @@ The run's history lives in `<run>/trainer/`:
   importance weights, the staleness bound and the pacer's decision, throughput, busy
   fraction), readable by eye and by `rlpipe report`;
 - `step_samples.jsonl`: one `StepSamples` a step, the ids of the samples it trained on,
-  dropped or refused (so a resumed run can be checked for lost or repeated samples);
+  dropped, refused or skipped (so a resumed run can be checked for lost or repeated samples);
 - `evals.jsonl`: one `EvalRecord` per eval-gate decision.
 A resumed trainer redoes the steps after its checkpoint under a new `segment`; for each step
 the record of the latest segment counts (`latest_per_step`).
@@ -40,6 +40,11 @@ STALENESS = Histogram(
     buckets=(0, 1, 2, 3, 4, 6, 8, 16, 32),
 )
 DROPPED = Counter("rlpipe_trainer_dropped_samples_total", "Samples dropped as too stale")
+SKIPPED_GROUPS = Counter(
+    "rlpipe_trainer_skipped_groups_total",
+    "GRPO groups consumed without training as their rewards were all equal "
+    "(trainer.zero_variance_groups skip)",
+)
 MISMATCH = Gauge(
     "rlpipe_trainer_logprob_mismatch_nats", "Mean |trainer - inference| logprob, same version"
 )
@@ -120,7 +125,12 @@ class StepRecord(msgspec.Struct, kw_only=True):
     # Training rows: one per sample, one per context segment of a self-summarizing episode.
     num_rows: int = 0
     num_groups: int
+    # Trained groups whose samples all got the same reward (advantage 0 on every sample).
     num_zero_variance_groups: int
+    # Groups taken for this step and consumed without training, as their fresh samples all
+    # got the same reward (trainer.zero_variance_groups "skip"; 0 with "train"). The reward
+    # and success figures above cover their samples too; num_samples does not.
+    num_skipped_groups: int = 0
     num_loss_tokens: int
     loss: float
     grad_norm: float
@@ -176,7 +186,7 @@ class StepRecord(msgspec.Struct, kw_only=True):
 
 
 class StepSamples(msgspec.Struct, kw_only=True):
-    """Which samples one step trained on, dropped as stale, or refused."""
+    """Which samples one step trained on, dropped as stale, refused, or skipped."""
 
     step: int
     segment: int
@@ -186,6 +196,9 @@ class StepSamples(msgspec.Struct, kw_only=True):
     # Samples of the step's groups refused and dead-lettered (invalid for the policy, or a
     # sample that made the optimizer step fail): neither trained nor dropped as stale.
     refused_ids: list[str] = msgspec.field(default_factory=list)
+    # Fresh samples of the step's groups left out as their rewards were all equal
+    # (trainer.zero_variance_groups "skip"): consumed, not trained.
+    skipped_ids: list[str] = msgspec.field(default_factory=list)
 
 
 class EvalRecord(msgspec.Struct, kw_only=True):
@@ -307,7 +320,8 @@ def recent_figures(recent: Sequence[StepRecord]) -> dict[str, float | None]:
 
 
 def mean_staleness(record: StepRecord) -> float:
-    """Mean versions between a trained or dropped sample's policy and the trainer's."""
+    """Mean versions between a sample's policy (trained, skipped or dropped) and the
+    trainer's."""
     total = sum(record.staleness.values())
     return sum(int(k) * n for k, n in record.staleness.items()) / total if total else 0.0
 
@@ -325,6 +339,7 @@ def step_scalars(record: StepRecord) -> dict[str, float]:
         "train/samples": record.num_samples,
         "train/loss_tokens": record.num_loss_tokens,
         "train/zero_variance_groups": record.num_zero_variance_groups,
+        "train/skipped_groups": record.num_skipped_groups,
         "train/policy_version": record.version,
         "staleness/mean": mean_staleness(record),
         "staleness/max": max((int(k) for k in record.staleness), default=0),
@@ -438,6 +453,7 @@ def export(record: StepRecord) -> None:
         for _ in range(count):
             STALENESS.observe(staleness)
     DROPPED.inc(record.num_dropped)
+    SKIPPED_GROUPS.inc(record.num_skipped_groups)
     MISMATCH.set(record.mismatch_mean_abs)
     MISMATCH_KL.set(record.mismatch_kl)
     if record.routing_disagreement is not None:

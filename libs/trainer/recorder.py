@@ -43,7 +43,7 @@ from proto.messages import PromotionDecision, ScoredRollout
 
 @dataclass(frozen=True)
 class EpisodeFields:
-    """The step record's tool-use and length figures of the episodes it trained on."""
+    """The step record's tool-use and length figures of its fresh episodes, trained or skipped."""
 
     tool_call_validity: float | None
     turns_per_episode: float | None
@@ -94,14 +94,17 @@ class StepRecorder:
         pacing: PacingDecision | None = None,
     ) -> None:
         """The record of an offline step: `max_staleness` the bound its samples were split
-        by, `pacing` the pacer's decision after it (None: pacing off)."""
-        rewards = [s.reward for s in batch.kept]
-        episodes = episode_fields(batch.kept)
+        by, `pacing` the pacer's decision after it (None: pacing off). Reward, success and
+        the episode figures cover every fresh sample taken, trained or skipped: they describe
+        the policy, and skipping all-success groups must not lower its reward curve."""
+        fresh = batch.fresh
+        rewards = [s.reward for s in fresh]
+        episodes = episode_fields(fresh)
         tokens = stats.num_loss_tokens
         record = StepRecord(
             **self._step_fields(stats.policy, stats.mismatch, step_s, learning_rate),
             mean_reward=sum(rewards) / len(rewards) if rewards else 0.0,
-            success=sum(map(is_success, batch.kept)) / max(len(batch.kept), 1),
+            success=sum(map(is_success, fresh)) / max(len(fresh), 1),
             tool_call_validity=episodes.tool_call_validity,
             turns_per_episode=episodes.turns_per_episode,
             segments_per_episode=episodes.segments_per_episode,
@@ -109,6 +112,7 @@ class StepRecorder:
             num_rows=stats.num_rows,
             num_groups=len(batch.groups),
             num_zero_variance_groups=stats.num_zero_variance_groups,
+            num_skipped_groups=len(batch.skipped_groups),
             num_loss_tokens=tokens,
             loss=stats.loss,
             grad_norm=stats.grad_norm,
@@ -128,6 +132,7 @@ class StepRecorder:
             sample_ids=[s.rollout.rollout_id for s in batch.kept],
             dropped_ids=[s.rollout.rollout_id for s in batch.dropped],
             refused_ids=[s.rollout.rollout_id for s in batch.refused],
+            skipped_ids=[s.rollout.rollout_id for s in batch.skipped],
         )
         self._log.write(record, samples)
 

@@ -12,6 +12,9 @@ rules that decide what is trained:
 - staleness: groups are taken until `batch_groups` of them have samples fresh enough
   against the trainer's version (across resumes: libs.trainer.lineage); the stale ones are
   dropped, reported with the batch, and the feeder told at once;
+- zero-variance groups (`zero_variance_groups` "skip"): a group whose fresh samples all got
+  the same reward is consumed like a dropped one but not trained on, and the batch waits
+  for `batch_groups` groups whose rewards differ;
 - refusals: what the reader cannot decode or validate, what the trainer cannot train on
   (libs.trainer.refusals) and copies of samples already taken are dead-lettered and
   consumed as they are read;
@@ -32,7 +35,7 @@ import structlog
 from libs.bus.connection import Bus
 from libs.bus.publisher import Publisher
 from libs.bus.stream_reader import StreamReader, StreamRecord
-from libs.rl import split_by_staleness, staleness_histogram
+from libs.rl import has_reward_variance, split_by_staleness, staleness_histogram
 from libs.trainer.checkpoint import TrainerState
 from libs.trainer.config import TrainerConfig
 from libs.trainer.groups import Group, GroupBuffer
@@ -52,7 +55,8 @@ READ_BATCH = 256
 
 @dataclass
 class Batch:
-    """Groups taken for one step, split by staleness."""
+    """Groups taken for one step, split by staleness; `groups` are trained (or wholly
+    dropped as stale), `skipped_groups` are consumed without training."""
 
     groups: list[Group]
     kept: list[ScoredRollout]
@@ -64,10 +68,25 @@ class Batch:
     weights_wait_s: float = 0.0
     # Samples dead-lettered because the step failed on them alone.
     refused: list[ScoredRollout] = field(default_factory=list)
+    # Groups left out as their fresh samples all got the same reward (zero_variance_groups
+    # "skip"), and those fresh samples (their stale ones are in `dropped`).
+    skipped_groups: list[Group] = field(default_factory=list)
+    skipped: list[ScoredRollout] = field(default_factory=list)
+
+    @property
+    def taken_groups(self) -> list[Group]:
+        """Every group taken from the buffer for this step: consumed with it."""
+        return self.groups + self.skipped_groups
 
     @property
     def sequences(self) -> list[int]:
-        return [seq for group in self.groups for seq in group.sequences]
+        return [seq for group in self.taken_groups for seq in group.sequences]
+
+    @property
+    def fresh(self) -> list[ScoredRollout]:
+        """The fresh samples taken, trained or skipped: what the policy did lately, so the
+        reward curve does not drop when all-success groups are skipped."""
+        return self.kept + self.skipped
 
 
 class SampleSource:
@@ -167,45 +186,72 @@ class SampleSource:
         return None
 
     async def _next_batch(self) -> Batch | None:
-        """Take groups until `batch_groups` of them have samples fresh enough to train on.
+        """Take groups until `batch_groups` of them are trained on: have samples fresh
+        enough and, with zero_variance_groups "skip", rewards that differ.
 
-        Stale samples are dropped as their groups are taken, so a step always trains on a
-        full batch; the dropped ones are reported with it. None when stopping first.
+        Stale samples are dropped and zero-variance groups skipped as their groups are
+        taken, so a step always trains on a full batch; the dropped and skipped ones are
+        reported with it. None when stopping first.
         """
         started_s = time.monotonic()
         self.detail = "" if self._state.step else "waiting for the first rollouts"
         batch = Batch(groups=[], kept=[], dropped=[], staleness={}, wait_s=0.0)
         staleness: list[int] = []
-        num_fresh_groups = 0
-        while num_fresh_groups < self._config.batch_groups:
+        num_trained_groups = 0
+        while num_trained_groups < self._config.batch_groups:
             waited_s = await self._fill_buffer()
-            if waited_s is None:
-                self._buffer.put_back(batch.groups)  # not consumed: read again after a resume
-                self._state.groups_taken -= len(batch.groups)
+            if waited_s is None:  # not consumed: read again after a resume
+                self._buffer.put_back(batch.taken_groups)
+                self._state.groups_taken -= len(batch.taken_groups)
                 return None
             batch.weights_wait_s += waited_s
-            groups = self._buffer.take(self._config.batch_groups - num_fresh_groups)
-            num_fresh = sum(self._split(group, batch, staleness) for group in groups)
-            num_fresh_groups += num_fresh
+            groups = self._buffer.take(self._config.batch_groups - num_trained_groups)
+            num_trained = sum(self._split(group, batch, staleness) for group in groups)
+            num_trained_groups += num_trained
             self._state.groups_taken += len(groups)
-            if num_fresh < len(groups):
-                # Dropped groups free the feeder's room now, or a loop whose samples all
-                # went stale would wait for tasks the feeder holds back for it.
+            if num_trained < len(groups):
+                # Dropped and skipped groups free the feeder's room now, or a loop whose
+                # samples all went stale (or all agree) would wait for tasks the feeder
+                # holds back for it.
                 await self._versions.record_progress()
+            self._report_skipped(batch, num_trained_groups)
         batch.staleness = staleness_histogram(staleness)
         batch.wait_s = time.monotonic() - started_s
         return batch
 
     def _split(self, group: Group, batch: Batch, staleness: list[int]) -> bool:
-        """Add `group` to `batch`, its stale samples dropped; True when some are kept."""
+        """Add `group` to `batch`, its stale samples dropped, skipped when its fresh ones
+        all got the same reward ("skip"); True when some are kept to train on."""
         split = split_by_staleness(
             group.rollouts, self._state.version, self.max_staleness, self._equivalent
         )
-        batch.groups.append(group)
-        batch.kept += split.kept
         batch.dropped += split.dropped
         staleness += split.staleness
+        if split.kept and self._skips(group, split.kept):
+            batch.skipped_groups.append(group)
+            batch.skipped += split.kept
+            return False
+        batch.groups.append(group)
+        batch.kept += split.kept
         return bool(split.kept)
+
+    def _skips(self, group: Group, kept: list[ScoredRollout]) -> bool:
+        """Whether `group`, of fresh samples `kept`, is left out of the batch: "skip" and
+        all its fresh samples got the same reward (their advantages would all be 0)."""
+        # A group of one sample (task group_size 1) never has variance, so skipping it would
+        # starve the run. The trainer cannot refuse the combination at start: the group size
+        # is the environment's, carried by each task. Such groups train as with "train".
+        if self._config.zero_variance_groups == "train" or group.size == 1:
+            return False
+        return not has_reward_variance([sample.reward for sample in kept])
+
+    def _report_skipped(self, batch: Batch, num_trained_groups: int) -> None:
+        """Say in the health answer when the step waits for groups whose rewards differ."""
+        if batch.skipped_groups and num_trained_groups < self._config.batch_groups:
+            self.detail = (
+                f"{len(batch.skipped_groups)} groups skipped for this step (all their "
+                "rewards equal); waiting for groups whose rewards differ"
+            )
 
     async def _fill_buffer(self) -> float | None:
         """Read until at least one group is ready and the workers can have weights fresh
