@@ -132,6 +132,26 @@ async def test_an_episode_lists_reads_writes_tests_and_is_graded() -> None:
     assert not episode.sandbox.workdir.exists(), "close removes the working folder"
 
 
+async def test_a_file_rewritten_at_the_same_size_is_tested_as_rewritten() -> None:
+    """A module's .pyc matches its source by mtime (in seconds) and size: a one-digit fix
+    written in the second its last test run imported it must still be what the next runs."""
+    env = CodingEnv(CONFIG)
+    episode, _ = await env.reset(FIZZBUZZ)
+    wrong = FIXED_FIZZBUZZ.replace('"Fizz"', '"Fozz"')
+    assert len(wrong) == len(FIXED_FIZZBUZZ) and wrong != FIXED_FIZZBUZZ
+    try:
+        results = []
+        for source in (wrong, FIXED_FIZZBUZZ):
+            await episode.step("", [call("write_file", path="solution.py", content=source)])
+            probe = "import solution; print(solution.fizzbuzz(3))"
+            step = await episode.step("", [call("run_python", code=probe), call("run_tests")])
+            results.append([r.content for r in step.tool_results])
+    finally:
+        await episode.close()
+    assert "Fozz" in results[0][0] and "2 passed" not in results[0][1]
+    assert "Fizz" in results[1][0] and "2 passed, 0 failed" in results[1][1]
+
+
 async def test_bad_calls_are_tool_errors() -> None:
     episode, _ = await CodingEnv(CONFIG).reset(FIZZBUZZ)
     try:

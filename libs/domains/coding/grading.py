@@ -44,6 +44,10 @@ from libs.malformed_input import MALFORMED_INPUT_ERRORS
 from libs.sandbox import SandboxError, SandboxFactory, SandboxResult
 
 RUNNER_SOURCE = (Path(__file__).parent / "sandbox_runner.py").read_text()
+# How the runner is started: isolated (-I: no file of the agent's shadows its imports) and
+# writing no bytecode (-B): a solution rewritten in the second its last test run cached it,
+# at the same size (one constant changed), was imported from the stale .pyc by the next run.
+RUNNER_PYTHON = ("python3", "-I", "-B")
 MAX_FINAL_BYTES = 8 << 20
 MAX_FINAL_FILES = 2000
 SKIPPED_DIRS = ("__pycache__",)
@@ -94,7 +98,7 @@ async def grade_files(
         try:
             async with factory.open(seed) as sandbox:
                 result = await sandbox.run(
-                    ["python3", "-I", "-c", RUNNER_SOURCE, "cases"],
+                    [*RUNNER_PYTHON, "-c", RUNNER_SOURCE, "cases"],
                     stdin=json.dumps(request).encode(),
                     timeout_s=wall_s,
                 )

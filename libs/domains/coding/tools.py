@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from libs.domains.coding.grading import RUNNER_SOURCE
+from libs.domains.coding.grading import RUNNER_PYTHON, RUNNER_SOURCE
 from libs.sandbox import Sandbox, SandboxResult
 from proto.messages import (
     TOOL_ERROR_BAD_ARGUMENTS,
@@ -194,12 +194,13 @@ class SandboxTools:
         if code is not None and not isinstance(code, str):
             raise ToolFailure(TOOL_ERROR_BAD_ARGUMENTS, '"code" must be a string')
         target = ["-c", code] if code is not None else ["./" + self._path(args, "path")]
-        result = await self._run(["python3", *target, *extra], timeout_s)
+        # -B: no bytecode that a later run would import in place of a rewritten file.
+        result = await self._run(["python3", "-B", *target, *extra], timeout_s)
         return self._describe(result), command_error(result)
 
     async def run_tests(self, args: dict[str, Any], timeout_s: float) -> tuple[str, str]:
         _only(args)
-        result = await self._run(["python3", "-I", "-c", RUNNER_SOURCE, "visible"], timeout_s)
+        result = await self._run([*RUNNER_PYTHON, "-c", RUNNER_SOURCE, "visible"], timeout_s)
         return self._describe(result), command_error(result)
 
     async def _run(
