@@ -9,11 +9,13 @@ these tasks need only reading the spec and copying its constants into code, so a
 from pathlib import Path
 from typing import ClassVar
 
+from libs.chat.template import ChatTemplate
 from libs.domains.coding.env import CodingConfig, CodingEnv
 from libs.domains.coding.rubric import coding_rubric
 from libs.domains.domain import Domain
 from libs.domains.functions.expert import FunctionsExpert
 from libs.domains.functions.tasks import ENV_NAME, GeneratedFunctions
+from libs.rollout.agent import AgentSettings
 
 
 class FunctionsEnv(CodingEnv):
@@ -25,6 +27,17 @@ class FunctionsEnv(CodingEnv):
         super().__init__(config, GeneratedFunctions())
 
 
+def functions_harness(template: ChatTemplate) -> AgentSettings:
+    """The default limits with room for a fixed episode in one segment: its six turns take
+    ~4.3K bytes, which is what the demonstrations (recorded in bytes) count."""
+    return AgentSettings(context_budget_tokens=8192)
+
+
 DOMAIN = Domain(
-    ENV_NAME, Path(__file__).resolve().parent, FunctionsEnv, coding_rubric, expert=FunctionsExpert
+    ENV_NAME,
+    Path(__file__).resolve().parent,
+    FunctionsEnv,
+    coding_rubric,
+    harness=functions_harness,
+    expert=FunctionsExpert,
 )
