@@ -134,13 +134,30 @@ def check_services(classes: SettingsClasses, services: Iterable[str]) -> None:
     """Load the settings of `services` as each would at its start (variables, TOML, --set):
     `rlpipe demo` refuses a mistake before starting anything; SettingsError lists them all."""
     problems: list[str] = []
+    loaded: dict[str, Any] = {}
     for service in (name for name in services if name in classes):  # others: refused later
         try:
-            load_settings(classes[service]())
+            loaded[service] = load_settings(classes[service]())
         except SettingsError as exc:
             problems += str(exc).splitlines()
+    problems += combination_problems(loaded)
     if problems:
         raise SettingsError("\n".join(problems))
+
+
+def combination_problems(loaded: Mapping[str, Any]) -> list[str]:
+    """Settings each valid alone that cannot run together in one run."""
+    trainer, gateway = loaded.get("trainer"), loaded.get("env-gateway")
+    if trainer is None or gateway is None:
+        return []
+    if trainer.zero_variance_groups == "skip" and gateway.feeder.mode == "sync":
+        # The sync feeder publishes batch_groups tasks a version: a skipped group's
+        # replacement is never fed, and the step waits for ever.
+        return [
+            "trainer.zero_variance_groups=skip needs env-gateway feeder.mode async: the sync "
+            "feeder publishes only batch_groups tasks a version, none for skipped groups"
+        ]
+    return []
 
 
 def override_problems(tables: dict[str, Any], classes: SettingsClasses) -> Iterator[str]:

@@ -157,6 +157,18 @@ def test_the_demo_refuses_a_bad_value_before_starting_anything(tmp_path: Path) -
     assert not run_dir.exists()
 
 
+def test_the_demo_refuses_skipped_groups_with_the_sync_feeder(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    sets = ["trainer.zero_variance_groups=skip", "env-gateway.feeder.mode=sync"]
+    result = rlpipe("demo", *[f"--set={s}" for s in sets], "--run-dir", str(run_dir))
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == [
+        "error: trainer.zero_variance_groups=skip needs env-gateway feeder.mode async: the "
+        "sync feeder publishes only batch_groups tasks a version, none for skipped groups"
+    ]
+    assert not run_dir.exists()
+
+
 def test_a_bad_value_is_one_line_and_exit_2(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
