@@ -11,9 +11,10 @@
    evaluate`, a child process: seed 777, never the feeder's, the demonstrations' nor the eval
    gate's) with the warm start, on `--device` and `--engine`;
 3. RL: `rlpipe demo --recipe FILE --duration-s N` from the warm start (a child process, its
-   run folder under --run-root), and its summary (the run's summary.json: steps, reward and
-   success of the first and last steps, trainer busy, staleness) and the eval gate's
-   held-out episodes of a few tasks at its first and last evaluated versions, as text;
+   run folder kept under --run-root when given), the trainer's figures from its step records
+   (steps, reward and success of the first and last 10, busy, staleness, dropped,
+   zero-variance groups), the run's episode figures, and the eval gate's held-out episodes
+   of a few tasks at its first and last evaluated versions, as text;
 4. held-out again, with the run's last checkpoint.
 
 `--set SERVICE.FIELD=VALUE` passes through to the demo (e.g. `rollout-worker.engine.type=hf`
@@ -24,12 +25,14 @@ Writes bench/results/<card>/agent_<env>.json (or --out) and prints the figures.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +47,7 @@ from apps.launcher.warm_start import (
     ensure_warm_start,
     warm_start_dir,
 )
+from apps.report.figures import mean, run_figures, success_of
 from apps.report.transcripts import before_after
 from libs.sft.train import RESULT_FILE
 from libs.trainer.metrics import read_transcripts
@@ -52,12 +56,10 @@ REPO = Path(__file__).resolve().parent.parent
 CLI = [sys.executable, "-m", "apps.cli"]
 # Held-out tasks whose episodes before and after RL the result shows.
 TRANSCRIPTS = 2
-# Fields of the run's summary.json kept in the result.
+# Fields of the run's summary.json kept in the result (the trainer's figures come from its
+# step records: its last health answer can be one given while it stops).
 RUN_FIELDS = (
-    "duration_s", "trainer_step", "trainer_busy_fraction", "trainer_reward_first_10",
-    "trainer_reward_last_10", "trainer_success_recent", "trainer_staleness_recent",
-    "trainer_samples_per_s_recent", "trainer_promoted_version", "episodes_first_steps",
-    "episodes_last_steps", "all_services_seen_healthy",
+    "duration_s", "episodes_first_steps", "episodes_last_steps", "all_services_seen_healthy",
 )  # fmt: skip
 
 
@@ -113,8 +115,36 @@ def reinforce(recipe_path: Path, args: argparse.Namespace, run_dir: Path) -> dic
         raise SystemExit(f"the RL run failed ({done.returncode}): {run_dir}/logs")
     return {
         **{field: summary.get(field) for field in RUN_FIELDS},
+        **training(run_dir),
         "held_out_transcripts": transcripts(run_dir),
     }
+
+
+def training(run_dir: Path) -> dict[str, Any]:
+    """The trainer's figures from its step records (apps.report.figures, as `rlpipe report`)."""
+    figures = run_figures(run_dir)
+    if figures is None or not figures.steps:
+        return {"trainer_steps": 0}
+    steps = figures.steps
+    generated = figures.num_trained + figures.num_dropped
+    return {
+        "trainer_steps": len(steps),
+        "trainer_busy_fraction": round(steps[-1].busy_fraction, 3),
+        "trainer_samples_per_s": round(figures.samples_per_s or 0.0, 2),
+        "trainer_staleness": round(figures.staleness, 2),
+        "trainer_dropped_fraction": round(figures.num_dropped / max(generated, 1), 3),
+        "trainer_reward_first_10": rounded(mean([s.mean_reward for s in figures.first])),
+        "trainer_reward_last_10": rounded(mean([s.mean_reward for s in figures.last])),
+        "trainer_success_first_10": rounded(success_of(figures.first)),
+        "trainer_success_last_10": rounded(success_of(figures.last)),
+        "trainer_zero_variance_groups": rounded(
+            mean([s.num_zero_variance_groups / max(s.num_groups, 1) for s in steps])
+        ),
+    }
+
+
+def rounded(value: float | None) -> float | None:
+    return None if value is None else round(value, 4)
 
 
 def transcripts(run_dir: Path) -> list[dict[str, Any]]:
@@ -128,6 +158,18 @@ def transcripts(run_dir: Path) -> list[dict[str, Any]]:
         }
         for before, after in before_after(read_transcripts(run_dir))[:TRANSCRIPTS]
     ]
+
+
+@contextlib.contextmanager
+def run_root(parent: Path | None) -> Iterator[Path]:
+    """A new folder for the RL run: under `parent`, kept (its steps, checkpoints and logs for
+    `rlpipe report`); else temporary."""
+    if parent is not None:
+        parent.mkdir(parents=True, exist_ok=True)
+        yield Path(tempfile.mkdtemp(prefix="rlpipe-agent-bench-", dir=parent))
+        return
+    with tempfile.TemporaryDirectory(prefix="rlpipe-agent-bench-") as root:
+        yield Path(root)
 
 
 def last_checkpoint(run_dir: Path) -> Path:
@@ -145,7 +187,10 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--engine", default="paged", choices=("hf", "paged"))
     parser.add_argument("--set", action="append", default=[], metavar="SERVICE.FIELD=VALUE")
-    parser.add_argument("--run-root", type=Path, default=None, help="default: a temporary folder")
+    parser.add_argument(
+        "--run-root", type=Path, default=None,
+        help="where the run folder is made and kept (default: a temporary folder, removed)",
+    )  # fmt: skip
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     recipe = load_recipe(args.recipe)
@@ -153,9 +198,9 @@ def main() -> None:
     policy, warm = warm_start(args.recipe)
     before = held_out(policy, env, args)
     print(f"warm start {json.dumps(warm)}\nheld-out before: {json.dumps(before)}", flush=True)
-    with tempfile.TemporaryDirectory(prefix="rlpipe-agent-bench-", dir=args.run_root) as root:
-        run = reinforce(args.recipe, args, Path(root) / "run")
-        after = held_out(last_checkpoint(Path(root) / "run"), env, args)
+    with run_root(args.run_root) as root:
+        run = reinforce(args.recipe, args, root / "run")
+        after = held_out(last_checkpoint(root / "run"), env, args)
     print(f"RL: {json.dumps(run)}\nheld-out after: {json.dumps(after)}", flush=True)
     card = torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else "cpu"
     report = {
