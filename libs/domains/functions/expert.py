@@ -24,8 +24,9 @@ from proto.messages import Task, ToolResult
 
 SOLUTION_FILE = "solution.py"
 # Of the slipped episodes whose visible tests fail, those the expert fixes. Demonstrations
-# that never went past a failing test taught agent-75m to answer after one: RL on them moved
-# held-out success by +0.06 at best in 280 s on an H200 (the policy had no fix to reinforce).
+# that never went past a failing test taught agent-75m to answer after one, leaving RL no fix
+# to reinforce (held-out +0.06 at best in 280 s of RL on an H200; with fixes, +0.07 in 250 s:
+# bench/results/h200/agent_functions.json).
 RECOVERY_RATE = 0.5
 
 
