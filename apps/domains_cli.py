@@ -42,6 +42,10 @@ def add_domain_parser(commands: Any) -> None:
     )
     evaluate.add_argument("--env", default="calc")
     evaluate.add_argument("--num-tasks", type=int, default=32)
+    evaluate.add_argument(
+        "--group-size", type=int, default=1,
+        help="samples a task; above 1 the figures count the tasks solved always, never, sometimes",
+    )  # fmt: skip
     evaluate.add_argument("--difficulty", type=int, default=0)
     evaluate.add_argument("--temperature", type=float, default=1.0)
     evaluate.add_argument("--no-summarize", action="store_true")
@@ -102,6 +106,7 @@ def evaluate_policy(args: argparse.Namespace) -> int:
             tokenizer,
             args.env,
             num_tasks=args.num_tasks,
+            group_size=args.group_size,
             difficulty=args.difficulty,
             temperature=args.temperature,
             agent=agent,

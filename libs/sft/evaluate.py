@@ -21,7 +21,7 @@ from libs.engine.base import InferenceEngine
 from libs.envs.local_client import LocalEnvClient
 from libs.rollout.agent import AgentSettings
 from libs.rollout.evaluate import evaluate
-from libs.rollout.figures import episode_figures
+from libs.rollout.figures import episode_figures, family_figures, group_figures
 from libs.tokenizer import Tokenizer
 
 EVAL_SEED = 777  # neither the feeder's (0) nor the demonstrations' (1234) tasks
@@ -40,7 +40,9 @@ async def measure(
     agent: AgentSettings | None = None,
 ) -> dict[str, Any]:
     """Figures of `num_tasks` x `group_size` episodes of `env` under `engine`'s policy, the
-    environment served in this process (the one evaluator: libs.rollout.evaluate)."""
+    environment served in this process (the one evaluator: libs.rollout.evaluate); with
+    several samples a task, the tasks solved always, never and sometimes (`groups`); success
+    by task family where the tasks name one (`families`)."""
     found = domain(env)
     environment = make_env(env)
     source = environment.task_source(difficulty=difficulty, group_size=group_size, seed=seed)
@@ -48,4 +50,9 @@ async def measure(
     client = LocalEnvClient({env: environment})
     settings = agent or found.harness(chat_template_for(tokenizer))
     scored = await evaluate(engine, tokenizer, tasks, client, settings, temperature=temperature)
-    return episode_figures(scored)
+    figures = episode_figures(scored)
+    if group_size > 1:
+        figures["groups"] = group_figures(scored)
+    if families := family_figures(scored):
+        figures["families"] = families
+    return figures
