@@ -1,63 +1,62 @@
-"""Held-out figures over several samples a task: the tasks solved always, never and
-sometimes (GRPO's signal), and success per task family, from `rlpipe domain evaluate`'s
-evaluator on a real environment."""
+"""What a step record and the report say about the trained episodes: tool use and length
+(libs.rollout.figures through libs.trainer.recorder), and held-out episodes rendered as text
+(libs.rollout.transcripts)."""
 
 from __future__ import annotations
 
-import pytest
-
-from libs.engine.hf import HFEngine
-from libs.policy import PolicyConfig, build_policy
-from libs.rollout.figures import family_figures, group_figures
-from libs.sft.evaluate import measure
+from libs.rollout.transcripts import held_out_transcripts, render_episode
 from libs.tokenizer import ByteTokenizer
+from libs.trainer.recorder import EpisodeFields, episode_fields
+from proto import messages as m
 from proto.messages import Rollout, ScoredRollout, Task, Turn
 
+TOKENIZER = ByteTokenizer()
 
-def sample(task: str, index: int, solved: bool, family: str | None) -> ScoredRollout:
-    spec = {"family": family} if family else {}
+
+def episode(index: int, calls: int, invalid: int, turns: int, segments: int) -> ScoredRollout:
+    task = Task(task_id=f"t{index}", env="calc", prompt="", group_size=1)
     rollout = Rollout(
-        rollout_id=f"{task}.{index}",
-        task_id=task,
-        group_id=task,
-        sample_index=index,
-        env="functions",
-        turns=[Turn(role="user", token_ids=[1])],
+        rollout_id=f"t{index}.0",
+        task_id=f"t{index}",
+        group_id=f"t{index}",
+        sample_index=0,
+        env="calc",
+        turns=[
+            Turn(role="user", token_ids=TOKENIZER.encode("what is 2+3?")),
+            Turn(role="assistant", token_ids=TOKENIZER.encode("5"), text="5", policy_version=0),
+        ],
         finish_reason="stop",
-        task=Task(task_id=task, env="functions", prompt="", spec=spec),
-        env_info={"answer_correct": solved},
+        task=task,
+        env_info={"answer_correct": index % 2 == 0},
+        stats={
+            m.EPISODE_STAT_TOOL_CALLS: float(calls),
+            m.EPISODE_STAT_INVALID_TOOL_CALLS: float(invalid),
+            m.EPISODE_STAT_TURNS: float(turns),
+            m.EPISODE_STAT_SEGMENTS: float(segments),
+        },
     )
-    return ScoredRollout(rollout=rollout, reward=float(solved))
+    return ScoredRollout(rollout=rollout, reward=1.0 if index % 2 == 0 else 0.0)
 
 
-def test_tasks_are_counted_by_how_often_their_samples_solve_them() -> None:
-    outcomes = {"t0": [True, True], "t1": [False, False], "t2": [True, False], "t3": [False, True]}
-    families = {"t0": "affine", "t1": "affine", "t2": "clamp", "t3": None}
-    scored = [
-        sample(task, i, solved, families[task])
-        for task, solved_each in outcomes.items()
-        for i, solved in enumerate(solved_each)
+def test_a_step_records_tool_call_validity_and_turns_and_segments_per_episode() -> None:
+    kept = [episode(0, calls=3, invalid=1, turns=4, segments=1), episode(1, 0, 0, 1, 2)]
+    assert episode_fields(kept) == EpisodeFields(
+        tool_call_validity=0.75,  # 3 well-formed of 4 attempted
+        turns_per_episode=2.5,
+        segments_per_episode=1.5,
+    )
+    assert episode_fields([episode(1, 0, 0, 1, 1)]) == EpisodeFields(None, 1.0, 1.0)
+    assert episode_fields([]) == EpisodeFields(None, None, None)
+
+
+def test_held_out_episodes_render_each_turn_under_its_role_in_task_order() -> None:
+    scored = [episode(i, 1, 0, 1, 1) for i in range(5)]
+    # The prompt has no text of its own: decoded from its tokens; the answer's text as written.
+    assert render_episode(scored[0].rollout, TOKENIZER) == "[user]\nwhat is 2+3?\n\n[assistant]\n5"
+    kept = held_out_transcripts(scored, TOKENIZER, limit=3)
+    assert [(t.task_id, t.reward, t.success) for t in kept] == [
+        ("t0", 1.0, True),
+        ("t1", 0.0, False),
+        ("t2", 1.0, True),
     ]
-    assert group_figures(scored) == {"tasks": 4, "always": 1, "never": 1, "mixed": 2}
-    assert family_figures(scored) == {
-        "affine": {"tasks": 2, "success": 0.5},
-        "clamp": {"tasks": 1, "success": 0.5},
-    }
-    assert family_figures([sample("t", 0, True, None)]) == {}
-
-
-@pytest.mark.parametrize("group_size", [1, 2])
-async def test_evaluate_reports_groups_and_families_of_generated_tasks(group_size: int) -> None:
-    """A random-init policy on `functions` (sandboxed): it never calls a tool, so every task
-    is never solved; each task names its family."""
-    tokenizer = ByteTokenizer()
-    engine = HFEngine(build_policy(PolicyConfig(preset="tiny", seed=3, device="cpu")), tokenizer)
-    figures = await measure(engine, tokenizer, "functions", num_tasks=3, group_size=group_size)
-    assert figures["episodes"] == 3 * group_size and figures["success"] == 0.0
-    families = figures["families"]
-    assert sum(f["tasks"] for f in families.values()) == 3
-    assert all(f["success"] == 0.0 for f in families.values())
-    if group_size == 1:
-        assert "groups" not in figures
-    else:
-        assert figures["groups"] == {"tasks": 3, "always": 0, "never": 3, "mixed": 0}
+    assert held_out_transcripts(scored, TOKENIZER, limit=0) == []
