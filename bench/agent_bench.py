@@ -126,13 +126,12 @@ def training(run_dir: Path) -> dict[str, Any]:
     if figures is None or not figures.steps:
         return {"trainer_steps": 0}
     steps = figures.steps
-    generated = figures.num_trained + figures.num_dropped
     return {
         "trainer_steps": len(steps),
         "trainer_busy_fraction": round(steps[-1].busy_fraction, 3),
         "trainer_samples_per_s": round(figures.samples_per_s or 0.0, 2),
         "trainer_staleness": round(figures.staleness, 2),
-        "trainer_dropped_fraction": round(figures.num_dropped / max(generated, 1), 3),
+        "trainer_dropped_fraction": round(figures.dropped_fraction, 3),
         "trainer_reward_first_10": rounded(mean([s.mean_reward for s in figures.first])),
         "trainer_reward_last_10": rounded(mean([s.mean_reward for s in figures.last])),
         "trainer_success_first_10": rounded(success_of(figures.first)),

@@ -56,6 +56,12 @@ class RunFigures:
         return sum(s.num_dropped for s in self.steps)
 
     @property
+    def dropped_fraction(self) -> float:
+        """Samples dropped as stale over all generated (trained or dropped)."""
+        generated = self.num_trained + self.num_dropped
+        return self.num_dropped / generated if generated else 0.0
+
+    @property
     def samples_per_s(self) -> float | None:
         """Samples trained per second of training, after the first step's."""
         if self.training_s <= 0:
@@ -160,8 +166,7 @@ def learning_line(figures: RunFigures) -> str:
 
 
 def pipeline_line(figures: RunFigures) -> str:
-    generated = figures.num_trained + figures.num_dropped
-    dropped = figures.num_dropped / generated if generated else 0.0
+    dropped = figures.dropped_fraction
     rate = figures.samples_per_s
     busy = figures.steps[-1].busy_fraction
     return (
