@@ -11,8 +11,9 @@ well-formed calls over all calls attempted (None when none was attempted).
     group_figures(scored)    # {"tasks": 128, "always": 46, "never": 34, "mixed": 48}
     family_figures(scored)   # {"affine": {"tasks": 16, "success": 0.19}, ...}
 
-Over several samples of each task, only a task sometimes solved gives GRPO a signal (a group
-of equal rewards has advantage 0): `group_figures` counts the tasks solved always, never and
+Over several samples of each task, a task sometimes solved gives GRPO a success signal; one
+always or never solved gives it only what partial credit its rewards vary by (a group of
+equal rewards has advantage 0): `group_figures` counts the tasks solved always, never and
 sometimes. `family_figures` splits success by the task spec's `family` (generated domains
 such as `functions`), so a family the policy never solves shows.
 """
